@@ -1,0 +1,59 @@
+"""The public entry point: validate once, dispatch to a registered implementation."""
+
+from __future__ import annotations
+
+from jaxtyping import Array, Float, Int
+
+from ._inputs import canonicalize, request_of
+from .registry import kernel_registry
+
+
+def recurrent(
+    query: Float[Array, "batch seq_len num_heads qk_head_dim"] | Float[Array, "total_tokens num_heads qk_head_dim"],
+    key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
+    value: Float[Array, "batch seq_len num_kv_heads v_head_dim"] | Float[Array, "total_tokens num_kv_heads v_head_dim"],
+    g: Float[Array, "batch seq_len num_heads *qk_head_dim"] | None = None,
+    g_gamma: Float[Array, " num_heads"] | None = None,
+    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
+    gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
+    softmax_scale: float | None = None,
+    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
+    reverse: bool = False,
+    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    *,
+    implementation: str | None = None,
+) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    """Gated linear attention as a recurrence, in linear time.
+
+        h_t = diag(exp(a_t)) · h_{t-1} · diag(exp(b_t)) + k_t v_tᵀ
+        o_t = softmax_scale · q_tᵀ h_t
+
+    with key-side log decay `a_t = g_t + g_gamma + gk_t` and value-side `b_t = gv_t`.
+
+    **Arguments:**
+    - `query`: `[batch, seq_len, num_heads, qk_head_dim]`, or packed `[total_tokens, ...]` /
+      `[1, total_tokens, ...]` with `cu_seqlens`.
+    - `key`, `value`: the same layout with `num_kv_heads` dividing `num_heads` (query head h
+      reads key/value head `h // (num_heads // num_kv_heads)`); `value`'s last axis may differ.
+    - `g`: log decay per head `[batch, seq_len, num_heads]` or per key channel
+      `[batch, seq_len, num_heads, qk_head_dim]`.
+    - `g_gamma`: constant log decay per head `[num_heads]`.
+    - `gk`: per-key-channel log decay; `gv`: per-value-channel log decay `[..., v_head_dim]`.
+    - `softmax_scale`: a Python number; defaults to `qk_head_dim ** -0.5`.
+    - `initial_state`: `[batch, num_heads, qk_head_dim, v_head_dim]`, or `[num_seqs, ...]` when
+      packed.
+    - `reverse`: run from the last token to the first.
+    - `cu_seqlens`: `[num_seqs + 1]` integer boundaries of packed sequences (may be traced).
+    - `implementation`: a registered name (`"reference"`, `"scan"`, `"chunk"`, ...) or `None`
+      for the best one that supports the call on this backend.
+
+    **Returns:** `(output, final_state)`: `output` shaped like `query` with `v_head_dim` last, in
+    the query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32
+    (float64 for float64 inputs).
+    """
+    problem, config, layout = canonicalize(
+        query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens
+    )
+    impl = kernel_registry.get(implementation, request_of(problem))
+    output, final_state = impl.fn(problem, scale=config.scale, reverse=config.reverse)
+    return layout.restore(output), final_state
