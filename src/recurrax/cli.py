@@ -1,0 +1,27 @@
+"""The `recurrax` command line: `check`, `bench`, `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "check": ("recurrax._check", "compare every implementation with the reference"),
+    "bench": ("recurrax._bench", "time and measure memory of the implementations"),
+    "demo": ("recurrax._demo", "train a small model on associative recall"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="recurrax", description="linear-time recurrent attention for JAX")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="options of the command (see `recurrax COMMAND -h`)")
+    parsed = parser.parse_args(argv[:1])
+    module = importlib.import_module(COMMANDS[parsed.command][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
