@@ -1,0 +1,161 @@
+"""Random problems and comparison against the reference, for the tests and `recurrax check`.
+
+`assert_matches(name, case)` compares forward outputs, final state and every gradient (via
+`jax.vjp` with random cotangents for both outputs) of an implementation against the
+`reference` implementation run on the same inputs in float64 (when x64 is enabled), so a
+float32 implementation is measured against the exact answer, not against float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import recurrax
+
+from ._inputs import canonicalize
+
+GATES = ("g_head", "g_channel", "g_gamma", "gk", "gv")
+GATE_COMBOS = ((), ("g_head",), ("g_channel",), ("g_gamma",), ("gk",), ("gv",), GATES)
+DIFF_ARGS = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "initial_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call of `recurrent`: shapes, gates, options. `cu_seqlens` implies packed B = 1."""
+
+    B: int = 2
+    T: int = 9
+    H: int = 4
+    Hkv: int = 2
+    K: int = 8
+    V: int = 6
+    gates: tuple[str, ...] = ()
+    reverse: bool = False
+    initial_state: bool = True
+    cu_seqlens: tuple[int, ...] | None = None
+    packed_3d: bool = False
+    dtype: str = "float64"
+    gate_low: float = -1.0
+    """Gates (log decays) are drawn uniformly from [gate_low, 0]."""
+    scale: float | None = None
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict:
+    """Random keyword arguments for `recurrax.recurrent` (as NumPy arrays)."""
+    rng = np.random.default_rng(seed)
+    dtype = case.dtype
+    B, T = (1, case.cu_seqlens[-1]) if case.cu_seqlens else (case.B, case.T)
+    lead = (T,) if case.packed_3d else (B, T)
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+
+    def gate(*shape):
+        return rng.uniform(case.gate_low, 0.0, size=shape)
+
+    kwargs = dict(
+        query=normal(*lead, case.H, case.K),
+        key=normal(*lead, case.Hkv, case.K),
+        value=normal(*lead, case.Hkv, case.V),
+        reverse=case.reverse,
+        softmax_scale=case.scale,
+    )
+    if "g_head" in case.gates:
+        kwargs["g"] = gate(*lead, case.H)
+    if "g_channel" in case.gates:
+        kwargs["g"] = gate(*lead, case.H, case.K)
+    if "g_gamma" in case.gates:
+        kwargs["g_gamma"] = gate(case.H)
+    if "gk" in case.gates:
+        kwargs["gk"] = gate(*lead, case.H, case.K)
+    if "gv" in case.gates:
+        kwargs["gv"] = gate(*lead, case.H, case.V)
+    rows = len(case.cu_seqlens) - 1 if case.cu_seqlens else B
+    if case.initial_state:
+        kwargs["initial_state"] = normal(rows, case.H, case.K, case.V)
+    if case.cu_seqlens:
+        kwargs["cu_seqlens"] = np.asarray(case.cu_seqlens, np.int32)
+    for name in DIFF_ARGS:
+        if name in kwargs:
+            kwargs[name] = jnp.asarray(kwargs[name], dtype)
+    return kwargs
+
+
+def split_args(kwargs: dict) -> tuple[dict, dict]:
+    """(differentiable arrays, everything else)."""
+    diff = {k: v for k, v in kwargs.items() if k in DIFF_ARGS}
+    rest = {k: v for k, v in kwargs.items() if k not in DIFF_ARGS}
+    return diff, rest
+
+
+_ARGUMENTS = tuple((name, False if name == "reverse" else None) for name in (
+    "query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state", "reverse", "cu_seqlens"
+))
+
+
+def call(implementation: str | Callable, **kwargs):
+    """`recurrent` through a registered name, or straight through an algorithm function
+    `fn(problem, *, scale, reverse)` (e.g. a `functools.partial` with a chunk size)."""
+    if isinstance(implementation, str):
+        return recurrax.recurrent(**kwargs, implementation=implementation)
+    problem, config, layout = canonicalize(*(kwargs.get(name, default) for name, default in _ARGUMENTS))
+    output, final_state = implementation(problem, scale=config.scale, reverse=config.reverse)
+    return layout.restore(output), final_state
+
+
+def run_vjp(implementation: str | Callable, kwargs: dict, seed: int = 1):
+    """Forward outputs and the gradients of every differentiable argument."""
+    diff, rest = split_args(kwargs)
+
+    def f(diff):
+        return call(implementation, **diff, **rest)
+
+    (o, state), pullback = jax.vjp(f, diff)
+    rng = np.random.default_rng(seed)
+    do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
+    dstate = jnp.asarray(rng.standard_normal(state.shape), state.dtype)
+    (grads,) = pullback((do, dstate))
+    return o, state, grads
+
+
+def max_rel_error(x, y) -> float:
+    """max |x − y| / max(max |y|, 1e-30): a scale-aware error."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) if y.size else 0.0
+
+
+def _exact(kwargs: dict) -> dict:
+    """The same inputs in float64 when x64 is on (the oracle's precision), else unchanged."""
+    if not jax.config.jax_enable_x64:
+        return kwargs
+    return {k: (v.astype(jnp.float64) if k in DIFF_ARGS else v) for k, v in kwargs.items()}
+
+
+def compare(implementation: str | Callable, case: Case, seed: int = 0, oracle: str = "reference") -> dict[str, float]:
+    """Max relative errors of `implementation` vs `oracle` (in float64), per output and gradient."""
+    kwargs = make_inputs(case, seed)
+    o, state, grads = run_vjp(implementation, kwargs)
+    o_ref, state_ref, grads_ref = run_vjp(oracle, _exact(kwargs))
+    errors = {"output": max_rel_error(o, o_ref), "final_state": max_rel_error(state, state_ref)}
+    for name, grad in grads.items():
+        assert grad.dtype == kwargs[name].dtype, (name, grad.dtype)
+        assert grad.shape == kwargs[name].shape, (name, grad.shape)
+        errors["d" + name] = max_rel_error(grad, grads_ref[name])
+    assert o.dtype == kwargs["query"].dtype
+    return errors
+
+
+def default_tolerance(dtype: str) -> float:
+    """Scale-relative tolerance vs the float64 reference, by input dtype."""
+    return {"float64": 1e-9, "float32": 2e-4, "float16": 2e-2, "bfloat16": 5e-2}[dtype]
+
+
+def assert_matches(implementation: str | Callable, case: Case, tol: float | None = None, seed: int = 0) -> None:
+    """Every output and gradient within `tol` (scale-relative) of the reference."""
+    tol = tol if tol is not None else default_tolerance(case.dtype)
+    errors = compare(implementation, case, seed)
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"{implementation} vs reference on {case}: {bad} (tol {tol})"
