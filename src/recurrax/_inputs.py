@@ -142,10 +142,12 @@ def _scale(softmax_scale: object, qk_head_dim: int) -> float:
         return float(qk_head_dim) ** -0.5
     if isinstance(softmax_scale, jax.core.Tracer):
         _fail("softmax_scale", "a Python number (static configuration)", "a traced value", TypeError)
-    try:
-        return float(softmax_scale)
-    except TypeError:
-        _fail("softmax_scale", "a Python number or None", type(softmax_scale).__name__, TypeError)
+    if isinstance(softmax_scale, (int, float, np.number)) or np.shape(softmax_scale) == ():
+        try:
+            return float(softmax_scale)
+        except (TypeError, ValueError):
+            pass
+    _fail("softmax_scale", "a Python number or None", repr(softmax_scale), TypeError)
 
 
 def _g_gamma(g_gamma: object, num_heads: int) -> Array:

@@ -1,0 +1,76 @@
+"""`recurrax check`: every implementation this machine runs, against the float64 reference."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+
+from ._testing import Case, compare, default_tolerance, make_inputs, run_vjp, split_args
+
+SHAPE = dict(B=2, T=48, H=4, Hkv=4, K=16, V=16)
+CASES = {
+    "no gate": Case(**SHAPE),
+    "g per head": Case(**SHAPE, gates=("g_head",)),
+    "g per channel": Case(**SHAPE, gates=("g_channel",)),
+    "g_gamma": Case(**SHAPE, gates=("g_gamma",)),
+    "gk + gv": Case(**SHAPE, gates=("gk", "gv")),
+    "all gates, reverse": Case(**SHAPE, gates=("g_head", "g_gamma", "gk", "gv"), reverse=True),
+    "GQA 4:1, K != V": Case(**{**SHAPE, "Hkv": 1, "V": 8}, gates=("g_channel",)),
+    "strong decay (-20)": Case(**SHAPE, gates=("g_head", "gk"), gate_low=-20.0),
+    "varlen": Case(**SHAPE, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 30, 31, 48), packed_3d=True),
+    "varlen, reverse": Case(**SHAPE, gates=("g_head",), cu_seqlens=(0, 17, 40, 48), reverse=True),
+}
+
+
+def _machine_implementations(names: list[str] | None) -> list[str]:
+    from . import kernel_registry
+    from .registry import Backend, current_backend
+
+    backend = current_backend()
+    runnable = [
+        impl.name
+        for impl in kernel_registry.implementations()
+        if impl.backend is Backend.ANY or impl.backend.value == backend
+    ]
+    return [name for name in runnable if names is None or name in names]
+
+
+def _fwd_bwd_seconds(name: str, case: Case) -> float:
+    """Steady-state time of one jitted forward + backward (compile excluded)."""
+    diff, rest = split_args(make_inputs(case))
+    step = jax.jit(lambda diff: run_vjp(name, {**diff, **rest}))
+    jax.block_until_ready(step(diff))
+    start = time.perf_counter()
+    jax.block_until_ready(step(diff))
+    return time.perf_counter() - start
+
+
+def _row(name: str, case_name: str, error: float, worst: str, seconds: float, ok: bool) -> str:
+    status = "ok" if ok else "MISMATCH"
+    return f"{name:<18} {case_name:<22} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recurrax check", description=__doc__)
+    parser.add_argument("--implementations", nargs="*", help="names to check (default: all this machine runs)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument("--tolerance", type=float, help="max relative error (default by dtype)")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_enable_x64", True)
+    tolerance = args.tolerance or default_tolerance(args.dtype)
+    names = _machine_implementations(args.implementations)
+    print(f"backend {jax.default_backend()}, inputs {args.dtype}, oracle: reference in float64, tolerance {tolerance:.0e}")
+    print(f"{'implementation':<18} {'case':<22} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
+    failures = 0
+    for name in names:
+        for case_name, case in CASES.items():
+            case = Case(**{**case.__dict__, "dtype": args.dtype})
+            errors = compare(name, case)
+            worst = max(errors, key=errors.get)
+            ok = errors[worst] <= tolerance
+            failures += not ok
+            print(_row(name, case_name, errors[worst], worst, _fwd_bwd_seconds(name, case), ok), flush=True)
+    print(f"{len(names)} implementations x {len(CASES)} cases: {'all match' if not failures else f'{failures} MISMATCHES'}")
+    return 1 if failures else 0
