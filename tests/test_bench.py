@@ -67,6 +67,8 @@ def _number(cell: str) -> float:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
+    pytest.importorskip("tqdm")  # the `bench` extra
+    pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench")
     argv = ["--quick", "--impls", "reference", "--gates", "gk", "--seq-lens", "32,64",
             "--repeats", "2", "--matmul-size", "256", "--matmul-repeats", "2",
