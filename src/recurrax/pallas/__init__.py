@@ -1,0 +1,57 @@
+"""Pallas kernels for the chunk algorithm, registered as `Platform.PALLAS`.
+
+| name               | backend | priority | lowering                      | status                        |
+|--------------------|---------|----------|-------------------------------|-------------------------------|
+| `pallas_gpu`       | GPU     | 30       | Pallas → Triton               | lowering checked on CPU; not yet run on a GPU |
+| `pallas_interpret` | CPU     | −10      | Pallas interpret mode         | tested against the reference  |
+
+What the kernels take (fail-closed `Support`; anything else falls back to XLA `chunk`):
+float32 / bfloat16 / float16 inputs; no decay, per-head decay (`g` per head, `g_gamma`),
+per-key-channel decay (`g` per channel, `gk`) and their combinations; any T (padded to
+the chunk); any grouped-head layout; `reverse`; initial states. Refused: value-side
+decay (`gv`), packed varlen input (`cu_seqlens`), float64, and head dims that are not
+powers of two in [16, 256] (Triton tiles are power-of-two shaped and its dots need ≥ 16).
+
+`pallas_interpret` runs the very same kernels in interpret mode on CPU. Its priority is
+below the reference's (0), so dispatch never picks it; tests force it by name.
+No TPU registration: the kernels index the [B, T, H, D] layout with a squeezed head axis
+in the second-minor position, which Mosaic TPU's (8, 128) tiling does not take; a TPU
+variant needs a head-major layout (and was never run on a TPU from here).
+"""
+
+from __future__ import annotations
+
+from ..registry import Backend, Platform, Request, Support, kernel_registry
+from ._chunk import gate_gradient, pallas_chunk_recurrent
+from ._common import BlockSizes, Gate, Target
+
+__all__ = ["BlockSizes", "Gate", "Target", "gate_gradient", "pallas_chunk_recurrent", "SUPPORT"]
+
+_HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
+
+
+def _head_dims(request: Request) -> str | None:
+    for name, dim in (("qk_head_dim", request.qk_head_dim), ("v_head_dim", request.v_head_dim)):
+        if dim not in _HEAD_DIMS:
+            return f"{name}={dim} is not a power of two in [16, 256]"
+    return None
+
+
+SUPPORT = Support(
+    dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    gates=frozenset({"head", "key"}),
+    varlen=False,
+    check=_head_dims,
+)
+
+
+@kernel_registry.register("pallas_gpu", Platform.PALLAS, Backend.GPU, priority=30, supports=SUPPORT)
+def pallas_gpu(problem, *, scale: float, reverse: bool):
+    """The chunk kernels through Pallas's Triton lowering (NVIDIA/AMD GPUs)."""
+    return pallas_chunk_recurrent(problem, scale=scale, reverse=reverse, target="triton")
+
+
+@kernel_registry.register("pallas_interpret", Platform.PALLAS, Backend.CPU, priority=-10, supports=SUPPORT)
+def pallas_interpret(problem, *, scale: float, reverse: bool):
+    """The same kernels in Pallas interpret mode, small tiles (tests; never auto-selected)."""
+    return pallas_chunk_recurrent(problem, scale=scale, reverse=reverse, chunk_size=16, sub_size=8, interpret=True)

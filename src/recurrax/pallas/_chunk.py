@@ -1,0 +1,137 @@
+"""The Pallas chunk algorithm as one differentiable function of the canonical `Problem`.
+
+| symbol | meaning                                                              |
+|--------|----------------------------------------------------------------------|
+| B, H   | batch rows, heads                                                    |
+| T, Tp  | tokens, tokens padded to a multiple of the chunk C                   |
+| K, V   | key/query and value head dimensions                                  |
+| g      | the key-side log decay the kernels see: [B, Tp, H] or [B, Tp, H, K]  |
+| B_t    | global cumulative log decay Σ_{s ≤ t} g_s (never materialised)       |
+
+Around the kernels (`_chunk_fwd`, `_chunk_bwd`), plain JAX does what autodiff handles
+well: folding the per-head decay into a per-channel one when both are present, reversing
+the token axis for `reverse=True`, zero-padding T to a multiple of C (padded tokens have
+q = k = v = 0 and g = 0, so they leave the state unchanged), and casting.
+
+**Gate gradients without stored states.** Write h_t = e^{B_t} ⊙ (h_{-1} + Σ_{j ≤ t}
+(k_j ⊙ e^{−B_j}) v_jᵀ) and o_t = scale · (q_t ⊙ e^{B_t})ᵀ (…). Treating every B_t as a free
+variable, B_t enters only through q̃_t = q_t ⊙ e^{B_t}, k̃_t = k_t ⊙ e^{−B_t} and, for the
+last token, through the final state h_T = e^{B_T} ⊙ (…). Since ∂L/∂q_t = e^{B_t} ⊙ ∂L/∂q̃_t
+and ∂L/∂k_t = e^{−B_t} ⊙ ∂L/∂k̃_t:
+
+    ∂L/∂B_t = q_t ⊙ dq_t − k_t ⊙ dk_t  (+ Σ_V h_T ⊙ dh_T on the last token)     [K]
+
+and because B_s = Σ_{t ≤ s} g_t, dg_t = Σ_{s ≥ t} ∂L/∂B_s: a reverse cumulative sum over
+the (padded) sequence; a per-head decay sums the K channels first. dq, dk are the
+kernel's exact gradients, so this is exact too (up to rounding). Everything else (the
+gradient of g_gamma, of grouped heads, of the flip and the padding) is JAX's autodiff of
+the normalisation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._inputs import Problem
+from ._chunk_bwd import chunk_backward
+from ._chunk_fwd import chunk_forward
+from ._common import F32, BlockSizes, Gate, Static, Target, chunk_local_cumsum
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk(static: Static, q, k, v, g, h0):
+    """(o [B, Tp, H, V], h_T [B, H, K, V]) for padded, forward-ordered inputs."""
+    (o, h_T), _ = _chunk_fwd(static, q, k, v, g, h0)
+    return o, h_T
+
+
+def _chunk_fwd(static: Static, q, k, v, g, h0):
+    a = None if g is None else chunk_local_cumsum(g, static.blocks.chunk)
+    o, h_T = chunk_forward(q, k, v, a, h0, static=static)
+    return (o, h_T), (q, k, v, g, h0, h_T)
+
+
+def _chunk_bwd(static: Static, residuals, cotangents):
+    q, k, v, g, h0, h_T = residuals
+    do, dh_T = cotangents
+    a = None if g is None else chunk_local_cumsum(g, static.blocks.chunk)
+    _, states = chunk_forward(q, k, v, a, h0, static=static, emit_output=False, emit_states=True)
+    dq, dk, dv, dh0 = chunk_backward(q, k, v, a, do.astype(q.dtype), states, dh_T.astype(F32), static=static)
+    dg = None if g is None else gate_gradient(q, k, dq, dk, h_T, dh_T, static.gate).astype(g.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype)
+
+
+_chunk.defvjp(_chunk_fwd, _chunk_bwd)
+
+
+def gate_gradient(q, k, dq, dk, h_T, dh_T, gate: Gate):
+    """dg by the reverse-cumsum identity (module docstring): [B, Tp, H] or [B, Tp, H, K]."""
+    dB = q.astype(F32) * dq - k.astype(F32) * dk  # [B, Tp, H, K]
+    dB = dB.at[:, -1].add(jnp.sum(h_T * dh_T.astype(F32), axis=-1))  # final-state term [B, H, K]
+    if gate is Gate.HEAD:
+        dB = dB.sum(-1)
+    return lax.cumsum(dB, axis=1, reverse=True)
+
+
+def _key_side_gate(problem: Problem) -> tuple[Gate, jax.Array | None]:
+    head, key = problem.log_decay_head, problem.log_decay_key
+    if key is not None:
+        return Gate.KEY, key if head is None else key + head[..., None]
+    if head is not None:
+        return Gate.HEAD, head
+    return Gate.NONE, None
+
+
+def _pad_tokens(x, Tp: int):
+    if x is None or x.shape[1] == Tp:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, Tp - x.shape[1])
+    return jnp.pad(x, widths)
+
+
+def pallas_chunk_recurrent(
+    problem: Problem,
+    *,
+    scale: float,
+    reverse: bool,
+    chunk_size: int = 64,
+    sub_size: int = 16,
+    block_v: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+    target: str = "triton",
+):
+    """The chunk algorithm as Pallas kernels; `(output, final_state)` as DESIGN §1.
+
+    **Arguments:**
+    - `problem`: the canonical form, without value-side decay and without `cu_seqlens`.
+    - `scale`, `reverse`: static configuration of the call.
+    - `chunk_size`, `sub_size`, `block_v`, `num_warps`, `num_stages`: see `BlockSizes`.
+    - `interpret`: run the kernels in Pallas interpret mode (any backend; for tests).
+    - `target`: `"triton"` or `"mosaic_tpu"`, the lowering when not interpreting.
+    """
+    if problem.log_decay_value is not None:
+        raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
+    if problem.cu_seqlens is not None:
+        raise ValueError("the Pallas chunk kernels do not support packed input (cu_seqlens)")
+    blocks = BlockSizes(chunk_size, sub_size, block_v, num_warps, num_stages)
+    gate, g = _key_side_gate(problem)
+    static = Static(float(scale), gate, blocks, Target.INTERPRET if interpret else Target(target))
+
+    q, k, v = problem.query, problem.key, problem.value
+    if reverse:
+        q, k, v, g = (None if x is None else jnp.flip(x, axis=1) for x in (q, k, v, g))
+    T = q.shape[1]
+    Tp = -(-T // chunk_size) * chunk_size
+    q, k, v, g = (_pad_tokens(x, Tp) for x in (q, k, v, g))
+    g = None if g is None else g.astype(F32)
+    o, h_T = _chunk(static, q, k, v, g, problem.initial_state.astype(F32))
+    o = o[:, :T]
+    o = jnp.flip(o, axis=1) if reverse else o
+    return o.astype(problem.query.dtype), h_T.astype(problem.initial_state.dtype)

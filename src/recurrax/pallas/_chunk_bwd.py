@@ -1,0 +1,211 @@
+"""Backward Pallas kernel of the chunk algorithm: dq, dk, dv and d(initial state).
+
+| symbol  | meaning                                                                  |
+|---------|--------------------------------------------------------------------------|
+| C, c    | chunk length, sub-block length (per-channel decays)                      |
+| S       | [K, BV] state entering chunk n (recomputed by the forward kernel)        |
+| dS      | [K, BV] gradient w.r.t. the state leaving chunk n (float32, carried)     |
+| A_i     | chunk-local inclusive cumulative log decay; A_L the chunk's last         |
+| dP_ij   | scale · do_i · v_j, the gradient of the intra-chunk score P_ij           |
+| p, r    | first token of a sub-block; anchors r = p − 1 (queries) / p + c − 1 (keys) |
+
+One program per (row b, head h, value block j) walks the chunks from last to first,
+carrying dS (initialised with the final-state cotangent dh_T). Differentiating the
+forward's chunk equations (see `_chunk_fwd`):
+
+    dq_i = scale · (S do_i) ⊙ e^{A_i}   +  Σ_{j ≤ i} dP_ij · k_j ⊙ e^{A_i − A_j}
+    dk_j = (dS v_j) ⊙ e^{A_L − A_j}      +  Σ_{i ≥ j} dP_ij · q_i ⊙ e^{A_i − A_j}
+    dv_j = (k_j ⊙ e^{A_L − A_j})ᵀ dS    +  Σ_{i ≥ j} P_ij do_i
+    dS  ← e^{A_L} ⊙ dS  +  scale · Σ_i (q_i ⊙ e^{A_i}) do_iᵀ              (dS entering chunk n)
+
+and after the first chunk dS is d(initial state). dq and dk contract over V, so each
+value block writes a partial sum (`[nV, B, Tp, H, K]`, float32) that the caller adds up.
+
+**Stability.** Per-head decays use the masked difference matrix D_ij = e^{A_i − A_j}
+(j ≤ i) exactly as the forward. Per-channel decays use the same sub-block split with two
+anchor choices, each keeping both factors ≤ 0:
+
+* dq of query sub-block [p, p + c) against keys j < p: anchor r = p − 1,
+  `dq_i += (Σ_j dP_ij · k_j ⊙ e^{A_r − A_j}) ⊙ e^{A_i − A_r}`.
+* dk, dv of key sub-block [p, p + c) against queries i ≥ p + c: anchor r = p + c − 1,
+  `q̂_i = q_i ⊙ e^{A_i − A_r}` (i > r; 0 otherwise), `k̃_j = k_j ⊙ e^{A_r − A_j}` (j ≤ r), then
+  `P_ij = q̂_i · k̃_j`, `dv_j += Σ_i P_ij do_i` and `dk_j += e^{A_r − A_j} ⊙ Σ_i dP_ij q̂_i`.
+* the diagonal block element-wise from E[i, j, k] = e^{A_ik − A_jk} (j ≤ i), shared by dq,
+  dk and dv of that sub-block.
+
+Gate gradients are not computed here: they follow from dq and dk by the reverse-cumsum
+identity (`_chunk.py`). Validated like the forward: interpret mode on CPU, Triton
+lowering checked on CPU, not yet run on a GPU or TPU from this repository.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import (
+    F32,
+    Gate,
+    Static,
+    causal_mask,
+    decay_spec,
+    diagonal_decay,
+    exp_where,
+    mm,
+    mm_nt,
+    mm_tn,
+    row_index,
+    rows,
+    specs_for,
+)
+
+
+def _head_chunk_bwd(q, k, v, do, a, a_last, S, dS, *, scale, dtype):
+    """Per-head (or no) decay: `(dq, dk, dv, dS entering)` of one chunk, float32."""
+    C = q.shape[0]
+    if a is None:
+        mask = causal_mask(C)
+        P = scale * jnp.where(mask, mm_nt(q, k, dtype), 0.0)  # [C, C]
+        dP = scale * jnp.where(mask, mm_nt(do, v, dtype), 0.0)  # [C, C]
+        dq = mm(dP, k, dtype) + scale * mm_nt(do, S, dtype)
+        dk = mm_tn(dP, q, dtype) + mm_nt(v, dS, dtype)
+        dv = mm_tn(P, do, dtype) + mm(k, dS, dtype)
+        return dq, dk, dv, dS + scale * mm_tn(q, do, dtype)
+    decay = exp_where(causal_mask(C), a[:, None] - a[None, :])  # [C, C] e^{A_i − A_j}, j ≤ i
+    P = scale * mm_nt(q, k, dtype) * decay
+    dP = scale * mm_nt(do, v, dtype) * decay
+    from_start = jnp.exp(a)[:, None]  # [C, 1] e^{A_i}
+    to_end = jnp.exp(a_last - a)[:, None]  # [C, 1] e^{A_L − A_j}
+    dq = mm(dP, k, dtype) + scale * mm_nt(do, S, dtype) * from_start
+    dk = mm_tn(dP, q, dtype) + mm_nt(v, dS, dtype) * to_end
+    dv = mm_tn(P, do, dtype) + mm(k * to_end, dS, dtype)
+    dS_entering = jnp.exp(a_last) * dS + scale * mm_tn(q * from_start, do, dtype)
+    return dq, dk, dv, dS_entering
+
+
+def _dq_before(do_s, a_s, k, v, a, a_r, p, *, scale, dtype):
+    """dq of query rows [p, p + c) from keys j < p, anchored at r = p − 1: [c, K]."""
+    C, K = k.shape
+    k_anchor = k * exp_where(row_index(C, K) < p, a_r - a)  # [C, K] e^{A_r − A_j}; 0 for j ≥ p
+    dP = scale * mm_nt(do_s, v, dtype)  # [c, C]
+    return mm(dP, k_anchor, dtype) * jnp.exp(a_s - a_r)
+
+
+def _dkv_after(q, do, a, k_s, v_s, a_s, a_r, r, *, scale, dtype):
+    """dk, dv of key rows [p, r] from queries i > r, anchored at r = p + c − 1: [c, K], [c, BV]."""
+    C, K = q.shape
+    q_hat = q * exp_where(row_index(C, K) > r, a - a_r)  # [C, K] e^{A_i − A_r}; 0 for i ≤ r
+    k_factor = jnp.exp(a_r - a_s)  # [c, K] e^{A_r − A_j}
+    P = scale * mm_nt(q_hat, k_s * k_factor, dtype)  # [C, c]
+    dP = scale * mm_nt(do, v_s, dtype)  # [C, c]
+    return k_factor * mm_tn(dP, q_hat, dtype), mm_tn(P, do, dtype)
+
+
+def _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, *, scale, dtype):
+    """Exact diagonal block: its contributions to (dq_s, dk_s, dv_s)."""
+    E = diagonal_decay(a_s)  # [c(i), c(j), K]
+    q3, k3 = q_s.astype(F32)[:, None, :], k_s.astype(F32)[None, :, :]
+    P = scale * jnp.sum(q3 * k3 * E, axis=-1)  # [c, c], zero above the diagonal
+    dP = (scale * mm_nt(do_s, v_s, dtype))[:, :, None]  # [c, c, 1]; E masks it
+    dq = jnp.sum(dP * k3 * E, axis=1)  # [c, K]
+    dk = jnp.sum(dP * q3 * E, axis=0)  # [c, K]
+    return dq, dk, mm_tn(P, do_s, dtype)
+
+
+def _backward_kernel(*refs, static: Static):
+    gate = static.gate
+    q_ref, k_ref, v_ref, *rest = refs
+    a_ref = rest.pop(0) if gate is not Gate.NONE else None
+    do_ref, states_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = rest
+
+    C, c = static.blocks.chunk, static.blocks.sub
+    Tp, K = q_ref.shape
+    N = Tp // C
+    dtype, scale = q_ref.dtype, static.scale
+
+    def store(ref, start, size, x):
+        ref[pl.ds(start, size), :] = x.astype(ref.dtype)
+
+    def body(step, dS):
+        n = N - 1 - step
+        base = pl.multiple_of(n * C, C)
+        S = states_ref[n]  # [K, BV]
+        q, k = rows(q_ref, base, C), rows(k_ref, base, C)
+        v, do = rows(v_ref, base, C), rows(do_ref, base, C)
+        a = None if a_ref is None else rows(a_ref, base, C).astype(F32)
+        a_last = None if a_ref is None else rows(a_ref, base + C - 1, 1)
+        if gate is not Gate.KEY:
+            dq, dk, dv, dS_entering = _head_chunk_bwd(q, k, v, do, a, a_last, S, dS, scale=scale, dtype=dtype)
+            store(dq_ref, base, C, dq)
+            store(dk_ref, base, C, dk)
+            store(dv_ref, base, C, dv)
+            return dS_entering
+        for p in range(0, C, c):
+            q_s, k_s = rows(q_ref, base + p, c), rows(k_ref, base + p, c)
+            v_s, do_s = rows(v_ref, base + p, c), rows(do_ref, base + p, c)
+            a_s = rows(a_ref, base + p, c)
+            dq_s, dk_s, dv_s = _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, scale=scale, dtype=dtype)
+            dq_s += scale * mm_nt(do_s, S, dtype) * jnp.exp(a_s)
+            to_end = jnp.exp(a_last - a_s)  # [c, K]
+            dk_s += mm_nt(v_s, dS, dtype) * to_end
+            dv_s += mm(k_s * to_end, dS, dtype)
+            if p > 0:
+                a_r = rows(a_ref, base + p - 1, 1)
+                dq_s += _dq_before(do_s, a_s, k, v, a, a_r, p, scale=scale, dtype=dtype)
+            if p + c < C:
+                a_r = rows(a_ref, base + p + c - 1, 1)
+                dk_after, dv_after = _dkv_after(q, do, a, k_s, v_s, a_s, a_r, p + c - 1, scale=scale, dtype=dtype)
+                dk_s, dv_s = dk_s + dk_after, dv_s + dv_after
+            store(dq_ref, base + p, c, dq_s)
+            store(dk_ref, base + p, c, dk_s)
+            store(dv_ref, base + p, c, dv_s)
+        return jnp.exp(a_last).T * dS + scale * mm_tn(q * jnp.exp(a), do, dtype)
+
+    dS = lax.fori_loop(0, N, body, dhT_ref[...].astype(F32))
+    dh0_ref[...] = dS.astype(dh0_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def chunk_backward(q, k, v, a, do, states, dhT, *, static: Static):
+    """Run the backward kernel.
+
+    **Arguments:**
+    - `q`, `k`, `v`, `a`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
+    - `states`: [B, H, N, K, V] float32, the state entering every chunk.
+    - `dhT`: [B, H, K, V] float32, the cotangent of the final state.
+
+    **Returns:** `(dq, dk, dv, dh0)`: dq and dk [B, Tp, H, K] float32 (summed over value
+    blocks), dv [B, Tp, H, V] float32, dh0 [B, H, K, V] float32.
+    """
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    BV = static.block_v(V)
+    nV = V // BV
+    specs = specs_for(B, H, nV)
+    a_spec = decay_spec(static.gate, Tp, K, specs)
+    in_specs = [specs["tokens_k"](Tp, K), specs["tokens_k"](Tp, K), specs["tokens_v"](Tp, BV)]
+    in_specs += [a_spec] if a_spec is not None else []
+    in_specs += [specs["tokens_v"](Tp, BV), specs["states"](Tp // static.blocks.chunk, K, BV), specs["state"](K, BV)]
+    out_specs = [specs["partial_k"](Tp, K), specs["partial_k"](Tp, K), specs["tokens_v"](Tp, BV), specs["state"](K, BV)]
+    out_shape = [
+        jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
+        jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
+        jax.ShapeDtypeStruct((B, Tp, H, V), F32),
+        jax.ShapeDtypeStruct((B, H, K, V), F32),
+    ]
+    args = (q, k, v) + ((a,) if a_spec is not None else ()) + (do, states, dhT)
+    dq, dk, dv, dh0 = pl.pallas_call(
+        functools.partial(_backward_kernel, static=static),
+        grid=(B, H, nV),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=static.compiler_params(),
+        interpret=static.interpret,
+        name="recurrax_chunk_bwd",
+    )(*args)
+    return dq.sum(0), dk.sum(0), dv, dh0

@@ -1,0 +1,191 @@
+"""Forward Pallas kernel of the chunk algorithm: outputs, final state, chunk states.
+
+| symbol  | meaning                                                                  |
+|---------|--------------------------------------------------------------------------|
+| C, c    | chunk length, sub-block length (per-channel decays)                      |
+| n       | chunk index; token i of chunk n is global token n·C + i                  |
+| S       | [K, BV] state entering chunk n (float32, lives in registers/VMEM)        |
+| A_i     | chunk-local inclusive cumulative log decay: A_i = Σ_{s ≤ i} a_s           |
+| A_L     | A of the chunk's last token (the whole chunk's decay)                    |
+| p       | first token of a sub-block; r = p − 1 its anchor                         |
+
+One program per (row b, head h, value block j) runs a `fori_loop` over the N chunks,
+carrying S in float32. Inside chunk n, with ⊙ broadcasting a decay over the axis it
+belongs to (K for per-channel, everything for per-head):
+
+    o_i   = scale · [ (q_i ⊙ e^{A_i})ᵀ S  +  Σ_{j ≤ i} P_ij v_j ]          (inter + intra)
+    P_ij  = Σ_k q_ik k_jk e^{A_ik − A_jk}                                 (j ≤ i)
+    S'    = e^{A_L} ⊙ S  +  Σ_j (k_j ⊙ e^{A_L − A_j}) v_jᵀ
+
+**Why every exponent is ≤ 0** (for non-positive gates a ≤ 0; positive gates stay exact
+but may grow, as the contract allows): A_i, A_L − A_j (j ≤ L) and A_i − A_j (j ≤ i) are
+sums of gates, hence ≤ 0. The intra-chunk sum must become a matmul:
+
+* per-head decay (scalar A): P = (q kᵀ) ⊙ D with D_ij = e^{A_i − A_j} for j ≤ i and D_ij = 0
+  otherwise; D is formed from the difference directly, never from e^{A_i}·e^{−A_j}
+  (e^{−A_j} overflows float32 once A_j < −88). A pure [C, C] matmul, no sub-blocks.
+* per-channel decay (A over K): the difference sits inside the contraction over k, so
+  it must be split, e^{A_i − A_j} = e^{A_i − A_r} · e^{A_r − A_j}, and the split is safe
+  only when both factors are ≤ 0, i.e. j ≤ r ≤ i. For the query sub-block starting at p
+  and every key j < p take r = p − 1: A_i − A_r = Σ_{r < s ≤ i} a_s ≤ 0 (i ≥ p) and
+  A_r − A_j = Σ_{j < s ≤ r} a_s ≤ 0 (j ≤ r). Keys j ≥ p are masked to exactly 0 before the
+  exponential (their exponent would be positive). The remaining diagonal block
+  (j, i both in [p, p + c)) has no valid single anchor, so it is computed element-wise
+  from E[i, j, k] = e^{A_ik − A_jk} (j ≤ i): a [c, c, K] tensor, c = 16 by default.
+
+So a per-channel chunk does, per query sub-block: one [c, K]·[K, C] score matmul against
+all keys of the chunk (keys at or after p zeroed), one [c, C]·[C, BV] value matmul, and the
+exact diagonal. Matmul operands are cast to the input dtype (bf16/f16 tensor cores, the
+factors are ≤ 1 so nothing overflows); accumulation and the state are float32.
+
+With `emit_states` the kernel also writes S entering every chunk ([N, K, BV]): the
+backward recomputes them with `emit_output=False` instead of keeping them from the
+forward (residual memory stays O(T·(K + V)) per head).
+
+Validation: run on CPU in Pallas interpret mode against the reference; its Triton
+lowering is checked on CPU (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`),
+but it has not been compiled or run on a GPU or TPU from this repository yet
+(see `benchmarks/gpu.sh`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import (
+    F32,
+    Gate,
+    Static,
+    causal_mask,
+    decay_spec,
+    diagonal_decay,
+    exp_where,
+    mm,
+    mm_nt,
+    mm_tn,
+    row_index,
+    rows,
+    specs_for,
+)
+
+
+def _head_chunk(q, k, v, a, a_last, S, *, scale, dtype):
+    """Per-head (or no) decay: `(o [C, BV] float32, S' [K, BV])` for one chunk; a_last [1]."""
+    C = q.shape[0]
+    scores = mm_nt(q, k, dtype)  # [C, C]
+    if a is None:
+        o = mm(q, S, dtype) + mm(jnp.where(causal_mask(C), scores, 0.0), v, dtype)
+        return scale * o, S + mm_tn(k, v, dtype)
+    decay = exp_where(causal_mask(C), a[:, None] - a[None, :])  # [C, C] = e^{A_i − A_j}, j ≤ i
+    o = mm(q * jnp.exp(a)[:, None], S, dtype) + mm(scores * decay, v, dtype)
+    k_to_end = k * jnp.exp(a_last - a)[:, None]  # [C, K]
+    return scale * o, jnp.exp(a_last) * S + mm_tn(k_to_end, v, dtype)
+
+
+def _key_sub_block(q_s, a_s, k, a, v, k_s, v_s, a_r, S, p, *, dtype):
+    """Per-channel decay: unscaled output rows p : p + c of one chunk, [c, BV] float32.
+
+    `a_r` [1, K] is A at the anchor r = p − 1 (unused for the first sub-block).
+    """
+    C, K = k.shape
+    o = mm(q_s * jnp.exp(a_s), S, dtype)  # inter-chunk: e^{A_i} ≤ 1
+    if p > 0:
+        keys_before = row_index(C, K) < p
+        k_anchor = k * exp_where(keys_before, a_r - a)  # [C, K] e^{A_r − A_j}, j < p; 0 for j ≥ p
+        q_anchor = q_s * jnp.exp(a_s - a_r)  # [c, K] e^{A_i − A_r}, i ≥ p
+        o = o + mm(mm_nt(q_anchor, k_anchor, dtype), v, dtype)
+    E = diagonal_decay(a_s)  # [c, c, K]
+    p_diag = jnp.sum(q_s.astype(F32)[:, None, :] * k_s.astype(F32)[None, :, :] * E, axis=-1)  # [c, c]
+    return o + mm(p_diag, v_s, dtype)
+
+
+def _forward_kernel(*refs, static: Static, emit_output: bool, emit_states: bool):
+    gate = static.gate
+    q_ref, k_ref, v_ref, *rest = refs
+    a_ref = rest.pop(0) if gate is not Gate.NONE else None
+    h0_ref, *outs = rest
+    o_ref = outs.pop(0) if emit_output else None
+    hT_ref = outs.pop(0)
+    states_ref = outs.pop(0) if emit_states else None
+
+    C, c = static.blocks.chunk, static.blocks.sub
+    Tp, K = q_ref.shape
+    dtype = q_ref.dtype
+
+    def body(n, S):
+        base = pl.multiple_of(n * C, C)
+        if emit_states:
+            states_ref[n] = S
+        k, v = rows(k_ref, base, C), rows(v_ref, base, C)
+        a = None if a_ref is None else rows(a_ref, base, C).astype(F32)
+        if gate is not Gate.KEY:
+            q = rows(q_ref, base, C)
+            a_last = None if a is None else rows(a_ref, base + C - 1, 1)  # [1]
+            o, S_next = _head_chunk(q, k, v, a, a_last, S, scale=static.scale, dtype=dtype)
+            if emit_output:
+                o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
+            return S_next
+        if emit_output:
+            for p in range(0, C, c):
+                q_s, a_s = rows(q_ref, base + p, c), rows(a_ref, base + p, c).astype(F32)
+                k_s, v_s = rows(k_ref, base + p, c), rows(v_ref, base + p, c)
+                a_r = rows(a_ref, base + max(p - 1, 0), 1)  # [1, K] anchor
+                o_s = _key_sub_block(q_s, a_s, k, a, v, k_s, v_s, a_r, S, p, dtype=dtype)
+                o_ref[pl.ds(base + p, c), :] = (static.scale * o_s).astype(o_ref.dtype)
+        a_last = rows(a_ref, base + C - 1, 1)  # [1, K]
+        k_to_end = k * jnp.exp(a_last - a)  # [C, K]
+        return jnp.exp(a_last).T * S + mm_tn(k_to_end, v, dtype)
+
+    S = lax.fori_loop(0, Tp // C, body, h0_ref[...].astype(F32))
+    hT_ref[...] = S.astype(hT_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
+def chunk_forward(q, k, v, a, h0, *, static: Static, emit_output: bool = True, emit_states: bool = False):
+    """Run the forward kernel.
+
+    **Arguments:**
+    - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; Tp a multiple of the chunk.
+    - `a`: chunk-local cumulative log decay, float32 [B, Tp, H] (per head) or [B, Tp, H, K]
+      (per channel), or None, matching `static.gate`.
+    - `h0`: [B, H, K, V] float32 initial state.
+    - `emit_output`, `emit_states`: which outputs to produce.
+
+    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [B, H, K, V]
+    float32, and `states` [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
+    """
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    BV = static.block_v(V)
+    N = Tp // static.blocks.chunk
+    specs = specs_for(B, H, V // BV)
+    a_spec = decay_spec(static.gate, Tp, K, specs)
+    in_specs = [specs["tokens_k"](Tp, K), specs["tokens_k"](Tp, K), specs["tokens_v"](Tp, BV)]
+    in_specs += [a_spec] if a_spec is not None else []
+    in_specs += [specs["state"](K, BV)]
+    out_specs, out_shape = [], []
+    if emit_output:
+        out_specs.append(specs["tokens_v"](Tp, BV))
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype))
+    out_specs.append(specs["state"](K, BV))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))
+    if emit_states:
+        out_specs.append(specs["states"](N, K, BV))
+        out_shape.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
+    args = (q, k, v) + ((a,) if a_spec is not None else ()) + (h0,)
+    kernel = functools.partial(_forward_kernel, static=static, emit_output=emit_output, emit_states=emit_states)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, V // BV),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=static.compiler_params(),
+        interpret=static.interpret,
+        name="recurrax_chunk_fwd" if emit_output else "recurrax_chunk_states",
+    )(*args)

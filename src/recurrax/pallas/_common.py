@@ -1,0 +1,195 @@
+"""Configuration and tile-level helpers shared by the Pallas chunk kernels.
+
+| symbol | meaning                                                        |
+|--------|----------------------------------------------------------------|
+| B, H   | batch rows, heads (grouped heads already expanded)             |
+| T, Tp  | tokens, tokens padded to a multiple of C                       |
+| K, V   | key/query and value head dimensions                            |
+| C      | chunk length (tokens per step of the sequential chunk loop)    |
+| c      | sub-block length inside a chunk (per-channel decays only)      |
+| N      | chunks per row, Tp / C                                         |
+| BV     | value columns handled by one kernel program; nV = V / BV       |
+| A      | chunk-local inclusive cumulative log decay, float32            |
+
+Everything a kernel sees is per (row b, head h, value block j): refs are 2-D `[Tp, K]`,
+`[Tp, BV]`, the per-head decay a 1-D `[Tp]`, the state `[K, BV]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+
+
+class Gate(str, enum.Enum):
+    """The key-side decay a kernel is specialised for (value-side decay is not supported)."""
+
+    NONE = "none"
+    HEAD = "head"  # a scalar per (token, head): the intra-chunk part stays a pure matmul
+    KEY = "key"  # a vector over K per (token, head): sub-blocks with an exact diagonal
+
+
+class Target(str, enum.Enum):
+    """Where a `pallas_call` is lowered."""
+
+    TRITON = "triton"  # Pallas's Triton lowering (NVIDIA / AMD GPUs)
+    MOSAIC_TPU = "mosaic_tpu"  # Pallas's Mosaic TPU lowering
+    INTERPRET = "interpret"  # Pallas interpret mode: any backend, for tests
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the chunk kernels.
+
+    **Arguments:**
+    - `chunk`: C, tokens per step of the sequential loop over chunks.
+    - `sub`: c, sub-block length for per-channel decays (must divide `chunk`).
+    - `block_v`: BV, value columns per program (clipped to V; must divide V).
+    - `num_warps`, `num_stages`: Triton launch parameters (ignored elsewhere).
+    """
+
+    chunk: int = 64
+    sub: int = 16
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.chunk % self.sub:
+            raise ValueError(f"BlockSizes.sub={self.sub} must divide chunk={self.chunk}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Static configuration of one kernel call (hashable; the custom_vjp's nondiff argument)."""
+
+    scale: float
+    gate: Gate
+    blocks: BlockSizes
+    target: Target
+
+    @property
+    def interpret(self) -> bool:
+        return self.target is Target.INTERPRET
+
+    def compiler_params(self):
+        if self.target is Target.TRITON:
+            from jax.experimental.pallas import triton as plgpu
+
+            return plgpu.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages)
+        if self.target is Target.MOSAIC_TPU:
+            from jax.experimental.pallas import tpu as pltpu
+
+            # Grid (B, H, nV): independent programs; the chunk loop is inside the kernel.
+            return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+        return None
+
+    def block_v(self, V: int) -> int:
+        return min(self.blocks.block_v, V)
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
+def mm(a, b, dtype):
+    """a @ b with operands cast to `dtype` (tensor cores for bf16/f16), float32 accumulation."""
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def mm_nt(a, b, dtype):
+    """a @ bᵀ: [M, D] x [N, D] -> [M, N]."""
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def mm_tn(a, b, dtype):
+    """aᵀ @ b: [D, M] x [D, N] -> [M, N]."""
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), (((0,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def exp_where(mask, exponent):
+    """exp(exponent) where `mask`, exactly 0 elsewhere (masked exponents may be positive)."""
+    return jnp.exp(jnp.where(mask, exponent, -jnp.inf))
+
+
+def rows(ref, start, size: int):
+    """Rows `start : start + size` of a 1-D or 2-D ref, as float32 when it holds decays."""
+    return ref[pl.ds(start, size)] if len(ref.shape) == 1 else ref[pl.ds(start, size), :]
+
+
+def causal_mask(size: int, strict: bool = False):
+    """[size, size] mask of (i, j) with j ≤ i (j < i when `strict`)."""
+    i = lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    j = lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    return j < i if strict else j <= i
+
+
+def row_index(size: int, width: int):
+    """[size, width] int32 row numbers."""
+    return lax.broadcasted_iota(jnp.int32, (size, width), 0)
+
+
+def diagonal_decay(a_sub):
+    """E[i, j, :] = exp(A_i − A_j) for j ≤ i inside one sub-block, else 0: [c, c, K].
+
+    The exact (element-wise) diagonal block of a per-channel decay: no anchor, every
+    kept exponent is a sum of gates between j and i, hence ≤ 0 for non-positive gates.
+    """
+    c, K = a_sub.shape
+    i = lax.broadcasted_iota(jnp.int32, (c, c, K), 0)
+    j = lax.broadcasted_iota(jnp.int32, (c, c, K), 1)
+    return exp_where(j <= i, a_sub[:, None, :] - a_sub[None, :, :])
+
+
+def chunk_local_cumsum(g, chunk: int):
+    """Inclusive cumulative sum of `g` [B, Tp, H(, K)] restarted at every chunk, in float32."""
+    B, Tp = g.shape[:2]
+    blocks = g.astype(F32).reshape(B, Tp // chunk, chunk, *g.shape[2:])
+    return jnp.cumsum(blocks, axis=2).reshape(g.shape)
+
+
+def specs_for(B: int, H: int, nV: int):
+    """BlockSpec factories over the grid (b, h, j) for the [B, Tp, H, ...] layouts."""
+
+    def tokens_k(Tp, K):  # [B, Tp, H, K] -> ref [Tp, K]
+        return pl.BlockSpec((None, Tp, None, K), lambda b, h, j: (b, 0, h, 0))
+
+    def tokens_v(Tp, BV):  # [B, Tp, H, V] -> ref [Tp, BV]
+        return pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j))
+
+    def tokens_head(Tp):  # [B, Tp, H] -> ref [Tp]
+        return pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
+
+    def state(K, BV):  # [B, H, K, V] -> ref [K, BV]
+        return pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+
+    def states(N, K, BV):  # [B, H, N, K, V] -> ref [N, K, BV]
+        return pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j))
+
+    def partial_k(Tp, K):  # [nV, B, Tp, H, K] -> ref [Tp, K], one slab per value block
+        return pl.BlockSpec((None, None, Tp, None, K), lambda b, h, j: (j, b, 0, h, 0))
+
+    return dict(
+        tokens_k=tokens_k,
+        tokens_v=tokens_v,
+        tokens_head=tokens_head,
+        state=state,
+        states=states,
+        partial_k=partial_k,
+    )
+
+
+def decay_spec(gate: Gate, Tp: int, K: int, specs: dict):
+    """The BlockSpec of the cumulative decay A for this gate kind (None when absent)."""
+    if gate is Gate.HEAD:
+        return specs["tokens_head"](Tp)
+    if gate is Gate.KEY:
+        return specs["tokens_k"](Tp, K)
+    return None
+

@@ -1,0 +1,187 @@
+"""Pallas chunk kernels: interpret mode vs the reference, dispatch, and GPU lowering.
+
+Interpret mode runs the very kernels the GPU runs, so these tests check their math on
+CPU; compilation dominates their time (a few seconds per distinct shape), hence tiny
+shapes (T ≤ 33, K, V ∈ {16, 32}, chunk 16 with sub-blocks of 8 unless stated).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cases import Case, assert_matches, compare, make_inputs, run_vjp
+
+import recurrax
+import recurrax.pallas  # noqa: F401  (registers the Pallas implementations)
+from recurrax import Platform, kernel_registry
+from recurrax._inputs import canonicalize, request_of
+from recurrax.pallas import SUPPORT, pallas_chunk_recurrent
+
+F32_TOL = 2e-4
+BF16_TOL = 2e-2
+"""bf16 inputs: the kernels round matmul operands (decayed q, k, the state) to bf16, as the
+reference does not; 2e-2 of the largest magnitude covers it with margin (measured ~5e-3)."""
+
+SMALL = dict(B=1, H=2, Hkv=1, K=16, V=16, dtype="float32")
+
+CASES = [
+    Case(T=20, **SMALL),  # no gate, T not a multiple of the chunk, GQA, initial state
+    Case(T=20, gates=("g_head", "g_gamma"), reverse=True, **SMALL),
+    Case(T=32, gates=("g_channel",), **SMALL),
+    Case(**{**SMALL, "V": 32}, T=25, gates=("g_head", "g_gamma", "gk"), initial_state=False, scale=0.3),
+    Case(B=2, T=9, H=2, Hkv=2, K=16, V=16, gates=("gk",), reverse=True, dtype="float32"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_interpret_matches_reference(case):
+    assert_matches("pallas_interpret", case, tol=F32_TOL)
+
+
+GATE_GRADS = ("dg", "dg_gamma", "dgk")
+STRONG_GATE_TOL = 3e-2
+"""Gate gradients under strong decays (gates down to −20). The reverse-cumsum identity
+returns dg as sums of O(1) terms q⊙dq − k⊙dk that cancel to a small result, so float32
+rounding of dq, dk shows relative to that result (g_gamma's sums over T and K the most;
+measured 1e-2). flash-linear-attention's kernels use the same identity. Everything else
+stays within F32_TOL."""
+
+
+@pytest.mark.parametrize("gates", [("g_head",), ("g_channel", "g_gamma")], ids=str)
+def test_strong_decays_match(gates):
+    errors = compare("pallas_interpret", Case(T=20, gates=gates, gate_low=-20.0, **SMALL))
+    assert all(v <= (STRONG_GATE_TOL if k in GATE_GRADS else F32_TOL) for k, v in errors.items()), errors
+
+
+def test_extreme_decays_stay_finite():
+    """Gates down to −1e4: everything finite and matching. The true gate gradient is ~0
+    there (e^{-1e4}), and the reverse-cumsum identity returns it as a sum of O(1) terms that
+    cancel, so it is held to an absolute bound instead of a relative one."""
+    case = Case(T=20, gates=("g_head", "gk"), gate_low=-1e4, **SMALL)
+    kwargs = make_inputs(case)
+    o, state, grads = run_vjp("pallas_interpret", kwargs)
+    for x in (o, state, *grads.values()):
+        assert np.isfinite(np.asarray(x, np.float64)).all()
+    errors = compare("pallas_interpret", case)
+    assert all(v <= F32_TOL for k, v in errors.items() if k not in GATE_GRADS), errors
+    _, _, exact = run_vjp("reference", {k: (v.astype(jnp.float64) if hasattr(v, "astype") else v) for k, v in kwargs.items()})
+    for name in ("g", "gk"):
+        assert np.max(np.abs(np.asarray(grads[name], np.float64) - np.asarray(exact[name]))) < 1e-4
+
+
+def test_bfloat16_within_tolerance():
+    case = Case(T=20, gates=("g_head", "gk"), **{**SMALL, "dtype": "bfloat16"})
+    assert_matches("pallas_interpret", case, tol=BF16_TOL)
+
+
+def _tiles(chunk: int, sub: int, block_v: int = 64):
+    """The interpret-mode algorithm with other tile sizes, for `assert_matches`."""
+    return functools.partial(
+        pallas_chunk_recurrent, chunk_size=chunk, sub_size=sub, block_v=block_v, interpret=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("chunk", "sub", "block_v"),
+    [(8, 8, 64), (32, 8, 16)],
+    ids=["one-sub-block", "four-sub-blocks-two-value-blocks"],
+)
+def test_tile_sizes(chunk, sub, block_v):
+    case = Case(T=33, gates=("g_channel", "g_head"), **{**SMALL, "V": 32})
+    assert_matches(_tiles(chunk, sub, block_v), case, tol=F32_TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(B=2, T=130, H=4, Hkv=2, K=32, V=64, gates=("g_channel", "g_gamma"), reverse=True, dtype="float32"),
+        Case(B=2, T=130, H=4, Hkv=1, K=64, V=32, gates=("g_head",), dtype="float32"),
+        Case(B=1, T=1, H=2, Hkv=1, K=16, V=16, gates=("gk",), dtype="float32"),
+        Case(B=1, T=70, H=2, Hkv=1, K=32, V=32, gates=("g_channel",), dtype="float16"),
+    ],
+    ids=str,
+)
+def test_default_tiles_slow(case):
+    tol = F32_TOL if case.dtype == "float32" else BF16_TOL
+    assert_matches(_tiles(64, 16, 32), case, tol=tol)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _request(**overrides):
+    """The dispatch request of a small case with `overrides` applied."""
+    kwargs = make_inputs(dataclasses.replace(Case(T=8, **SMALL), **overrides))
+    names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state", "reverse")
+    problem, _, _ = canonicalize(*(kwargs.get(name) for name in names), kwargs.get("cu_seqlens"))
+    return request_of(problem)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(gates=("gv",)), "gate kinds ['value']"),
+        (dict(cu_seqlens=(0, 3, 8)), "cu_seqlens"),
+        (dict(dtype="float64"), "dtype float64"),
+        (dict(K=24), "qk_head_dim=24"),
+        (dict(V=8), "v_head_dim=8"),
+    ],
+    ids=["gv", "varlen", "float64", "K=24", "V=8"],
+)
+def test_supports_is_fail_closed(overrides, reason):
+    refusal = SUPPORT.refusal(_request(**overrides))
+    assert refusal is not None and reason in refusal
+
+
+def test_supports_accepts_what_the_kernels_take():
+    for gates in [(), ("g_head", "g_gamma"), ("g_channel", "gk")]:
+        for dtype in ["float32", "bfloat16", "float16"]:
+            assert SUPPORT.refusal(_request(gates=gates, dtype=dtype, K=32, V=16)) is None
+
+
+def test_dispatch_never_picks_pallas_on_cpu():
+    for gates in [(), ("g_head",), ("gk",)]:
+        impl = kernel_registry.get(None, _request(gates=gates))
+        assert impl.platform is not Platform.PALLAS, impl.name
+    names = {impl.name: impl for impl in kernel_registry.implementations()}
+    assert names["pallas_gpu"].priority == 30 and names["pallas_gpu"].backend is recurrax.Backend.GPU
+    assert names["pallas_interpret"].priority < names["reference"].priority
+
+
+def test_forced_pallas_fails_clearly():
+    kwargs = make_inputs(Case(T=8, gates=("gv",), **SMALL))
+    with pytest.raises(ValueError, match="pallas_interpret.*gate kinds"):
+        recurrax.recurrent(**kwargs, implementation="pallas_interpret")
+    kwargs = make_inputs(Case(T=8, **SMALL))
+    with pytest.raises(ValueError, match="pallas_gpu.*runs on gpu"):
+        recurrax.recurrent(**kwargs, implementation="pallas_gpu")
+
+
+# ----------------------------------------------------------------------------- GPU lowering
+
+
+@pytest.mark.parametrize("gates", [(), ("g_head",), ("g_channel",)], ids=str)
+def test_triton_lowering_on_cpu(gates):
+    """The GPU kernels (default tiles, bf16, forward and backward) lower to Triton IR.
+
+    Lowering for `cuda` needs no GPU: it builds and verifies the Triton MLIR that XLA
+    would compile; compiling it to PTX happens only on a GPU (`benchmarks/gpu.sh`).
+    """
+    case = Case(B=1, T=200, H=2, Hkv=1, K=128, V=64, gates=gates, dtype="bfloat16")
+    kwargs = make_inputs(case)
+    diff = {k: kwargs[k] for k in ("query", "key", "value", "g", "initial_state") if k in kwargs}
+
+    def loss(diff):
+        problem, config, _ = canonicalize(
+            diff["query"], diff["key"], diff["value"], diff.get("g"), None, None, None, None,
+            diff["initial_state"], False, None,
+        )
+        o, state = pallas_chunk_recurrent(problem, scale=config.scale, reverse=False, target="triton")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3  # forward, state recomputation, backward
