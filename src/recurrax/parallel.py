@@ -1,0 +1,471 @@
+"""Sequence parallelism: the token axis split over a device mesh, exact forward and backward.
+
+| symbol  | meaning                                                                   |
+|---------|---------------------------------------------------------------------------|
+| P       | sequence shards: the size of `sequence_axis`                              |
+| p       | a shard's position in processing order (mirrored when `reverse`)          |
+| L       | tokens per shard; T = P·L (N = P·L packed tokens with `cu_seqlens`)       |
+| B, H    | batch rows and heads on one device (after batch / head sharding)          |
+| K, V    | key/query and value head dimensions                                       |
+| S       | packed sequences                                                          |
+| a_t b_t | key-side [K] (or [1] per head) and value-side [V] log decays of token t   |
+| α_t β_t | their in-shard inclusive cumulative sums up to token t                    |
+| A_p B_p | shard p's total log decays (α and β at its last token)                    |
+| F_p     | shard p's state after its last token, run from a zero incoming state      |
+| h_p     | the state entering shard p; h_0 = initial_state                           |
+
+The recurrence is linear in its state, so splitting the state of token t in shard p as
+`h_t = h⁰_t + e^{α_t} ⊙ h_p ⊙ e^{β_t}` (h⁰ the local run from zero; induction on t:
+`e^{a_t}(h⁰_{t-1} + e^{α_{t-1}} h_p e^{β_{t-1}})e^{b_t} + k_t v_tᵀ = h⁰_t + e^{α_t} h_p e^{β_t}`)
+gives
+
+    o_t     = o⁰_t + s · ((q_t ⊙ e^{α_t})ᵀ h_p) ⊙ e^{β_t}       output correction, one matmul
+    h_{p+1} = e^{A_p} ⊙ h_p ⊙ e^{B_p} + F_p                       shard transfer
+
+Transfers compose associatively, (A, B, F) then (A', B', F') = (A + A', B + B',
+e^{A'} F e^{B'} + F'), so each shard all-gathers every shard's (F_p, A_p, B_p) — P·B·H·(K·V
++ K + V) numbers, independent of T — and folds those before it, in the state dtype. Every
+exponent is one shard's total log decay or an in-shard cumulative one: ≤ 0 for gates ≤ 0,
+so nothing overflows however long the sequence.
+
+Packed input (`cu_seqlens`): a sequence that starts inside shard p resets the carry. The
+shard's transfer becomes `h ↦ F_p` (it "passes" only when one sequence spans the whole
+shard), where F_p is the state of the shard's last sequence, its initial state included
+when it starts in the shard. The incoming state reaches only the shard's first sequence,
+and only if that sequence began in an earlier shard. A sequence's final state lives in the
+shard holding its last token (corrected by the incoming state when it is the shard's first
+sequence); one psum over the sequence axis collects them (S·H·K·V numbers, again no T).
+
+`reverse=True` runs the forward algorithm on the mirrored sequence: each shard flips its
+tokens locally and takes position p = P − 1 − (its mesh index), so the state flows from the
+last shard to the first and no extra communication is needed.
+
+The backward is JAX's autodiff through `shard_map`: the all-gather transposes to a
+reduce-scatter of the same size, the local algorithm's own backward runs once per shard.
+`benchmarks/parallel_bench.py` measures it against a hand-written rule and against
+re-running the local algorithm from the incoming state instead of the correction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as Spec
+from jaxtyping import Array, Bool, Float, Int
+
+from ._inputs import Problem, canonicalize, request_of
+from .reference import key_side_decay
+from .registry import Implementation, kernel_registry
+
+__all__ = ["recurrent"]
+
+STRATEGIES = ("correct", "rerun")
+"""How a shard applies its incoming state: the exact matmul correction, or a second local run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """The mesh axes a call is split over, validated against the mesh.
+
+    **Arguments:**
+    - `sequence`: the axis the token axis is split over.
+    - `batch`, `head`: optional axes for the batch rows and the heads.
+    - `shards`: the size of `sequence` (P).
+    """
+
+    sequence: str
+    batch: str | None
+    head: str | None
+    shards: int
+
+    @classmethod
+    def of(cls, mesh: Any, sequence_axis: Any, batch_axis: Any, head_axis: Any) -> MeshAxes:
+        names = tuple(getattr(mesh, "axis_names", ()))
+        if not names or not hasattr(mesh, "shape"):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        given = {"sequence_axis": sequence_axis, "batch_axis": batch_axis, "head_axis": head_axis}
+        for argument, axis in given.items():
+            if axis is None and argument != "sequence_axis":
+                continue
+            if axis not in names:
+                raise ValueError(f"{argument}={axis!r} is not an axis of the mesh; the mesh has axes {names}")
+        used = [axis for axis in given.values() if axis is not None]
+        if len(set(used)) != len(used):
+            raise ValueError(f"sequence_axis, batch_axis and head_axis must be different mesh axes, got {given}")
+        return cls(sequence_axis, batch_axis, head_axis, int(mesh.shape[sequence_axis]))
+
+
+def _check_divisible(problem: Problem, mesh: Any, axes: MeshAxes) -> None:
+    """Each split axis must divide evenly: no padding is done."""
+    B, T, H, _ = problem.query.shape
+    if T % axes.shards:
+        what = "total_tokens" if problem.cu_seqlens is not None else "seq_len"
+        raise ValueError(
+            f"{what}={T} is not divisible by the {axes.shards} shards of sequence_axis={axes.sequence!r}; "
+            "pad the token axis to a multiple of it (packed input: append a padding sequence to cu_seqlens)"
+        )
+    for axis, size, what in ((axes.batch, B, "batch"), (axes.head, H, "num_heads")):
+        if axis is not None and size % mesh.shape[axis]:
+            raise ValueError(f"{what}={size} is not divisible by the {mesh.shape[axis]} shards of {axis!r}")
+
+
+def _specs(problem: Problem, axes: MeshAxes) -> tuple[Problem, tuple[Spec, Spec]]:
+    """Partition specs of the canonical problem and of (output, final_state)."""
+    tokens = Spec(axes.batch, axes.sequence, axes.head, None)
+    per_head = Spec(axes.batch, axes.sequence, axes.head)
+    packed = problem.cu_seqlens is not None
+    state = Spec(None if packed else axes.batch, axes.head, None, None)
+    given = lambda x, spec: None if x is None else spec  # noqa: E731
+    in_specs = Problem(
+        query=tokens,
+        key=tokens,
+        value=tokens,
+        log_decay_head=given(problem.log_decay_head, per_head),
+        log_decay_key=given(problem.log_decay_key, tokens),
+        log_decay_value=given(problem.log_decay_value, tokens),
+        initial_state=state,
+        cu_seqlens=given(problem.cu_seqlens, Spec()),
+    )
+    return in_specs, (tokens, state)
+
+
+class Decays(NamedTuple):
+    """In-shard inclusive cumulative log decays; absent kinds are None.
+
+    **Arguments:**
+    - `key`: α [B, L, H, K] (or [B, L, H, 1] for per-head decays).
+    - `value`: β [B, L, H, V].
+    """
+
+    key: Float[Array, "B L H K"] | None
+    value: Float[Array, "B L H V"] | None
+
+    @classmethod
+    def of(cls, problem: Problem) -> Decays:
+        cumulative = lambda x: None if x is None else jnp.cumsum(x, axis=1)  # noqa: E731
+        return cls(cumulative(key_side_decay(problem)), cumulative(problem.log_decay_value))
+
+    def at(self, token: int | Int[Array, ""]) -> Decays:
+        """The cumulative decays at one local token: [B, H, K] and [B, H, V]."""
+        pick = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, token, 1, False)  # noqa: E731
+        return Decays(pick(self.key), pick(self.value))
+
+
+def decay_state(state: Float[Array, "B H K V"], decays: Decays) -> Float[Array, "B H K V"]:
+    """e^{α} ⊙ state ⊙ e^{β} for decays taken at one token ([B, H, K] and [B, H, V])."""
+    if decays.key is not None:
+        state = jnp.exp(decays.key)[..., None] * state
+    if decays.value is not None:
+        state = state * jnp.exp(decays.value)[..., None, :]
+    return state
+
+
+def fold_shards(
+    first: Float[Array, "B H K V"],
+    finals: Float[Array, "P B H K V"],
+    totals: Decays,
+    passes: Bool[Array, " P"],
+) -> tuple[Float[Array, "P B H K V"], Float[Array, "B H K V"]]:
+    """The state entering every shard, and the state leaving the last one.
+
+    **Arguments:**
+    - `first`: the state entering shard 0.
+    - `finals`: F_p for every shard, in processing order.
+    - `totals`: A_p [P, B, H, K] and B_p [P, B, H, V] (or None), in processing order.
+    - `passes`: whether shard p's incoming state reaches its outgoing one (False: reset).
+    """
+
+    def transfer(state, shard):
+        final, total, through = shard
+        carried = jnp.where(through, decay_state(state, total), jnp.zeros_like(state))
+        return carried + final, state
+
+    last, incoming = jax.lax.scan(transfer, first, (finals, totals, passes))
+    return incoming, last
+
+
+def correction(
+    query: Float[Array, "B L H K"],
+    decays: Decays,
+    incoming: Float[Array, "B H K V"],
+    scale: float,
+    reached: Bool[Array, " L"] | None = None,
+) -> Float[Array, "B L H V"]:
+    """s · ((q_t ⊙ e^{α_t})ᵀ h_p) ⊙ e^{β_t}: what the incoming state adds to each output.
+
+    **Arguments:**
+    - `query`: the shard's queries.
+    - `decays`: the shard's cumulative decays α, β.
+    - `incoming`: h_p.
+    - `scale`: the softmax scale s.
+    - `reached`: tokens the incoming state reaches (packed input); None for all of them.
+    """
+    query = query.astype(incoming.dtype)
+    if decays.key is not None:
+        query = query * jnp.exp(decays.key)
+    if reached is not None:
+        query = jnp.where(reached[None, :, None, None], query, jnp.zeros_like(query))
+    output = scale * jnp.einsum("blhk,bhkv->blhv", query, incoming)
+    return output if decays.value is None else output * jnp.exp(decays.value)
+
+
+class Pieces(NamedTuple):
+    """Where packed sequences meet shard p (positions are global token indices).
+
+    **Arguments:**
+    - `head`, `tail`: the sequences holding the shard's first and last token.
+    - `continues`: whether `head` began in an earlier shard (the incoming state reaches it).
+    - `head_end`: the local index of `head`'s last token in this shard.
+    - `passes`: whether the incoming state reaches the outgoing one (`head` spans the shard).
+    """
+
+    head: Int[Array, "..."]
+    tail: Int[Array, "..."]
+    continues: Bool[Array, "..."]
+    head_end: Int[Array, "..."]
+    passes: Bool[Array, "..."]
+
+    @classmethod
+    def of(cls, cu_seqlens: Int[Array, " S_plus_1"], shard: Int[Array, "..."], length: int) -> Pieces:
+        first = shard * length
+        head = jnp.searchsorted(cu_seqlens[1:], first, side="right")
+        tail = jnp.searchsorted(cu_seqlens[1:], first + length - 1, side="right")
+        continues = cu_seqlens[head] < first
+        head_end = jnp.minimum(cu_seqlens[head + 1], first + length) - 1 - first
+        return cls(head, tail, continues, head_end, continues & (head == tail))
+
+
+def _local_sequences(cu_seqlens: Int[Array, " S_plus_1"], shard: Int[Array, ""], length: int):
+    """Local boundaries [S + 1] and which sequences start / end in the shard ([S] each)."""
+    first = shard * length
+    starts, stops = cu_seqlens[:-1], cu_seqlens[1:]
+    inside = lambda token: (token >= first) & (token < first + length)  # noqa: E731
+    nonempty = stops > starts
+    local_cu = jnp.clip(cu_seqlens - first, 0, length)
+    return local_cu, nonempty & inside(starts), nonempty & inside(stops - 1)
+
+
+def _mirror(problem: Problem, num_tokens: int) -> Problem:
+    """The shard's part of the mirrored problem: tokens flipped, packed sequences reversed."""
+    flip = lambda x: None if x is None else x[:, ::-1]  # noqa: E731
+    packed = problem.cu_seqlens is not None
+    return Problem(
+        query=flip(problem.query),
+        key=flip(problem.key),
+        value=flip(problem.value),
+        log_decay_head=flip(problem.log_decay_head),
+        log_decay_key=flip(problem.log_decay_key),
+        log_decay_value=flip(problem.log_decay_value),
+        initial_state=problem.initial_state[::-1] if packed else problem.initial_state,
+        cu_seqlens=num_tokens - problem.cu_seqlens[::-1] if packed else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static configuration of one sharded call.
+
+    **Arguments:**
+    - `impl`: the local algorithm.
+    - `scale`: the softmax scale.
+    - `reverse`: whether state flows from the last token to the first.
+    - `axes`: the mesh axes.
+    - `strategy`: `"correct"` (matmul correction) or `"rerun"` (second local run).
+    """
+
+    impl: Implementation
+    scale: float
+    reverse: bool
+    axes: MeshAxes
+    strategy: str = "correct"
+
+    def run(self, problem: Problem):
+        return self.impl.fn(problem, scale=self.scale, reverse=False)
+
+    def gather(self, tree):
+        """Every shard's `tree`, stacked on a new leading axis in processing order."""
+        gathered = jax.lax.all_gather(tree, self.axes.sequence)
+        return jax.tree.map(lambda x: x[::-1], gathered) if self.reverse else gathered
+
+
+def _dense_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
+    """One shard of a batch of whole sequences: (output [B, L, H, V], final_state [B, H, K, V])."""
+    local = problem._replace(initial_state=jnp.zeros_like(problem.initial_state))
+    output, final = plan.run(local)
+    decays = Decays.of(problem)
+    finals, totals = plan.gather((final, decays.at(problem.query.shape[1] - 1)))
+    passes = jnp.ones(plan.axes.shards, bool)
+    incoming, last = fold_shards(problem.initial_state, finals, totals, passes)
+    incoming = incoming[shard]
+    if plan.strategy == "rerun":
+        output, _ = plan.run(problem._replace(initial_state=incoming))
+        return output, last
+    output = output.astype(incoming.dtype) + correction(problem.query, decays, incoming, plan.scale)
+    return output.astype(problem.query.dtype), last
+
+
+def _packed_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
+    """One shard of packed sequences: (output [1, L, H, V], this shard's final states [S, H, K, V]).
+
+    Final states are those of the sequences ending in the shard, zero elsewhere (summed over
+    shards by the caller).
+    """
+    length = problem.query.shape[1]
+    cu_seqlens, initial = problem.cu_seqlens, problem.initial_state
+    local_cu, starts_here, ends_here = _local_sequences(cu_seqlens, shard, length)
+    own_initial = jnp.where(starts_here[:, None, None, None], initial, jnp.zeros_like(initial))
+    local = problem._replace(initial_state=own_initial, cu_seqlens=local_cu)
+    output, finals = plan.run(local)
+
+    every = Pieces.of(cu_seqlens, jnp.arange(plan.axes.shards), length)
+    this = Pieces.of(cu_seqlens, shard, length)
+    decays = Decays.of(problem)
+    carry_out = finals[this.tail][None]  # [1, H, K, V]
+    gathered, totals = plan.gather((carry_out, decays.at(length - 1)))
+    incoming, _ = fold_shards(jnp.zeros_like(carry_out), gathered, totals, every.passes)
+    incoming = jnp.where(this.continues, incoming[shard], jnp.zeros_like(carry_out))
+
+    if plan.strategy == "rerun":
+        local = local._replace(initial_state=own_initial.at[this.head].add(incoming[0]))
+        output, finals = plan.run(local)
+    else:
+        reached = jnp.arange(length) <= this.head_end
+        output = output.astype(incoming.dtype) + correction(problem.query, decays, incoming, plan.scale, reached)
+        output = output.astype(problem.query.dtype)
+        finals = finals.at[this.head].add(decay_state(incoming, decays.at(this.head_end))[0])
+    finals = jnp.where(ends_here[:, None, None, None], finals, jnp.zeros_like(finals))
+    return output, jax.lax.psum(finals, plan.axes.sequence)
+
+
+def _shard(plan: Plan, problem: Problem):
+    """The body run on every device of the mesh, on its own block of the canonical problem."""
+    P = plan.axes.shards
+    index = jax.lax.axis_index(plan.axes.sequence)
+    shard = P - 1 - index if plan.reverse else index
+    if plan.reverse:
+        problem = _mirror(problem, P * problem.query.shape[1])
+    body = _dense_shard if problem.cu_seqlens is None else _packed_shard
+    output, final_state = body(plan, problem, shard)
+    if plan.reverse:
+        output = output[:, ::-1]
+        final_state = final_state if problem.cu_seqlens is None else final_state[::-1]
+    return output, final_state
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map`, or `jax.experimental.shard_map` on older JAX, without replication checks.
+
+    The local algorithm comes from the registry and may start its own scans from fresh
+    (unsharded) zero carries, which the varying-axes type check rejects; every output here
+    is either sharded over the sequence axis or computed identically on every shard, which
+    is what unchecked autodiff needs to be exact.
+    """
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _explicit(mesh: Any) -> bool:
+    return any("explicit" in str(kind).lower() for kind in getattr(mesh, "axis_types", ()) or ())
+
+
+def _place(problem: Problem, specs: Problem, mesh: Any) -> Problem:
+    """Lay the problem out as `specs` says (needed on meshes with explicit axes)."""
+    if not _explicit(mesh):
+        return problem
+    put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    return Problem(*(put(x, spec) for x, spec in zip(problem, specs)))
+
+
+def recurrent(
+    query: Float[Array, "batch seq_len num_heads qk_head_dim"] | Float[Array, "total_tokens num_heads qk_head_dim"],
+    key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
+    value: Float[Array, "batch seq_len num_kv_heads v_head_dim"] | Float[Array, "total_tokens num_kv_heads v_head_dim"],
+    g: Float[Array, "batch seq_len num_heads *qk_head_dim"] | None = None,
+    g_gamma: Float[Array, " num_heads"] | None = None,
+    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
+    gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
+    softmax_scale: float | None = None,
+    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
+    reverse: bool = False,
+    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    *,
+    mesh: Any,
+    sequence_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    implementation: str | None = None,
+) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    """`recurrax.recurrent` with the token axis split over `sequence_axis` of a device mesh.
+
+    Same arguments, results and gradients as `recurrax.recurrent`; each device runs the
+    local algorithm on its block of tokens, then the devices exchange one state and one
+    total decay each (an all-gather whose size does not depend on the sequence length).
+
+    **Arguments:**
+    - `query` … `cu_seqlens`: as for `recurrax.recurrent`. With `cu_seqlens`, sequences may
+      cross shard boundaries and empty sequences are allowed.
+    - `mesh`: a `jax.sharding.Mesh` (on a mesh with explicit axes, call inside
+      `jax.set_mesh(mesh)`).
+    - `sequence_axis`: the mesh axis the token axis is split over; its size must divide the
+      token count (`seq_len`, or `total_tokens` when packed) — no padding is done.
+    - `batch_axis`, `head_axis`: optional other mesh axes for the batch rows (not with
+      `cu_seqlens`, whose batch is 1) and the heads; their sizes must divide B and H.
+    - `implementation`: the local algorithm, a registered name or `None` for the best one
+      that supports a shard's part of the call.
+
+    **Returns:** `(output, final_state)` as `recurrax.recurrent`, laid out over the mesh:
+    `output` split like the query, `final_state` split over `batch_axis` and `head_axis`.
+
+    **Raises:** `ValueError` for a mesh axis the mesh lacks, or a split axis that does not
+    divide evenly, besides `recurrax.recurrent`'s own argument checks.
+    """
+    arguments = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
+    return sharded_call(
+        arguments, mesh=mesh, sequence_axis=sequence_axis, batch_axis=batch_axis,
+        head_axis=head_axis, implementation=implementation,
+    )
+
+
+def sharded_call(
+    arguments: tuple,
+    *,
+    mesh: Any,
+    sequence_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    implementation: str | None = None,
+    strategy: str = "correct",
+):
+    """`recurrent` with its positional arguments as one tuple and a choice of `strategy`.
+
+    **Arguments:**
+    - `arguments`: `(query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state,
+      reverse, cu_seqlens)`.
+    - `mesh` … `implementation`: as for `recurrent`.
+    - `strategy`: how a shard applies its incoming state: `"correct"` (the matmul
+      correction, what `recurrent` uses) or `"rerun"` (a second run of the local algorithm
+      from the incoming state; kept for the benchmark's comparison).
+    """
+    axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    problem, config, layout = canonicalize(*arguments)
+    _check_divisible(problem, mesh, axes)
+    local_request = dataclasses.replace(request_of(problem), seq_len=problem.query.shape[1] // axes.shards)
+    impl = kernel_registry.get(implementation, local_request)
+    plan = Plan(impl, config.scale, config.reverse, axes, strategy)
+
+    in_specs, out_specs = _specs(problem, axes)
+    sharded = _shard_map(lambda p: _shard(plan, p), mesh, (in_specs,), out_specs)
+    output, final_state = sharded(_place(problem, in_specs, mesh))
+    if problem.cu_seqlens is not None:
+        empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
+        final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
+    return layout.restore(output), final_state

@@ -1,0 +1,234 @@
+"""`recurrax.parallel.recurrent` against single-device `recurrax.recurrent`, on 8 host CPU devices.
+
+Every case compares outputs, final state and the gradient of every differentiable argument
+(one `jax.vjp` with random cotangents, all inside one `jit` so `cu_seqlens` is traced)
+against the `reference` implementation on one device, in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cases import GATES, Case, default_tolerance, make_inputs, max_rel_error, split_args
+from jax.sharding import Mesh
+
+import recurrax
+from recurrax import parallel
+
+SMALL = dict(T=16, H=2, Hkv=1, K=4, V=3)  # GQA and K != V everywhere
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How the mesh splits a call: shards of the token axis, and optionally batch or heads."""
+
+    sequence: int
+    batch: int = 1
+    head: int = 1
+
+    def mesh(self) -> Mesh:
+        sizes = {"seq": self.sequence, "batch": self.batch, "head": self.head}
+        sizes = {name: size for name, size in sizes.items() if size > 1 or name == "seq"}
+        devices = np.array(jax.devices()[: math.prod(sizes.values())]).reshape(tuple(sizes.values()))
+        return Mesh(devices, tuple(sizes))
+
+    def axes(self) -> dict:
+        return dict(
+            sequence_axis="seq",
+            batch_axis="batch" if self.batch > 1 else None,
+            head_axis="head" if self.head > 1 else None,
+        )
+
+    def __str__(self) -> str:
+        return f"seq{self.sequence}" + (f"-batch{self.batch}" if self.batch > 1 else "") + (
+            f"-head{self.head}" if self.head > 1 else ""
+        )
+
+
+def vjp_results(fn, kwargs: dict, seed: int = 1):
+    """(output, final_state, gradients) of `fn(**kwargs)` under one `jit`, random cotangents."""
+    diff, rest = split_args(kwargs)
+    static = {k: rest.pop(k) for k in ("reverse", "softmax_scale") if k in rest}
+
+    @jax.jit
+    def run(diff, rest):
+        (output, state), pullback = jax.vjp(lambda d: fn(**d, **rest, **static), diff)
+        key_o, key_s = jax.random.split(jax.random.PRNGKey(seed))
+        d_output = jax.random.normal(key_o, output.shape).astype(output.dtype)  # same draw in any dtype
+        d_state = jax.random.normal(key_s, state.shape).astype(state.dtype)
+        return output, state, pullback((d_output, d_state))[0]
+
+    return run(diff, rest)
+
+
+def errors_against_single_device(case: Case, split: Split, **options) -> dict[str, float]:
+    """Scale-relative errors of the sharded call vs `reference` on one device (float64)."""
+    kwargs = make_inputs(case)
+    mesh = split.mesh()
+    sharded = vjp_results(lambda **kw: parallel.recurrent(**kw, mesh=mesh, **split.axes(), **options), kwargs)
+    exact = {k: (v.astype(jnp.float64) if k in split_args(kwargs)[0] else v) for k, v in kwargs.items()}
+    single = vjp_results(lambda **kw: recurrax.recurrent(**kw, implementation="reference"), exact)
+    (o, state, grads), (o_ref, state_ref, grads_ref) = sharded, single
+    assert o.shape == o_ref.shape and o.dtype == kwargs["query"].dtype
+    assert state.shape == state_ref.shape
+    errors = {"output": max_rel_error(o, o_ref), "final_state": max_rel_error(state, state_ref)}
+    for name, grad in grads.items():
+        assert grad.shape == kwargs[name].shape and grad.dtype == kwargs[name].dtype, name
+        errors["d" + name] = max_rel_error(grad, grads_ref[name])
+    return errors
+
+
+def assert_sharded_matches(case: Case, split: Split, **options) -> None:
+    tol = default_tolerance(case.dtype)
+    errors = errors_against_single_device(case, split, **options)
+    bad = {name: error for name, error in errors.items() if not error <= tol}
+    assert not bad, f"{split} {case}: {bad} (tol {tol})"
+
+
+slow = pytest.mark.slow
+
+DENSE = [
+    (Case(**SMALL, gates=("g_head", "gv")), Split(2, head=2)),
+    (Case(**SMALL, gates=GATES, reverse=True), Split(4, batch=2)),
+    (Case(**SMALL, gates=("g_gamma", "gk")), Split(8)),
+    pytest.param(Case(**SMALL), Split(2), marks=slow),
+    pytest.param(Case(**SMALL, gates=("g_channel", "gv"), reverse=True), Split(8), marks=slow),
+    pytest.param(Case(**SMALL, gates=("gk",), initial_state=False, gate_low=-30.0), Split(4), marks=slow),
+    pytest.param(Case(**SMALL, gates=("gv",), scale=0.3), Split(4, head=2), marks=slow),
+]
+
+PACKED = [
+    # boundaries inside shards, one sequence across a shard edge, an empty sequence
+    (Case(**SMALL, gates=("g_channel", "gv"), cu_seqlens=(0, 3, 3, 11, 16)), Split(4)),
+    # one sequence over six shards, 3-D packed layout, reversed
+    (Case(**SMALL, gates=GATES, cu_seqlens=(0, 1, 1, 13, 16), packed_3d=True, reverse=True), Split(8)),
+    # empty sequences first and last, with head sharding
+    (Case(**SMALL, gates=("gk",), cu_seqlens=(0, 0, 5, 9, 16, 16)), Split(2, head=2)),
+    # boundaries exactly on shard edges
+    pytest.param(
+        Case(**SMALL, gates=("g_head",), cu_seqlens=(0, 4, 8, 8, 12, 16), initial_state=False), Split(4), marks=slow
+    ),
+    # a sequence starting mid-shard and spanning five shards, reversed
+    pytest.param(
+        Case(**SMALL, gates=("g_gamma", "gk", "gv"), cu_seqlens=(0, 2, 2, 7, 16), reverse=True), Split(8), marks=slow
+    ),
+    # two sequences over two shards each, reversed, heads split
+    pytest.param(
+        Case(**SMALL, gates=("g_channel",), cu_seqlens=(0, 6, 16), reverse=True), Split(4, head=2), marks=slow
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "split"), DENSE, ids=lambda x: str(x) if isinstance(x, Split) else None)
+def test_dense_matches_single_device(case, split):
+    assert_sharded_matches(case, split)
+
+
+@pytest.mark.parametrize(("case", "split"), PACKED, ids=lambda x: str(x) if isinstance(x, Split) else None)
+def test_packed_matches_single_device(case, split):
+    assert_sharded_matches(case, split)
+
+
+def test_float32_with_strong_decays_stays_finite():
+    case = Case(**SMALL, gates=GATES, dtype="float32", gate_low=-1e4)
+    assert_sharded_matches(case, Split(8))
+
+
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=slow), True], ids=["dense", "packed"])
+def test_rerun_strategy_matches(packed):
+    cu = (0, 3, 3, 11, 16) if packed else None
+    case = Case(**SMALL, gates=("g_head", "gk", "gv"), cu_seqlens=cu, reverse=packed)
+    kwargs = make_inputs(case)
+    mesh = Split(4).mesh()
+
+    def call(strategy):
+        def fn(**kw):
+            arguments = tuple(kw.get(name) for name in ("query", "key", "value", "g", "g_gamma", "gk", "gv"))
+            arguments += (kw.get("softmax_scale"), kw.get("initial_state"), kw["reverse"], kw.get("cu_seqlens"))
+            return parallel.sharded_call(arguments, mesh=mesh, sequence_axis="seq", strategy=strategy)
+
+        return vjp_results(fn, kwargs)
+
+    for x, y in zip(jax.tree.leaves(call("rerun")), jax.tree.leaves(call("correct"))):
+        assert max_rel_error(x, y) <= 1e-12
+
+
+@slow
+@pytest.mark.parametrize("name", recurrax.kernel_registry.names())
+def test_every_registered_implementation(name):
+    case = Case(**SMALL, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 16))
+    assert_sharded_matches(case, Split(4), implementation=name)
+
+
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="explicit mesh axes need jax.set_mesh")
+def test_explicit_mesh_axes():
+    kwargs = make_inputs(Case(**SMALL, gates=("g_head",)))
+    arrays, static = split_args(kwargs)
+    mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        call = jax.jit(lambda kw: parallel.recurrent(**kw, **static, mesh=mesh, sequence_axis="seq"))
+        output, state = call(arrays)
+    output_ref, state_ref = recurrax.recurrent(**kwargs, implementation="reference")
+    assert max_rel_error(output, output_ref) <= 1e-12
+    assert max_rel_error(state, state_ref) <= 1e-12
+
+
+# --- errors: all raised while tracing, before anything runs ---------------------------------
+
+
+def _call(case: Case, split: Split, **axes):
+    kwargs = make_inputs(case)
+    return parallel.recurrent(**kwargs, mesh=split.mesh(), **{**split.axes(), **axes})
+
+
+def test_indivisible_sequence_length_is_refused():
+    with pytest.raises(ValueError, match=r"seq_len=18 is not divisible by the 4 shards of sequence_axis='seq'"):
+        _call(Case(**{**SMALL, "T": 18}), Split(4))
+
+
+def test_indivisible_packed_token_count_is_refused():
+    with pytest.raises(ValueError, match=r"total_tokens=18 is not divisible by the 8 shards"):
+        _call(Case(**SMALL, cu_seqlens=(0, 7, 18)), Split(8))
+
+
+@pytest.mark.parametrize("argument", ["sequence_axis", "batch_axis", "head_axis"])
+def test_missing_mesh_axis_is_named(argument):
+    with pytest.raises(ValueError, match=rf"{argument}='tokens' is not an axis of the mesh.*\('seq',\)"):
+        _call(Case(**SMALL), Split(2), **{argument: "tokens"})
+
+
+def test_one_axis_for_two_roles_is_refused():
+    with pytest.raises(ValueError, match="must be different mesh axes"):
+        _call(Case(**SMALL), Split(2), batch_axis="seq")
+
+
+@pytest.mark.parametrize(
+    ("case", "split", "message"),
+    [
+        (Case(**{**SMALL, "B": 3}), Split(2, batch=2), "batch=3 is not divisible by the 2 shards of 'batch'"),
+        (Case(**{**SMALL, "H": 3, "Hkv": 1}), Split(2, head=2), "num_heads=3 is not divisible"),
+        (Case(**SMALL, cu_seqlens=(0, 8, 16)), Split(2, batch=2), "batch=1 is not divisible"),
+    ],
+    ids=["batch", "heads", "packed-batch"],
+)
+def test_indivisible_batch_or_heads_is_refused(case, split, message):
+    with pytest.raises(ValueError, match=message):
+        _call(case, split)
+
+
+def test_argument_checks_are_the_single_device_ones():
+    kwargs = make_inputs(Case(**SMALL))
+    kwargs["query"] = kwargs["query"][0]
+    with pytest.raises(ValueError, match=r"query must be \[batch, seq_len, num_heads, qk_head_dim\]"):
+        parallel.recurrent(**kwargs, mesh=Split(2).mesh(), sequence_axis="seq")
+
+
+def test_not_a_mesh_is_refused():
+    kwargs = make_inputs(Case(**SMALL))
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        parallel.recurrent(**kwargs, mesh="seq", sequence_axis="seq")
