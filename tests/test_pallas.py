@@ -22,8 +22,13 @@ from recurrax.pallas import SUPPORT, pallas_chunk_recurrent
 
 F32_TOL = 2e-4
 BF16_TOL = 2e-2
-"""bf16 inputs: the kernels round matmul operands (decayed q, k, the state) to bf16, as the
-reference does not; 2e-2 of the largest magnitude covers it with margin (measured ~5e-3)."""
+"""bf16 inputs: the kernels round matmul operands (decayed q, k, the state, dP) to bf16 as
+tensor-core kernels do (flash-linear-attention too); outputs and q/k/v/state gradients
+measure 2e-3 to 6e-3, per-token gate gradients 2e-3 to 1.1e-2. Not held to it: g_gamma's
+gradient, a sum over B·T(·K) of per-token gate gradients whose true total can be far
+smaller than its terms; measured relative to that total: 6.6e-3 (per-head g, B=2, T=130,
+K=V=32, C=64), 7e-2 (per-channel g there; 4e-2 even with float32 backward matmuls), and
+5.5e-3 to 8.9e-2 on T=20 cases (chunk 16) depending on the seed."""
 
 SMALL = dict(B=1, H=2, Hkv=1, K=16, V=16, dtype="float32")
 
@@ -42,12 +47,11 @@ def test_interpret_matches_reference(case):
 
 
 GATE_GRADS = ("dg", "dg_gamma", "dgk")
-STRONG_GATE_TOL = 3e-2
-"""Gate gradients under strong decays (gates down to −20). The reverse-cumsum identity
-returns dg as sums of O(1) terms q⊙dq − k⊙dk that cancel to a small result, so float32
-rounding of dq, dk shows relative to that result (g_gamma's sums over T and K the most;
-measured 1e-2). flash-linear-attention's kernels use the same identity. Everything else
-stays within F32_TOL."""
+STRONG_GATE_TOL = 1e-2
+"""Gate gradients under strong decays (gates down to −20). dg is a (chunk-local) sum of
+terms q⊙dq − k⊙dk that cancel to a small result, so float32 rounding of dq, dk shows
+relative to it, g_gamma's (a further sum over T and K) the most: measured 2.2e-3.
+Everything else stays within F32_TOL."""
 
 
 @pytest.mark.parametrize("gates", [("g_head",), ("g_channel", "g_gamma")], ids=str)

@@ -19,13 +19,24 @@ variable, B_t enters only through q̃_t = q_t ⊙ e^{B_t}, k̃_t = k_t ⊙ e^{�
 last token, through the final state h_T = e^{B_T} ⊙ (…). Since ∂L/∂q_t = e^{B_t} ⊙ ∂L/∂q̃_t
 and ∂L/∂k_t = e^{−B_t} ⊙ ∂L/∂k̃_t:
 
-    ∂L/∂B_t = q_t ⊙ dq_t − k_t ⊙ dk_t  (+ Σ_V h_T ⊙ dh_T on the last token)     [K]
+    dB_t := ∂L/∂B_t = q_t ⊙ dq_t − k_t ⊙ dk_t  (+ Σ_V h_T ⊙ dh_T on the last token)   [K]
 
-and because B_s = Σ_{t ≤ s} g_t, dg_t = Σ_{s ≥ t} ∂L/∂B_s: a reverse cumulative sum over
-the (padded) sequence; a per-head decay sums the K channels first. dq, dk are the
-kernel's exact gradients, so this is exact too (up to rounding). Everything else (the
-gradient of g_gamma, of grouped heads, of the flip and the padding) is JAX's autodiff of
-the normalisation.
+and because B_s = Σ_{t ≤ s} g_t, dg_t = Σ_{s ≥ t} dB_s, a reverse cumulative sum.
+
+That sum, taken over the whole sequence, adds O(1) terms that cancel to a much smaller
+result, so the rounding of dq and dk (bf16 matmul operands) grows with T. It is cut at
+chunk boundaries instead: for t in chunk n, whose last token is m − 1,
+
+    dg_t = Σ_{t ≤ s < m} dB_s  +  Σ_V S_m ⊙ dS_m
+
+because Σ_{s ≥ m} dB_s is the derivative of shifting B_s by the same δ for every s ≥ m,
+which multiplies every pair (j < m ≤ i) and the initial state's contribution after m by
+e^δ, i.e. scales the state S_m leaving chunk n (as later tokens see it) by e^δ; its
+derivative is Σ_V S_m ⊙ dS_m with dS_m the gradient the backward kernel carries there
+(for the last chunk: h_T ⊙ dh_T, the final-state term). The kernel writes that
+"boundary" term per chunk; only sums of at most C terms are left to cancel. A per-head
+decay sums the K channels. Everything else (the gradient of g_gamma, of grouped heads,
+of the flip and the padding) is JAX's autodiff of the normalisation.
 """
 
 from __future__ import annotations
@@ -60,21 +71,29 @@ def _chunk_bwd(static: Static, residuals, cotangents):
     do, dh_T = cotangents
     a = None if g is None else chunk_local_cumsum(g, static.blocks.chunk)
     _, states = chunk_forward(q, k, v, a, h0, static=static, emit_output=False, emit_states=True)
-    dq, dk, dv, dh0 = chunk_backward(q, k, v, a, do.astype(q.dtype), states, dh_T.astype(F32), static=static)
-    dg = None if g is None else gate_gradient(q, k, dq, dk, h_T, dh_T, static.gate).astype(g.dtype)
+    dq, dk, dv, dh0, boundary = chunk_backward(
+        q, k, v, a, do.astype(q.dtype), states, h_T, dh_T.astype(F32), static=static
+    )
+    dg = None if g is None else gate_gradient(q, k, dq, dk, boundary, static).astype(g.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype)
 
 
 _chunk.defvjp(_chunk_fwd, _chunk_bwd)
 
 
-def gate_gradient(q, k, dq, dk, h_T, dh_T, gate: Gate):
-    """dg by the reverse-cumsum identity (module docstring): [B, Tp, H] or [B, Tp, H, K]."""
+def gate_gradient(q, k, dq, dk, boundary, static: Static):
+    """dg by the chunk-local reverse-cumsum identity (module docstring).
+
+    **Arguments:** `q`, `k` [B, Tp, H, K]; `dq`, `dk` their float32 gradients; `boundary`
+    [B, H, N, K] = Σ_V S_{n+1} ⊙ dS_{n+1} per chunk. **Returns** [B, Tp, H] (per-head
+    decay) or [B, Tp, H, K] (per channel), float32.
+    """
+    B, Tp, H, K = q.shape
+    C = static.blocks.chunk
     dB = q.astype(F32) * dq - k.astype(F32) * dk  # [B, Tp, H, K]
-    dB = dB.at[:, -1].add(jnp.sum(h_T * dh_T.astype(F32), axis=-1))  # final-state term [B, H, K]
-    if gate is Gate.HEAD:
-        dB = dB.sum(-1)
-    return lax.cumsum(dB, axis=1, reverse=True)
+    within = lax.cumsum(dB.reshape(B, Tp // C, C, H, K), axis=2, reverse=True)  # Σ_{t ≤ s < chunk end}
+    dg = (within + jnp.transpose(boundary, (0, 2, 1, 3))[:, :, None]).reshape(B, Tp, H, K)
+    return dg.sum(-1) if static.gate is Gate.HEAD else dg
 
 
 def _key_side_gate(problem: Problem) -> tuple[Gate, jax.Array | None]:

@@ -34,7 +34,9 @@ anchor choices, each keeping both factors ≤ 0:
   dk and dv of that sub-block.
 
 Gate gradients are not computed here: they follow from dq and dk by the reverse-cumsum
-identity (`_chunk.py`). Validated like the forward: interpret mode on CPU, Triton
+identity, cut at chunk boundaries (`_chunk.py`), for which the kernel writes, per chunk,
+the boundary term Σ_V S ⊙ dS of the state leaving it (S from the recomputed states, or
+h_T for the last chunk; carried alongside dS). Validated like the forward: interpret mode on CPU, Triton
 lowering checked on CPU, not yet run on a GPU or TPU from this repository.
 """
 
@@ -116,11 +118,34 @@ def _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, *, scale, dtype):
     return dq, dk, mm_tn(P, do_s, dtype)
 
 
+def _key_sub_block_bwd(sub, full, a_before, a_end, a_last, S, dS, p, *, scale, dtype):
+    """Per-channel decay: (dq, dk, dv) of rows [p, p + c) of one chunk, float32.
+
+    `sub` and `full` are (q, k, v, do, A) of the sub-block and of the whole chunk;
+    `a_before` = A_{p−1} and `a_end` = A_{p+c−1} are the anchors (None at the chunk's edges).
+    """
+    q_s, k_s, v_s, do_s, a_s = sub
+    q, k, v, do, a = full
+    c = q_s.shape[0]
+    dq, dk, dv = _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, scale=scale, dtype=dtype)
+    dq += scale * mm_nt(do_s, S, dtype) * jnp.exp(a_s)  # from the state entering the chunk
+    to_end = jnp.exp(a_last - a_s)  # [c, K]
+    dk += mm_nt(v_s, dS, dtype) * to_end  # from the state leaving the chunk
+    dv += mm(k_s * to_end, dS, dtype)
+    if a_before is not None:
+        dq += _dq_before(do_s, a_s, k, v, a, a_before, p, scale=scale, dtype=dtype)
+    if a_end is not None:
+        dk_after, dv_after = _dkv_after(q, do, a, k_s, v_s, a_s, a_end, p + c - 1, scale=scale, dtype=dtype)
+        dk, dv = dk + dk_after, dv + dv_after
+    return dq, dk, dv
+
+
 def _backward_kernel(*refs, static: Static):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
     a_ref = rest.pop(0) if gate is not Gate.NONE else None
-    do_ref, states_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = rest
+    do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref, *rest = rest
+    boundary_ref = rest.pop(0) if gate is not Gate.NONE else None
 
     C, c = static.blocks.chunk, static.blocks.sub
     Tp, K = q_ref.shape
@@ -130,10 +155,13 @@ def _backward_kernel(*refs, static: Static):
     def store(ref, start, size, x):
         ref[pl.ds(start, size), :] = x.astype(ref.dtype)
 
-    def body(step, dS):
+    def body(step, carry):
+        dS, S_after = carry  # gradient and value of the state leaving chunk n
         n = N - 1 - step
         base = pl.multiple_of(n * C, C)
-        S = states_ref[n]  # [K, BV]
+        S = states_ref[n]  # [K, BV] entering chunk n
+        if boundary_ref is not None:  # Σ_V S ⊙ dS at the chunk's end, for the gate gradient
+            boundary_ref[pl.ds(n, 1), :] = jnp.sum(S_after * dS, axis=1)[None, :]
         q, k = rows(q_ref, base, C), rows(k_ref, base, C)
         v, do = rows(v_ref, base, C), rows(do_ref, base, C)
         a = None if a_ref is None else rows(a_ref, base, C).astype(F32)
@@ -143,53 +171,46 @@ def _backward_kernel(*refs, static: Static):
             store(dq_ref, base, C, dq)
             store(dk_ref, base, C, dk)
             store(dv_ref, base, C, dv)
-            return dS_entering
+            return dS_entering, S
         for p in range(0, C, c):
-            q_s, k_s = rows(q_ref, base + p, c), rows(k_ref, base + p, c)
-            v_s, do_s = rows(v_ref, base + p, c), rows(do_ref, base + p, c)
-            a_s = rows(a_ref, base + p, c)
-            dq_s, dk_s, dv_s = _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, scale=scale, dtype=dtype)
-            dq_s += scale * mm_nt(do_s, S, dtype) * jnp.exp(a_s)
-            to_end = jnp.exp(a_last - a_s)  # [c, K]
-            dk_s += mm_nt(v_s, dS, dtype) * to_end
-            dv_s += mm(k_s * to_end, dS, dtype)
-            if p > 0:
-                a_r = rows(a_ref, base + p - 1, 1)
-                dq_s += _dq_before(do_s, a_s, k, v, a, a_r, p, scale=scale, dtype=dtype)
-            if p + c < C:
-                a_r = rows(a_ref, base + p + c - 1, 1)
-                dk_after, dv_after = _dkv_after(q, do, a, k_s, v_s, a_s, a_r, p + c - 1, scale=scale, dtype=dtype)
-                dk_s, dv_s = dk_s + dk_after, dv_s + dv_after
+            sub = tuple(rows(ref, base + p, c) for ref in (q_ref, k_ref, v_ref, do_ref, a_ref))
+            before = rows(a_ref, base + p - 1, 1) if p > 0 else None  # anchors, [1, K]
+            end = rows(a_ref, base + p + c - 1, 1) if p + c < C else None
+            dq_s, dk_s, dv_s = _key_sub_block_bwd(
+                sub, (q, k, v, do, a), before, end, a_last, S, dS, p, scale=scale, dtype=dtype
+            )
             store(dq_ref, base + p, c, dq_s)
             store(dk_ref, base + p, c, dk_s)
             store(dv_ref, base + p, c, dv_s)
-        return jnp.exp(a_last).T * dS + scale * mm_tn(q * jnp.exp(a), do, dtype)
+        return jnp.exp(a_last).T * dS + scale * mm_tn(q * jnp.exp(a), do, dtype), S
 
-    dS = lax.fori_loop(0, N, body, dhT_ref[...].astype(F32))
+    dS, _ = lax.fori_loop(0, N, body, (dhT_ref[...].astype(F32), hT_ref[...].astype(F32)))
     dh0_ref[...] = dS.astype(dh0_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def chunk_backward(q, k, v, a, do, states, dhT, *, static: Static):
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, *, static: Static):
     """Run the backward kernel.
 
     **Arguments:**
     - `q`, `k`, `v`, `a`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
     - `states`: [B, H, N, K, V] float32, the state entering every chunk.
-    - `dhT`: [B, H, K, V] float32, the cotangent of the final state.
+    - `h_T`, `dh_T`: [B, H, K, V] float32, the final state and its cotangent.
 
-    **Returns:** `(dq, dk, dv, dh0)`: dq and dk [B, Tp, H, K] float32 (summed over value
-    blocks), dv [B, Tp, H, V] float32, dh0 [B, H, K, V] float32.
+    **Returns:** `(dq, dk, dv, dh0, boundary)`: dq and dk [B, Tp, H, K] float32 (summed
+    over value blocks), dv [B, Tp, H, V] float32, dh0 [B, H, K, V] float32, and (with a
+    decay, else None) boundary [B, H, N, K] float32: Σ_V S ⊙ dS for the state leaving
+    each chunk, the gate gradient's carry (see `_chunk.gate_gradient`).
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     BV = static.block_v(V)
-    nV = V // BV
+    nV, N = V // BV, Tp // static.blocks.chunk
     specs = specs_for(B, H, nV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
     in_specs = [specs["tokens_k"](Tp, K), specs["tokens_k"](Tp, K), specs["tokens_v"](Tp, BV)]
     in_specs += [a_spec] if a_spec is not None else []
-    in_specs += [specs["tokens_v"](Tp, BV), specs["states"](Tp // static.blocks.chunk, K, BV), specs["state"](K, BV)]
+    in_specs += [specs["tokens_v"](Tp, BV), specs["states"](N, K, BV), specs["state"](K, BV), specs["state"](K, BV)]
     out_specs = [specs["partial_k"](Tp, K), specs["partial_k"](Tp, K), specs["tokens_v"](Tp, BV), specs["state"](K, BV)]
     out_shape = [
         jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
@@ -197,8 +218,11 @@ def chunk_backward(q, k, v, a, do, states, dhT, *, static: Static):
         jax.ShapeDtypeStruct((B, Tp, H, V), F32),
         jax.ShapeDtypeStruct((B, H, K, V), F32),
     ]
-    args = (q, k, v) + ((a,) if a_spec is not None else ()) + (do, states, dhT)
-    dq, dk, dv, dh0 = pl.pallas_call(
+    if a_spec is not None:
+        out_specs.append(specs["partial_chunks"](N, K))
+        out_shape.append(jax.ShapeDtypeStruct((nV, B, H, N, K), F32))
+    args = (q, k, v) + ((a,) if a_spec is not None else ()) + (do, states, h_T, dh_T)
+    dq, dk, dv, dh0, *boundary = pl.pallas_call(
         functools.partial(_backward_kernel, static=static),
         grid=(B, H, nV),
         in_specs=in_specs,
@@ -208,4 +232,4 @@ def chunk_backward(q, k, v, a, do, states, dhT, *, static: Static):
         interpret=static.interpret,
         name="recurrax_chunk_bwd",
     )(*args)
-    return dq.sum(0), dk.sum(0), dv, dh0
+    return dq.sum(0), dk.sum(0), dv, dh0, (boundary[0].sum(0) if boundary else None)

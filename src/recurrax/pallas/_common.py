@@ -175,7 +175,11 @@ def specs_for(B: int, H: int, nV: int):
     def partial_k(Tp, K):  # [nV, B, Tp, H, K] -> ref [Tp, K], one slab per value block
         return pl.BlockSpec((None, None, Tp, None, K), lambda b, h, j: (j, b, 0, h, 0))
 
+    def partial_chunks(N, K):  # [nV, B, H, N, K] -> ref [N, K], one slab per value block
+        return pl.BlockSpec((None, None, None, N, K), lambda b, h, j: (j, b, h, 0, 0))
+
     return dict(
+        partial_chunks=partial_chunks,
         tokens_k=tokens_k,
         tokens_v=tokens_v,
         tokens_head=tokens_head,
