@@ -107,18 +107,18 @@ def call(implementation: str | Callable, **kwargs):
 
 
 def run_vjp(implementation: str | Callable, kwargs: dict, seed: int = 1):
-    """Forward outputs and the gradients of every differentiable argument."""
+    """Forward outputs and the gradients of every differentiable argument (one jitted call)."""
     diff, rest = split_args(kwargs)
 
-    def f(diff):
-        return call(implementation, **diff, **rest)
+    def forward_backward(diff):
+        (o, state), pullback = jax.vjp(lambda diff: call(implementation, **diff, **rest), diff)
+        rng = np.random.default_rng(seed)
+        do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
+        dstate = jnp.asarray(rng.standard_normal(state.shape), state.dtype)
+        (grads,) = pullback((do, dstate))
+        return o, state, grads
 
-    (o, state), pullback = jax.vjp(f, diff)
-    rng = np.random.default_rng(seed)
-    do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
-    dstate = jnp.asarray(rng.standard_normal(state.shape), state.dtype)
-    (grads,) = pullback((do, dstate))
-    return o, state, grads
+    return jax.jit(forward_backward)(diff)
 
 
 def max_rel_error(x, y) -> float:
