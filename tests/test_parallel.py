@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,21 @@ def test_explicit_mesh_axes():
     output_ref, state_ref = recurrax.recurrent(**kwargs, implementation="reference")
     assert max_rel_error(output, output_ref) <= 1e-12
     assert max_rel_error(state, state_ref) <= 1e-12
+
+
+def _collectives(case: Case, split: Split) -> list[str]:
+    """The collective instructions of the compiled forward, as `op result-type` strings."""
+    arrays, static = split_args(make_inputs(case))
+    mesh = split.mesh()
+    forward = jax.jit(lambda kw: parallel.recurrent(**kw, **static, mesh=mesh, **split.axes()))
+    text = forward.lower(arrays).compile().as_text()
+    pattern = r"= (\S+) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\("
+    return sorted(f"{op} {shape.split('{')[0]}" for shape, op in re.findall(pattern, text))
+
+
+def test_forward_exchanges_one_state_per_shard_whatever_the_length():
+    short, long = (_collectives(Case(**{**SMALL, "T": T}, gates=("gk", "gv")), Split(4)) for T in (16, 64))
+    assert short == long == ["all-gather f64[4,2,2,5,4]"]  # [P, B, H, K + 1, V + 1]
 
 
 # --- errors: all raised while tracing, before anything runs ---------------------------------

@@ -23,8 +23,9 @@ gives
     h_{p+1} = e^{A_p} ⊙ h_p ⊙ e^{B_p} + F_p                       shard transfer
 
 Transfers compose associatively, (A, B, F) then (A', B', F') = (A + A', B + B',
-e^{A'} F e^{B'} + F'), so each shard all-gathers every shard's (F_p, A_p, B_p) — P·B·H·(K·V
-+ K + V) numbers, independent of T — and folds those before it, in the state dtype. Every
+e^{A'} F e^{B'} + F'), so each shard all-gathers every shard's (F_p, A_p, B_p), packed in
+one [B, H, K+1, V+1] buffer — P·B·H·(K+1)·(V+1) numbers, independent of T — and folds the
+transfers of the shards before it, in the state dtype. Every
 exponent is one shard's total log decay or an in-shard cumulative one: ≤ 0 for gates ≤ 0,
 so nothing overflows however long the sequence.
 
@@ -286,10 +287,34 @@ class Plan:
     def run(self, problem: Problem):
         return self.impl.fn(problem, scale=self.scale, reverse=False)
 
-    def gather(self, tree):
-        """Every shard's `tree`, stacked on a new leading axis in processing order."""
-        gathered = jax.lax.all_gather(tree, self.axes.sequence)
-        return jax.tree.map(lambda x: x[::-1], gathered) if self.reverse else gathered
+    def gather(self, state: Float[Array, "B H K V"], totals: Decays) -> tuple[Array, Decays]:
+        """Every shard's state and total decays ([P, ...]) in processing order: one all-gather."""
+        gathered = jax.lax.all_gather(pack(state, totals), self.axes.sequence)
+        gathered = gathered[::-1] if self.reverse else gathered
+        return unpack(gathered, totals)
+
+
+def pack(state: Float[Array, "B H K V"], totals: Decays) -> Float[Array, "B H K+1 V+1"]:
+    """State and total decays in one buffer: A_p as an extra value column, B_p as an extra key row.
+
+    Absent decays add nothing (the buffer is then [B, H, K, V], or one of K, V grows by one).
+    """
+    B, H, K, V = state.shape
+    if totals.key is not None:
+        state = jnp.concatenate([state, jnp.broadcast_to(totals.key, (B, H, K))[..., None]], axis=-1)
+    if totals.value is not None:
+        row = totals.value if totals.key is None else jnp.pad(totals.value, ((0, 0), (0, 0), (0, 1)))
+        state = jnp.concatenate([state, row[:, :, None, :]], axis=-2)
+    return state
+
+
+def unpack(packed: Float[Array, "... K+1 V+1"], like: Decays) -> tuple[Array, Decays]:
+    """The inverse of `pack`, for any leading axes; `like` says which decays are present."""
+    rows = slice(None, -1) if like.value is not None else slice(None)
+    columns = slice(None, -1) if like.key is not None else slice(None)
+    key = None if like.key is None else packed[..., rows, -1]
+    value = None if like.value is None else packed[..., -1, columns]
+    return packed[..., rows, columns], Decays(key, value)
 
 
 def _dense_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
@@ -297,7 +322,7 @@ def _dense_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
     local = problem._replace(initial_state=jnp.zeros_like(problem.initial_state))
     output, final = plan.run(local)
     decays = Decays.of(problem)
-    finals, totals = plan.gather((final, decays.at(problem.query.shape[1] - 1)))
+    finals, totals = plan.gather(final, decays.at(problem.query.shape[1] - 1))
     passes = jnp.ones(plan.axes.shards, bool)
     incoming, last = fold_shards(problem.initial_state, finals, totals, passes)
     incoming = incoming[shard]
@@ -325,7 +350,7 @@ def _packed_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
     this = Pieces.of(cu_seqlens, shard, length)
     decays = Decays.of(problem)
     carry_out = finals[this.tail][None]  # [1, H, K, V]
-    gathered, totals = plan.gather((carry_out, decays.at(length - 1)))
+    gathered, totals = plan.gather(carry_out, decays.at(length - 1))
     incoming, _ = fold_shards(jnp.zeros_like(carry_out), gathered, totals, every.passes)
     incoming = jnp.where(this.continues, incoming[shard], jnp.zeros_like(carry_out))
 
