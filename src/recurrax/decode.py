@@ -1,0 +1,139 @@
+"""Inference: advance the recurrent state by one token (or a few) from a given state.
+
+| symbol | meaning                                            |
+|--------|----------------------------------------------------|
+| B      | sequences being decoded                            |
+| T      | new tokens per sequence (absent in one-token form) |
+| H, Hkv | query heads, key/value heads (H % Hkv == 0)        |
+| K, V   | key/query and value head dimensions                |
+
+One token updates the state exactly as one step of `recurrent` does:
+
+    h ← diag(exp(a)) · h · diag(exp(b)) + k ⊗ v        a = g + g_gamma + gk,  b = gv
+    o = softmax_scale · qᵀ h
+
+The arguments are validated by the same code as `recurrent`'s (a time axis of 1 is added
+to one-token inputs), and the update runs on the canonical form, without a scan. Several
+tokens at once are handed to the registered algorithms, exactly as
+`recurrent(..., initial_state=state)`; so prefill and decoding are one call.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ._inputs import Problem, _fail, _floating, canonicalize, request_of
+from .registry import kernel_registry
+
+_STEP_HINT = (
+    " (recurrent_step adds a seq_len axis of 1 to one-token arguments: query "
+    "[batch, num_heads, qk_head_dim], g [batch, num_heads] or [batch, num_heads, qk_head_dim])"
+)
+
+
+def recurrent_step(
+    query: Float[Array, "batch num_heads qk_head_dim"] | Float[Array, "batch seq_len num_heads qk_head_dim"],
+    key: Float[Array, "batch num_kv_heads qk_head_dim"] | Float[Array, "batch seq_len num_kv_heads qk_head_dim"],
+    value: Float[Array, "batch num_kv_heads v_head_dim"] | Float[Array, "batch seq_len num_kv_heads v_head_dim"],
+    state: Float[Array, "batch num_heads qk_head_dim v_head_dim"] | None,
+    *,
+    g: Float[Array, "batch *seq_len num_heads *qk_head_dim"] | None = None,
+    g_gamma: Float[Array, " num_heads"] | None = None,
+    gk: Float[Array, "batch *seq_len num_heads qk_head_dim"] | None = None,
+    gv: Float[Array, "batch *seq_len num_heads v_head_dim"] | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[Float[Array, "batch *seq_len num_heads v_head_dim"], Float[Array, "batch num_heads qk_head_dim v_head_dim"]]:
+    """Advance the recurrent state of `batch` sequences by their next token(s).
+
+    One-token form (3-D `query`): the tokens that follow `state`, one per sequence.
+    Several-token form (4-D `query`): identical to
+    `recurrent(query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state=state)`.
+
+    **Arguments:**
+    - `query`: `[batch, num_heads, qk_head_dim]`, or `[batch, seq_len, num_heads, qk_head_dim]`.
+    - `key`, `value`: `[batch, num_kv_heads, qk_head_dim]` and `[batch, num_kv_heads, v_head_dim]`
+      (with `seq_len` after `batch` in the several-token form); `num_kv_heads` divides
+      `num_heads`.
+    - `state`: `[batch, num_heads, qk_head_dim, v_head_dim]`, the state after the previous
+      tokens (e.g. `recurrent`'s `final_state`), or `None` for an empty history.
+    - `g`: log decay per head `[batch, num_heads]` or per key channel
+      `[batch, num_heads, qk_head_dim]` (with `seq_len` after `batch` in the several-token form).
+    - `g_gamma`: constant log decay per head `[num_heads]`.
+    - `gk`: per-key-channel log decay; `gv`: per-value-channel log decay `[..., v_head_dim]`.
+    - `softmax_scale`: a Python number; defaults to `qk_head_dim ** -0.5`.
+
+    **Returns:** `(output, new_state)`: `output` `[batch, (seq_len,) num_heads, v_head_dim]` in
+    the query's dtype; `new_state` like `state`, in float32 (float64 for float64 inputs).
+    """
+    one_token = _floating("query", query).ndim == 3
+    problem, scale = _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token)
+    if problem.query.shape[1] == 1:
+        output, new_state = one_step(problem, scale)
+    else:
+        impl = kernel_registry.get(None, request_of(problem))
+        output, new_state = impl.fn(problem, scale=scale, reverse=False)
+    return (output[:, 0] if one_token else output), new_state
+
+
+def one_step(problem: Problem, scale: float) -> tuple[Float[Array, "B 1 H V"], Float[Array, "B H K V"]]:
+    """The recurrence for a canonical problem of a single token per row (T = 1, no packing)."""
+    state_dtype = problem.initial_state.dtype
+    query, key, value = (x[:, 0].astype(state_dtype) for x in (problem.query, problem.key, problem.value))
+    state = problem.initial_state  # [B, H, K, V]
+    key_decay = _key_side_decay(problem)
+    if key_decay is not None:
+        state = state * jnp.exp(key_decay)[..., None]  # [B, H, K, 1] or [B, H, 1, 1]
+    if problem.log_decay_value is not None:
+        state = state * jnp.exp(problem.log_decay_value[:, 0])[..., None, :]  # [B, H, 1, V]
+    state = state + key[..., :, None] * value[..., None, :]
+    output = scale * jnp.einsum("bhk,bhkv->bhv", query, state)
+    return output[:, None].astype(problem.query.dtype), state
+
+
+def _key_side_decay(problem: Problem) -> Float[Array, "B H K"] | Float[Array, "B H 1"] | None:
+    """The key-side log decay of the single token, without materialising absent terms."""
+    head = None if problem.log_decay_head is None else problem.log_decay_head[:, 0, :, None]
+    channel = None if problem.log_decay_key is None else problem.log_decay_key[:, 0]
+    if head is None or channel is None:
+        return head if channel is None else channel
+    return head + channel
+
+
+def _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token) -> tuple[Problem, float]:
+    """Validate through `recurrent`'s own canonicalisation; `state` is checked under its name."""
+    names = ("query", "key", "value", "g", "gk", "gv")
+    arrays = dict(zip(names, (query, key, value, g, gk, gv)))
+    try:
+        if one_token:
+            arrays = {name: _with_time_axis(name, x) for name, x in arrays.items()}
+        problem, config, _ = canonicalize(
+            arrays["query"], arrays["key"], arrays["value"], arrays["g"], g_gamma, arrays["gk"], arrays["gv"],
+            softmax_scale, None, False, None,
+        )
+    except (TypeError, ValueError) as error:
+        if not one_token:
+            raise
+        raise type(error)(str(error) + _STEP_HINT) from error
+    return problem._replace(initial_state=_state(state, problem)), config.scale
+
+
+def _with_time_axis(name: str, x):
+    """A one-token array [batch, ...] as [batch, 1, ...]; non-arrays are left to be named later."""
+    if x is None or not hasattr(x, "ndim"):
+        return x
+    if x.ndim < 2:
+        _fail(name, "an array [batch, ...] without a seq_len axis", f"shape {tuple(x.shape)}")
+    return x[:, None]
+
+
+def _state(state, problem: Problem) -> Float[Array, "B H K V"]:
+    """`state` checked against the canonical problem, in its accumulation dtype."""
+    expected = problem.initial_state
+    if state is None:
+        return expected
+    state = _floating("state", state)
+    if state.shape != expected.shape:
+        words = "[batch, num_heads, qk_head_dim, v_head_dim] = [" + ", ".join(map(str, expected.shape)) + "]"
+        _fail("state", words, f"shape {tuple(state.shape)}")
+    return state.astype(expected.dtype)
