@@ -44,3 +44,71 @@ def single_segment(num_tokens: int) -> Segments:
     """The segments of one dense sequence of `num_tokens` tokens."""
     tokens = jnp.arange(num_tokens)
     return Segments(jnp.zeros(num_tokens, jnp.int32), tokens == 0, tokens == num_tokens - 1)
+
+
+# ----------------------------------------------------------------------------- chunk-aligned layout
+#
+# The chunk algorithm wants every sequence to start on a chunk boundary. Sequence s of length
+# L_s then occupies ceil(L_s / C) whole chunks, its tokens left-aligned and the rest of its
+# last chunk padding. Since ceil(L / C) <= (L + C - 1) / C, the total over S sequences is at
+# most floor((N + S·(C - 1)) / C) <= ceil(N / C) + S: a static number of chunks M however the
+# tokens are split, so the layout has the static shape [M·C] even for a traced cu_seqlens.
+
+
+class ChunkLayout(NamedTuple):
+    """Where packed tokens sit when every sequence starts on a chunk boundary.
+
+    **Arguments:**
+    - `token_slot`: [N] the slot (in the padded axis of M·C slots) of every packed token.
+    - `slot_token`: [M·C] the packed token in every slot, or N for padding.
+    - `chunk_seq`: [M] the sequence owning each chunk (unused trailing chunks: the last one).
+    - `chunk_first`, `chunk_last`: [M] whether the chunk is its sequence's first / last.
+    - `seq_empty`: [S] whether the sequence has no tokens (it owns no chunk).
+    """
+
+    token_slot: Int[Array, " N"]
+    slot_token: Int[Array, " M_times_C"]
+    chunk_seq: Int[Array, " M"]
+    chunk_first: Bool[Array, " M"]
+    chunk_last: Bool[Array, " M"]
+    seq_empty: Bool[Array, " S"]
+
+
+def max_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """The static chunk count M of the aligned layout: floor((N + S·(C−1)) / C) <= ceil(N/C) + S."""
+    return max(1, (num_tokens + num_seqs * (chunk_size - 1)) // chunk_size)
+
+
+def chunk_layout(cu_seqlens: Int[Array, " S_plus_1"], num_tokens: int, chunk_size: int) -> ChunkLayout:
+    """The chunk-aligned layout of a packed batch (works on a traced `cu_seqlens`)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    num_seqs = cu.shape[0] - 1
+    num_chunks = max_chunks(num_tokens, num_seqs, chunk_size)
+    lengths = cu[1:] - cu[:-1]
+    seq_chunks = (lengths + chunk_size - 1) // chunk_size  # [S]
+    chunk_end = jnp.cumsum(seq_chunks)  # [S] one past each sequence's last chunk
+    chunk_start = chunk_end - seq_chunks
+
+    seg = segments(cu, num_tokens)
+    token_slot = chunk_start[seg.seq_id] * chunk_size + jnp.arange(num_tokens, dtype=jnp.int32) - cu[seg.seq_id]
+
+    chunks = jnp.arange(num_chunks, dtype=jnp.int32)
+    used = chunks < chunk_end[-1]
+    chunk_seq = jnp.minimum(jnp.searchsorted(chunk_end, chunks, side="right"), num_seqs - 1).astype(jnp.int32)
+    chunk_first = used & (chunks == chunk_start[chunk_seq])
+    chunk_last = used & (chunks == chunk_end[chunk_seq] - 1)
+
+    slot_token = jnp.full((num_chunks * chunk_size,), num_tokens, jnp.int32).at[token_slot].set(
+        jnp.arange(num_tokens, dtype=jnp.int32)
+    )
+    return ChunkLayout(token_slot, slot_token, chunk_seq, chunk_first, chunk_last, lengths == 0)
+
+
+def to_chunk_layout(x: Array, layout: ChunkLayout) -> Array:
+    """[N, ...] packed tokens -> [M·C, ...] aligned slots, padding slots zero."""
+    return jnp.take(x, layout.slot_token, axis=0, mode="fill", fill_value=0)
+
+
+def from_chunk_layout(y: Array, layout: ChunkLayout) -> Array:
+    """[M·C, ...] aligned slots -> [N, ...] packed tokens."""
+    return jnp.take(y, layout.token_slot, axis=0)

@@ -1,0 +1,168 @@
+"""The chunkwise-parallel algorithm: masked matmuls inside a chunk, a scan of the state across.
+
+| symbol | meaning                                                                     |
+|--------|-----------------------------------------------------------------------------|
+| B, T   | batch rows, tokens per row                                                  |
+| H      | heads (grouped heads already expanded)                                      |
+| K, V   | key/query and value head dimensions                                         |
+| C      | chunk size (`chunk_size`); T is padded up to a multiple with neutral tokens |
+| c      | leaf block size (`block_size`) of the per-channel decay ladder              |
+| N      | chunks per row; packed input: M ≤ ceil(N_tokens / C) + S aligned chunks    |
+| R      | state rows: B, or S packed sequences                                        |
+
+Same semantics as DESIGN §1. Inside a chunk the output is a decayed causal product of
+queries and keys applied to values (`_chunk_intra`: exact for any decay strength, every
+exponential has a non-positive exponent); across chunks only the [K, V] state is carried
+by a `lax.scan` (`_chunk_scan`), whose hand-written backward recomputes everything from
+the chunk-start states. Costs per token and head: 4·K·V + 2·C·(K + V)/2·… multiply-adds,
+residual memory O(B·T·H·(K+V) + B·H·(T/C)·K·V).
+
+- Padding: T is padded to a multiple of C with q = k = v = 0 and log decay 0 — tokens that
+  neither change the state nor read it. A short T shrinks C (by halving) first.
+- `reverse`: chunks are visited from last to first and each chunk is flipped; the padding
+  then comes first, which is harmless for neutral tokens.
+- Packed input: tokens are gathered into the chunk-aligned layout of `varlen.chunk_layout`
+  (every sequence starts on a chunk boundary), the state is reset per sequence, and the
+  output is gathered back. Shapes depend only on N and S, so `cu_seqlens` may be traced.
+
+**Tuning.** `chunk_size` and `block_size` are static; the defaults per backend
+(`DEFAULT_TILING`) come from the sweep in `benchmarks/chunk_sweep.py`
+(`benchmarks/results/chunk_sweep.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from . import varlen
+from ._chunk_scan import ChunkMeta, Gates, Static, chunked
+from ._inputs import Problem
+from .reference import ALL_FLOATS
+from .registry import Backend, Platform, Support, current_backend, kernel_registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static tile sizes of the chunk algorithm.
+
+    **Arguments:**
+    - `chunk_size`: tokens per chunk C (the state is materialised once per chunk).
+    - `block_size`: leaf block c of the per-channel decay ladder: diagonal blocks of c
+      tokens are evaluated element-wise (C / c must be a power of two).
+    """
+
+    chunk_size: int
+    block_size: int
+
+    def check(self) -> None:
+        C, c = self.chunk_size, self.block_size
+        for name, size in (("chunk_size", C), ("block_size", c)):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
+        ratio = C // c
+        if C % c or ratio & (ratio - 1):
+            raise ValueError(
+                f"chunk_size must be block_size times a power of two, got chunk_size={C}, block_size={c}"
+            )
+
+
+DEFAULT_TILING = {
+    "cpu": Tiling(chunk_size=64, block_size=1),
+    "gpu": Tiling(chunk_size=64, block_size=1),
+    "tpu": Tiling(chunk_size=64, block_size=1),
+}
+"""Per-backend defaults, chosen by `benchmarks/chunk_sweep.py` (see the module docstring)."""
+
+
+def default_tiling(backend: str | None = None) -> Tiling:
+    """The measured default tiling of `backend` (the current one when None)."""
+    return DEFAULT_TILING.get(backend or current_backend(), DEFAULT_TILING["cpu"])
+
+
+def chunk(
+    problem: Problem,
+    *,
+    scale: float,
+    reverse: bool,
+    chunk_size: int | None = None,
+    block_size: int | None = None,
+) -> tuple[Float[Array, "B T H V"], Float[Array, "R H K V"]]:
+    """The chunk algorithm on a canonical `problem`; returns `(output, final_state)`.
+
+    **Arguments:**
+    - `problem`: the canonical form (`recurrax._inputs.Problem`).
+    - `scale`: the softmax scale; `reverse`: run from the last token to the first.
+    - `chunk_size`, `block_size`: static tiling (`Tiling`); None takes this backend's
+      default for whichever is missing.
+    """
+    default = default_tiling()
+    tiling = Tiling(chunk_size or default.chunk_size, block_size or default.block_size)
+    if block_size is None and tiling.chunk_size % tiling.block_size:
+        tiling = Tiling(tiling.chunk_size, 1)
+    tiling.check()
+    gates = Gates(problem.log_decay_head, problem.log_decay_key, problem.log_decay_value)
+    arrays = (problem.query, problem.key, problem.value)
+    if problem.cu_seqlens is None:
+        return _dense(tiling, scale, reverse, arrays, gates, problem.initial_state)
+    return _packed(tiling, scale, reverse, arrays, gates, problem.initial_state, problem.cu_seqlens)
+
+
+def _fitted_chunk(tiling: Tiling, seq_len: int) -> int:
+    """Halve C while the sequence fits in half a chunk (C / c stays a power of two)."""
+    size = tiling.chunk_size
+    while size // 2 >= max(seq_len, tiling.block_size):
+        size //= 2
+    return size
+
+
+def _pad_tokens(x: Array | None, length: int) -> Array | None:
+    if x is None or x.shape[1] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, length - x.shape[1])
+    return jnp.pad(x, widths)
+
+
+def _dense(tiling: Tiling, scale, reverse, arrays, gates: Gates, init):
+    T = arrays[0].shape[1]
+    size = _fitted_chunk(tiling, T)
+    padded = -(-T // size) * size
+    q, k, v = (_pad_tokens(x, padded) for x in arrays)
+    gates = Gates(*(_pad_tokens(g, padded) for g in gates))
+    static = Static(size, min(tiling.block_size, size), float(scale), bool(reverse))
+    out, final = chunked(static, q, k, v, gates, init, None)
+    return out[:, :T], final
+
+
+def _packed(tiling: Tiling, scale, reverse, arrays, gates: Gates, init, cu_seqlens):
+    num_tokens = arrays[0].shape[1]
+    size = tiling.chunk_size
+    layout = varlen.chunk_layout(cu_seqlens, num_tokens, size)
+    to_layout = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
+    q, k, v = (to_layout(x) for x in arrays)
+    gates = Gates(*(to_layout(g) for g in gates))
+    first, last = layout.chunk_first, layout.chunk_last
+    meta = ChunkMeta(
+        seq=layout.chunk_seq,
+        load=last if reverse else first,
+        emit=first if reverse else last,
+        empty=layout.seq_empty,
+    )
+    static = Static(size, tiling.block_size, float(scale), bool(reverse))
+    out, final = chunked(static, q, k, v, gates, init, meta)
+    return varlen.from_chunk_layout(out[0], layout)[None], final
+
+
+@kernel_registry.register(
+    "chunk",
+    Platform.XLA,
+    Backend.ANY,
+    priority=20,
+    supports=Support(dtypes=ALL_FLOATS, gates=frozenset({"head", "key", "value"}), varlen=True),
+)
+def chunk_recurrent(problem: Problem, *, scale: float, reverse: bool):
+    """The registered entry point: `chunk` with this backend's default tiling."""
+    return chunk(problem, scale=scale, reverse=reverse)
