@@ -1,0 +1,331 @@
+"""Token mixers built on `recurrax.recurrent`: GLA, RetNet, Lightning Attention, linear attention.
+
+| symbol | meaning                                           |
+|--------|---------------------------------------------------|
+| B, T   | batch rows, tokens per row (packed: B = 1, T = N) |
+| D      | model width `d_model`                             |
+| H, Hkv | query heads, key/value heads                      |
+| K, V   | key/query and value head dimensions               |
+
+Every mixer does the same five things and differs only in two hooks:
+
+    q, k, v = x W_q, x W_k, x W_v                  [B, T, H, K], [B, T, Hkv, K], [B, T, Hkv, V]
+    q, k    = φ(q), φ(k)                           hook `_features`
+    decays  = ...                                  hook `_decays`: g / g_gamma for `recurrent`
+    o       = recurrent(q, k, v, **decays)         [B, T, H, V]
+    y       = (RMSNorm_per_head(o) ⊙ gate(x W_g)) W_o
+
+Optionally (`conv_size`), a short causal convolution runs over q, k and v before φ.
+The decode cache is a `MixerCache`: the recurrent state `[B, H, K, V]` (float32) and the
+convolution's last inputs. `layer(x, cache=cache)` returns `(y, new_cache)`, whatever the
+number of tokens in `x`, and the parallel forward equals decoding token by token from
+`layer.init_cache(B)`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from .._recurrent import recurrent
+from ..decode import recurrent_step
+from ._conv import ShortConvolution
+
+GATES = {
+    None: None,
+    "swish": jax.nn.swish,
+    "sigmoid": jax.nn.sigmoid,
+}
+FEATURE_MAPS = {
+    "identity": lambda x: x,
+    "elu_plus_one": lambda x: jax.nn.elu(x) + 1.0,
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+State = Float[Array, "rows num_heads qk_head_dim v_head_dim"]
+
+
+class MixerCache(NamedTuple):
+    """What a mixer carries from one call to the next while decoding.
+
+    **Arguments:**
+    - `state`: the recurrent state `[rows, H, K, V]`, float32 (float64 for float64 models).
+    - `conv`: the short convolution's last inputs `[rows, conv_size − 1, C]`, or `None` when
+      the mixer has no short convolution.
+    """
+
+    state: State
+    conv: Float[Array, "rows taps channels"] | None
+
+
+class RecurrentMixer(nnx.Module):
+    """Projections, grouped heads, the recurrence, per-head RMS norm, output gate and projection.
+
+    Subclasses choose the decays (`_decays`) and the query/key feature map (`_features`).
+
+    **Arguments:**
+    - `d_model`: width of the input and output.
+    - `num_heads`: query heads H.
+    - `num_kv_heads`: key/value heads (grouped heads); must divide `num_heads`. Default H.
+    - `qk_head_dim`, `v_head_dim`: head dimensions K and V; default `d_model // num_heads`.
+    - `output_gate`: `"swish"`, `"sigmoid"` or `None` (no gate projection).
+    - `conv_size`: taps of a short causal convolution (with SiLU) on q, k and v before the
+      feature map, or `0` for none (the default).
+    - `softmax_scale`: scale of `qᵀh`; default `qk_head_dim ** -0.5`.
+    - `dtype`: computation dtype of projections and the recurrence inputs; `param_dtype`: of
+      the parameters.
+    - `rngs`: `flax.nnx.Rngs` for the initialisation.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        qk_head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        output_gate: str | None = "swish",
+        conv_size: int = 0,
+        softmax_scale: float | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads={num_heads}, got {num_kv_heads}")
+        if output_gate not in GATES:
+            raise ValueError(f"output_gate must be one of {list(GATES)}, got {output_gate!r}")
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.qk_head_dim = qk_head_dim or d_model // num_heads
+        self.v_head_dim = v_head_dim or d_model // num_heads
+        self.output_gate, self.softmax_scale = output_gate, softmax_scale
+        self.dtype = dtype
+        K, V, H, Hkv = self.qk_head_dim, self.v_head_dim, num_heads, num_kv_heads
+        self.qkv_sizes = (H * K, Hkv * K, Hkv * V)
+        linear = _linear_factory(dtype, param_dtype, rngs)
+        self.qkv_proj = linear(d_model, sum(self.qkv_sizes))
+        self.conv = (
+            ShortConvolution(sum(self.qkv_sizes), conv_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            if conv_size else None
+        )
+        self.g_proj = linear(d_model, H * V) if output_gate else None
+        self.o_proj = linear(H * V, d_model)
+        self.norm = nnx.RMSNorm(V, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq_len d_model"] | Float[Array, "total_tokens d_model"],
+        cache: MixerCache | None = None,
+        *,
+        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    ) -> Float[Array, "... d_model"] | tuple[Float[Array, "... d_model"], MixerCache]:
+        """Mix the tokens of `x`; with `cache`, continue from it and return the new one too.
+
+        **Arguments:**
+        - `x`: `[batch, seq_len, d_model]`, or packed `[total_tokens, d_model]` /
+          `[1, total_tokens, d_model]` with `cu_seqlens`.
+        - `cache`: a `MixerCache` for the tokens before `x` (rows: `batch`, or `num_seqs`
+          when packed), e.g. `init_cache(batch)`; `None` for a parallel forward from nothing.
+        - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
+
+        **Returns:** `y` shaped like `x`, or `(y, new_cache)` when `cache` is given.
+        """
+        x3 = self._check_input(x, cu_seqlens)
+        if cache is not None:
+            self._check_cache(cache, x3.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+        q, k, v, conv = self._project(x3, None if cache is None else cache.conv, cu_seqlens)
+        o, state = self._recur(q, k, v, self._decays(x3), None if cache is None else cache.state, cu_seqlens)
+        y = self._output(o, x3)
+        y = y[0] if x.ndim == 2 else y
+        return y if cache is None else (y, MixerCache(state, conv))
+
+    def init_cache(self, batch_size: int, dtype=jnp.float32) -> MixerCache:
+        """An empty decode cache for `batch_size` sequences (zero state and convolution buffer).
+
+        **Arguments:**
+        - `batch_size`: sequences to decode (or packed sequences `num_seqs`).
+        - `dtype`: the state dtype: float32, or float64 for float64 models under x64.
+        """
+        state_shape, conv_shape = self._cache_shapes(batch_size)
+        conv = None if conv_shape is None else jnp.zeros(conv_shape, self.dtype)
+        return MixerCache(jnp.zeros(state_shape, dtype), conv)
+
+    def _cache_shapes(self, rows: int) -> MixerCache:
+        """The shapes of a cache for `rows` sequences."""
+        state = (rows, self.num_heads, self.qk_head_dim, self.v_head_dim)
+        conv = None if self.conv is None else (rows, self.conv.kernel_size - 1, self.conv.channels)
+        return MixerCache(state, conv)
+
+    def _check_input(self, x, cu_seqlens) -> Float[Array, "B T D"]:
+        expected = 2 if cu_seqlens is not None else None
+        if not hasattr(x, "ndim") or x.ndim not in (expected, 3) or x.shape[-1] != self.d_model:
+            words = f"[batch, seq_len, {self.d_model}]" + (
+                f" or [total_tokens, {self.d_model}] (packed)" if cu_seqlens is not None else ""
+            )
+            raise ValueError(f"x must be {words}, got {getattr(x, 'shape', type(x).__name__)}")
+        return x[None] if x.ndim == 2 else x
+
+    def _check_cache(self, cache, rows: int) -> None:
+        if not isinstance(cache, MixerCache):
+            raise TypeError(f"cache must be a MixerCache (see init_cache), got {type(cache).__name__}")
+        for field, want in zip(MixerCache._fields, self._cache_shapes(rows)):
+            got = getattr(cache, field)
+            if (want is None) != (got is None) or (want is not None and tuple(want) != got.shape):
+                expected = "None" if want is None else list(want)
+                raise ValueError(f"cache.{field} must be {expected} for {rows} rows, got {getattr(got, 'shape', got)}")
+
+    def _project(self, x: Float[Array, "B T D"], conv_buffer, cu_seqlens):
+        """q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] and the new convolution buffer."""
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x)  # [B, T, H·K + Hkv·K + Hkv·V]
+        new_buffer = None
+        if self.conv is not None:
+            qkv, new_buffer = self.conv(qkv, conv_buffer, cu_seqlens)
+        q, k, v = jnp.split(qkv, np.cumsum(self.qkv_sizes)[:-1], axis=-1)
+        q = self._features(q.reshape(B, T, self.num_heads, -1))
+        k = self._features(k.reshape(B, T, self.num_kv_heads, -1))
+        v = v.reshape(B, T, self.num_kv_heads, -1)
+        return q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype), new_buffer
+
+    def _recur(self, q, k, v, decays: dict, state: State | None, cu_seqlens):
+        """The recurrence: parallel from nothing, or continuing from `state` (decoding)."""
+        scale = self.softmax_scale
+        if state is None or cu_seqlens is not None:
+            return recurrent(q, k, v, **decays, softmax_scale=scale, initial_state=state, cu_seqlens=cu_seqlens)
+        return recurrent_step(q, k, v, state, **decays, softmax_scale=scale)
+
+    def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        B, T = o.shape[:2]
+        o = self.norm(o)
+        if self.g_proj is not None:
+            o = o * GATES[self.output_gate](self.g_proj(x).reshape(o.shape))
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def _features(self, x: Array) -> Array:
+        return x
+
+    def _decays(self, x: Float[Array, "B T D"]) -> dict:
+        return {}
+
+
+class GatedLinearAttention(RecurrentMixer):
+    """Gated linear attention (GLA): a data-dependent decay per key channel.
+
+    The log decay is `log_sigmoid(x W_down W_up + b) / gate_logit_normalizer`, per head and key
+    channel, so decays stay in (0, 1) and close to 1 at initialisation.
+
+    **Arguments:** those of `RecurrentMixer`, plus
+    - `gate_low_rank_dim`: rank of the decay projection (default 16).
+    - `gate_logit_normalizer`: divides the log-sigmoid (default 16).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, gate_low_rank_dim: int = 16,
+                 gate_logit_normalizer: float = 16.0, rngs: nnx.Rngs, **options):
+        super().__init__(d_model, num_heads, rngs=rngs, **options)
+        self.gate_logit_normalizer = float(gate_logit_normalizer)
+        param_dtype = options.get("param_dtype", jnp.float32)
+        self.gk_down = nnx.Linear(d_model, gate_low_rank_dim, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.gk_up = nnx.Linear(gate_low_rank_dim, num_heads * self.qk_head_dim, param_dtype=param_dtype, rngs=rngs)
+
+    def _decays(self, x: Float[Array, "B T D"]) -> dict:
+        B, T, _ = x.shape
+        logits = self.gk_up(self.gk_down(x.astype(self.gk_down.kernel.dtype)))
+        gk = jax.nn.log_sigmoid(logits) / self.gate_logit_normalizer  # [B, T, H * K]
+        return {"g": gk.reshape(B, T, self.num_heads, self.qk_head_dim)}
+
+
+class MultiScaleRetention(RecurrentMixer):
+    """Retention (RetNet): a fixed decay per head, `log(1 − 2^(−5−h))` for head h.
+
+    Positions enter only through the decays (no xPos/rotary rotation of q and k).
+
+    **Arguments:** those of `RecurrentMixer`.
+    """
+
+    def _decays(self, x: Float[Array, "B T D"]) -> dict:
+        return {"g_gamma": retention_log_decays(self.num_heads)}
+
+
+class LightningAttention(RecurrentMixer):
+    """Lightning Attention (TransNormerLLM): fixed per-head slope decays that depend on depth.
+
+    Head h of layer l decays by `exp(−s_h · (1 − l / (L − 1) + 1e-5))` per token, with `s_h` the
+    ALiBi slopes: the first layers forget fast, the last ones barely. q and k go through SiLU.
+
+    **Arguments:** those of `RecurrentMixer`, plus
+    - `layer_idx`: this layer's index l (from 0); `num_layers`: L, the depth of the model.
+    - `feature_map`: applied to q and k (default `"silu"`).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, layer_idx: int = 0, num_layers: int = 1,
+                 feature_map: str = "silu", rngs: nnx.Rngs, **options):
+        if not 0 <= layer_idx < num_layers:
+            raise ValueError(f"layer_idx must be in [0, num_layers={num_layers}), got {layer_idx}")
+        super().__init__(d_model, num_heads, rngs=rngs, **options)
+        self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.feature_map = _feature_map_name(feature_map)
+
+    def _features(self, x: Array) -> Array:
+        return FEATURE_MAPS[self.feature_map](x)
+
+    def _decays(self, x: Float[Array, "B T D"]) -> dict:
+        return {"g_gamma": lightning_log_decays(self.num_heads, self.layer_idx, self.num_layers)}
+
+
+class LinearAttention(RecurrentMixer):
+    """Linear attention without decay: `o_t = φ(q_t)ᵀ Σ_{s≤t} φ(k_s) v_sᵀ`, then per-head RMS norm.
+
+    The RMS norm takes the place of the classic `φ(q)ᵀ Σ φ(k)` denominator.
+
+    **Arguments:** those of `RecurrentMixer` (`output_gate` defaults to `None`), plus
+    - `feature_map`: `"identity"`, `"elu_plus_one"`, `"relu"` or `"silu"` (default
+      `"elu_plus_one"`).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, feature_map: str = "elu_plus_one",
+                 output_gate: str | None = None, rngs: nnx.Rngs, **options):
+        super().__init__(d_model, num_heads, output_gate=output_gate, rngs=rngs, **options)
+        self.feature_map = _feature_map_name(feature_map)
+
+    def _features(self, x: Array) -> Array:
+        return FEATURE_MAPS[self.feature_map](x)
+
+
+def retention_log_decays(num_heads: int) -> Float[Array, " H"]:
+    """RetNet's per-head log decays `log(1 − 2^(−5−h))`, h = 0 … H−1."""
+    return jnp.log1p(-(2.0 ** (-5.0 - jnp.arange(num_heads, dtype=jnp.float32))))
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's head slopes: a geometric sequence from 2^(−8/n) for the nearest power of two n."""
+    power = 2 ** math.floor(math.log2(num_heads))
+    geometric = lambda n: [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]  # noqa: E731
+    return geometric(power) + geometric(2 * power)[0::2][: num_heads - power]
+
+
+def lightning_log_decays(num_heads: int, layer_idx: int, num_layers: int) -> Float[Array, " H"]:
+    """Lightning Attention's per-head log decays `−s_h · (1 − l / (L − 1) + 1e-5)`."""
+    depth = 1.0 - layer_idx / (num_layers - 1) if num_layers > 1 else 1.0
+    return -jnp.asarray(alibi_slopes(num_heads), jnp.float32) * (depth + 1e-5)
+
+
+def _feature_map_name(name: str) -> str:
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {list(FEATURE_MAPS)}, got {name!r}")
+    return name
+
+
+def _linear_factory(dtype, param_dtype, rngs: nnx.Rngs):
+    def linear(d_in: int, d_out: int) -> nnx.Linear:
+        return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    return linear

@@ -1,0 +1,146 @@
+"""A small causal language model: embedding, pre-norm residual blocks (mixer + MLP), tied head.
+
+    h = E[tokens]
+    for each block:  h = h + mixer(RMSNorm(h));  h = h + MLP(RMSNorm(h))
+    logits = RMSNorm(h) Eᵀ
+
+Its decode cache is a tuple with one mixer state per block; `model(tokens, cache=cache)`
+continues every sequence from its cache and returns `(logits, new_cache)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
+
+MIXERS = {
+    "gla": GatedLinearAttention,
+    "retnet": MultiScaleRetention,
+    "lightning": LightningAttention,
+    "linear": LinearAttention,
+}
+"""Mixer names accepted by `LanguageModel` and `make_mixer`."""
+
+
+def make_mixer(name: str, d_model: int, num_heads: int, *, layer_idx: int, num_layers: int,
+               rngs: nnx.Rngs, **options):
+    """Build the mixer called `name` (a key of `MIXERS`) for layer `layer_idx` of `num_layers`.
+
+    **Arguments:**
+    - `name`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
+    - `d_model`, `num_heads`: width and query heads.
+    - `layer_idx`, `num_layers`: position in the stack (used by Lightning Attention's decays).
+    - `rngs`: initialisation randomness; `options`: the mixer's keyword arguments.
+    """
+    if name not in MIXERS:
+        raise ValueError(f"mixer must be one of {list(MIXERS)}, got {name!r}")
+    if name == "lightning":
+        options = dict(options, layer_idx=layer_idx, num_layers=num_layers)
+    return MIXERS[name](d_model, num_heads, rngs=rngs, **options)
+
+
+class MLP(nnx.Module):
+    """Two-layer GELU feed-forward network `W_2 gelu(x W_1)`.
+
+    **Arguments:**
+    - `d_model`: width; `hidden`: inner width.
+    - `dtype`, `param_dtype`: computation and parameter dtypes; `rngs`: initialisation.
+    """
+
+    def __init__(self, d_model: int, hidden: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.up = nnx.Linear(d_model, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down = nnx.Linear(hidden, d_model, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... d_model"]) -> Float[Array, "... d_model"]:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: `x + mixer(norm(x))`, then `x + mlp(norm(x))`.
+
+    **Arguments:**
+    - `mixer`: a token mixer from `recurrax.nn`; `d_model`: width; `mlp_hidden`: MLP width.
+    - `dtype`, `param_dtype`: computation and parameter dtypes; `rngs`: initialisation.
+    """
+
+    def __init__(self, mixer: nnx.Module, d_model: int, mlp_hidden: int, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        norm = lambda: nnx.RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
+        self.mixer_norm, self.mixer = norm(), mixer
+        self.mlp_norm = norm()
+        self.mlp = MLP(d_model, mlp_hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cache: MixerCache | None = None, *, cu_seqlens=None):
+        mixed = self.mixer(self.mixer_norm(x), cache, cu_seqlens=cu_seqlens)
+        mixed, new_cache = mixed if cache is not None else (mixed, None)
+        x = x + mixed
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, new_cache
+
+
+class LanguageModel(nnx.Module):
+    """A causal language model over a stack of recurrent-attention blocks, with a decode cache.
+
+    **Arguments:**
+    - `vocab_size`: number of token ids.
+    - `d_model`: width; `num_layers`: blocks; `num_heads`: query heads per mixer.
+    - `mixer`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
+    - `mlp_ratio`: MLP width as a multiple of `d_model`.
+    - `mixer_options`: extra keyword arguments of the mixer (e.g. `num_kv_heads`, `qk_head_dim`).
+    - `dtype`, `param_dtype`: computation and parameter dtypes.
+    - `rngs`: `flax.nnx.Rngs` for the initialisation.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
+                 mlp_ratio: int = 4, mixer_options: dict | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.vocab_size, self.mixer_name = vocab_size, mixer
+        types = dict(dtype=dtype, param_dtype=param_dtype)
+        init = nnx.initializers.normal(stddev=d_model**-0.5)
+        self.embed = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs, **types)
+        blocks = []
+        for layer_idx in range(num_layers):
+            mix = make_mixer(mixer, d_model, num_heads, layer_idx=layer_idx, num_layers=num_layers, rngs=rngs,
+                             **types, **(mixer_options or {}))
+            blocks.append(Block(mix, d_model, mlp_ratio * d_model, rngs=rngs, **types))
+        self.blocks = nnx.List(blocks)
+        self.norm = nnx.RMSNorm(d_model, rngs=rngs, **types)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
+        cache: tuple[MixerCache, ...] | None = None,
+        *,
+        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    ) -> Float[Array, "... vocab"] | tuple[Float[Array, "... vocab"], tuple[MixerCache, ...]]:
+        """Next-token logits for every position; with `cache`, continue from it.
+
+        **Arguments:**
+        - `tokens`: `[batch, seq_len]` ids, or packed `[total_tokens]` with `cu_seqlens`.
+        - `cache`: per-block states after the previous tokens (`init_cache(batch)` for none).
+        - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
+
+        **Returns:** `logits` `[..., vocab_size]`, or `(logits, new_cache)` with `cache`.
+        """
+        x = self.embed(tokens)
+        caches = (None,) * len(self.blocks) if cache is None else cache
+        if len(caches) != len(self.blocks):
+            raise ValueError(f"cache must hold one state per block ({len(self.blocks)}), got {len(caches)}")
+        new_caches = []
+        for block, block_cache in zip(self.blocks, caches):
+            x, new_cache = block(x, block_cache, cu_seqlens=cu_seqlens)
+            new_caches.append(new_cache)
+        logits = self.embed.attend(self.norm(x))
+        return logits if cache is None else (logits, tuple(new_caches))
+
+    def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:
+        """An empty decode cache: one zero state per block for `batch_size` sequences.
+
+        **Arguments:**
+        - `batch_size`: sequences to decode; `dtype`: the state dtype (float64 for float64 models).
+        """
+        return tuple(block.mixer.init_cache(batch_size, dtype) for block in self.blocks)
