@@ -35,6 +35,21 @@ PALLAS = "pallas_gpu"
 script on a CPU with tiny shapes."""
 
 
+def _import_algorithms():
+    """recurrax with every algorithm registered (the Pallas kernels, and XLA chunk if present)."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+    import recurrax
+
+    for module in ("recurrax.chunk", "recurrax.pallas"):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            _log(f"{module} not available: {e}")
+    return recurrax
+
+
 def _log(*args):
     print(*args, file=sys.stderr, flush=True)
 
@@ -59,9 +74,7 @@ def check(args) -> dict:
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    import recurrax
-    import recurrax.pallas  # noqa: F401
+    recurrax = _import_algorithms()
     from recurrax._inputs import canonicalize, request_of
     from recurrax._testing import Case, compare, default_tolerance, make_inputs
 
@@ -144,10 +157,7 @@ def time_jax(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    import recurrax
-    import recurrax.pallas  # noqa: F401
-
+    recurrax = _import_algorithms()
     budget = Budget(args.budget)
     names = recurrax.kernel_registry.names()
     impls = [n for n in (PALLAS, "chunk") if n in names]
@@ -180,7 +190,51 @@ def time_jax(args) -> dict:
                         row["status"] = "ERROR " + _error(e)
                     rows.append(row)
                     _log(row)
-    return dict(jax=rows, jax_version=jax.__version__, devices=[str(d) for d in jax.devices()])
+    return dict(jax=rows, sweep=_sweep(budget) if PALLAS == "pallas_gpu" else [],
+                jax_version=jax.__version__, devices=[str(d) for d in jax.devices()])
+
+
+SWEEP = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
+
+
+def _sweep(budget: Budget) -> list[dict]:
+    """With the time left: fwd+bwd of the per-channel kernels on one shape over a few
+    tile choices, to check `recurrax.pallas.gpu_tiles` (chosen from offline compiles)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from recurrax._testing import call
+    from recurrax.pallas import gpu_tiles, pallas_chunk_recurrent
+
+    B, T, H, K, V = SHAPES[1]
+    keys = jax.random.split(jax.random.key(1), 5)
+    q, k = (jax.random.normal(x, (B, T, H, K), jnp.bfloat16) for x in keys[:2])
+    v, do = (jax.random.normal(x, (B, T, H, V), jnp.bfloat16) for x in keys[2:4])
+    g = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, K), jnp.float32) + 4.0)
+    rows = []
+    for tiles in SWEEP:
+        row = dict(shape=(B, T, H, K, V), gate="key", mode="fwd+bwd", **tiles,
+                   default=tiles["block_v"] == gpu_tiles(B, H, K, V)["block_v"] and tiles["num_warps"] == 8)
+        if not budget.left():
+            rows.append({**row, "status": "skipped (time budget)"})
+            continue
+        algorithm = functools.partial(pallas_chunk_recurrent, target="triton", chunk_size=64, sub_size=16, **tiles)
+
+        def loss(q, k, v, g, do):
+            o, _ = call(algorithm, query=q, key=k, value=v, g=g)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+        try:
+            fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            row["ms"] = _median_ms(lambda: jax.block_until_ready(fn(q, k, v, g, do)), lambda: None)  # noqa: B023
+            row["status"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            row["status"] = "ERROR " + _error(e)
+        rows.append(row)
+        _log(row)
+    return rows
 
 
 def _jax_fn(recurrax, impl: str, mode: str):
@@ -260,6 +314,88 @@ def time_fla(args) -> dict:
     return dict(fla=rows, fla_versions=versions, gpu=torch.cuda.get_device_name())
 
 
+# ----------------------------------------------------------------------------- offline compile
+
+
+def offline(args) -> dict:
+    """Compile the Triton kernels for sm_90 on a machine without a GPU and report what
+    ptxas says (registers, spills, shared memory, compile time) per configuration.
+
+    Needs the `triton` package (which bundles ptxas) importable, e.g. `pip install
+    --target /tmp/tritonpkg triton` and `PYTHONPATH=/tmp/tritonpkg`. The Triton IR comes
+    from JAX's Pallas lowering (`lowering_platforms=("cuda",)`), captured per kernel.
+    """
+    import glob
+    import subprocess
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import triton
+    from jax._src.pallas.triton import pallas_call_registration as registration
+    from triton.backends.compiler import GPUTarget
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+    from recurrax._inputs import canonicalize
+    from recurrax.pallas import pallas_chunk_recurrent
+
+    captured = []
+    lower_module = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = lower_module(*a, **k)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    budget, rows = Budget(args.budget), []
+    for config in args.configs:
+        gate, K, V, chunk, sub, block_v, warps, stages = config.split(",")
+        K, V, chunk, sub, block_v, warps, stages = map(int, (K, V, chunk, sub, block_v, warps, stages))
+        captured.clear()
+
+        def loss(q, k, v, g, h0):
+            g = None if gate == "none" else (g[..., 0] if gate == "head" else g)
+            problem, cfg, _ = canonicalize(q, k, v, g, None, None, None, None, h0, False, None)
+            o, s = pallas_chunk_recurrent(problem, scale=cfg.scale, reverse=False, chunk_size=chunk,
+                                          sub_size=sub, block_v=block_v, num_warps=warps, num_stages=stages)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+        S = jax.ShapeDtypeStruct
+        B, T, H = 1, 4 * chunk, 2
+        avals = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
+                 S((B, T, H, K), jnp.float32), S((B, H, K, V), jnp.float32))
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*avals).lower(lowering_platforms=("cuda",))
+        for name, ir in zip(("fwd", "states", "bwd"), list(captured)):
+            row = dict(config=config, kernel=name)
+            if not budget.left():
+                rows.append({**row, "status": "skipped (time budget)"})
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, f"{name}.ttir")
+                with open(path, "w") as f:
+                    f.write(ir)
+                t0 = time.monotonic()
+                try:
+                    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                            options={"num_warps": warps, "num_stages": stages})
+                    row["compile_s"] = round(time.monotonic() - t0, 1)
+                    row["shared_bytes"] = kernel.metadata.shared
+                    with open(os.path.join(tmp, "k.ptx"), "w") as f:
+                        f.write(kernel.asm["ptx"])
+                    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.devnull],
+                                          capture_output=True, text=True).stderr
+                    row["ptxas"] = " ".join(line.split(":", 1)[-1].strip() for line in info.splitlines()
+                                            if "registers" in line or "spill" in line)
+                    row["status"] = "ok" if kernel.metadata.shared <= 232448 else "TOO MUCH SHARED MEMORY (> 227 KiB)"
+                except Exception as e:  # noqa: BLE001
+                    row["status"] = "ERROR " + _error(e)
+            rows.append(row)
+            _log(row)
+    return dict(offline=rows)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -282,6 +418,13 @@ def report(args) -> str:
     lines += _timing_table(timed)
     lines += ["", "## Correctness on the GPU (max error relative to the largest reference value, float64 oracle)", ""]
     lines += _check_table(data.get("check", []))
+    if data.get("sweep"):
+        lines += ["", "## Tile sweep (pallas_gpu, per-channel decay, fwd+bwd, ms; C = 64, c = 16)", "",
+                  "| B, T, H, K, V | block_v | num_warps | ms | default |", "|---|---|---|---|---|"]
+        for r in data["sweep"]:
+            ms = f"{r['ms']:.3f}" if r.get("status") == "ok" else r.get("status", "?")[:80]
+            lines.append(f"| {', '.join(map(str, r['shape']))} | {r['block_v']} | {r['num_warps']} | {ms} | "
+                         f"{'yes' if r.get('default') else ''} |")
     if data.get("dispatch"):
         lines += ["", "Dispatch with `implementation=None` on this GPU (bf16, K=V=64): "
                   + ", ".join(f"{k} → `{v}`" for k, v in data["dispatch"].items()) + "."]
@@ -328,7 +471,9 @@ def _check_table(rows) -> list[str]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=["check", "time-jax", "time-fla", "report"])
+    parser.add_argument("step", choices=["check", "time-jax", "time-fla", "report", "offline"])
+    parser.add_argument("--configs", nargs="+", default=["key,128,128,64,16,64,4,2"],
+                        help="offline: gate,K,V,chunk,sub,block_v,num_warps,num_stages")
     parser.add_argument("--json", nargs="+", default=[])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu.md"))
     parser.add_argument("--budget", type=float, default=170.0, help="seconds after which no new work starts")
@@ -340,7 +485,7 @@ def main(argv=None):
     if args.step == "report":
         print(report(args))
         return
-    result = {"check": check, "time-jax": time_jax, "time-fla": time_fla}[args.step](args)
+    result = {"check": check, "time-jax": time_jax, "time-fla": time_fla, "offline": offline}[args.step](args)
     with open(args.json[0], "w") as f:
         json.dump(result, f, indent=1, default=str)
 

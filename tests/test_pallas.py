@@ -189,3 +189,11 @@ def test_triton_lowering_on_cpu(gates):
 
     text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3  # forward, state recomputation, backward
+
+
+def test_gpu_tiles_fill_the_gpu():
+    from recurrax.pallas import gpu_tiles
+
+    assert gpu_tiles(8, 32, 128, 128)["block_v"] == 32  # 256 heads: register-bound choice
+    assert gpu_tiles(4, 16, 64, 64)["block_v"] == 16  # 64 heads: 4 value blocks each, 256 programs
+    assert gpu_tiles(1, 8, 128, 128)["block_v"] == 16  # 8 heads: as many programs as allowed

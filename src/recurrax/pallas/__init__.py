@@ -25,7 +25,7 @@ from ..registry import Backend, Platform, Request, Support, kernel_registry
 from ._chunk import gate_gradient, pallas_chunk_recurrent
 from ._common import BlockSizes, Gate, Target
 
-__all__ = ["BlockSizes", "Gate", "Target", "gate_gradient", "pallas_chunk_recurrent", "SUPPORT"]
+__all__ = ["BlockSizes", "Gate", "Target", "gate_gradient", "gpu_tiles", "pallas_chunk_recurrent", "SUPPORT"]
 
 _HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
 
@@ -45,10 +45,27 @@ SUPPORT = Support(
 )
 
 
+def gpu_tiles(B: int, H: int, K: int, V: int, num_sms: int = 132) -> dict:
+    """Tile choice for the Triton kernels, from offline compiles (ptxas for sm_90, no GPU).
+
+    C = 64, c = 16, 8 warps. BV = 64 for K ≤ 64 and 32 above (the [K, BV] float32 state,
+    its gradient and the chunk tiles must fit in 255 registers per thread: at K = V = 128
+    the backward spills ~0.6 KB per thread with BV = 32, ~1.2 KB with BV = 64); then halved
+    (down to 16) while the B·H·V/BV programs would not fill the GPU's multiprocessors once.
+    Not yet confirmed by timings on a GPU (`benchmarks/gpu.sh` sweeps a few).
+    """
+    block_v = min(V, 64 if K <= 64 else 32)
+    while B * H * (V // block_v) < num_sms and block_v > 16:
+        block_v //= 2
+    return dict(chunk_size=64, sub_size=16, block_v=block_v, num_warps=8, num_stages=2)
+
+
 @kernel_registry.register("pallas_gpu", Platform.PALLAS, Backend.GPU, priority=30, supports=SUPPORT)
 def pallas_gpu(problem, *, scale: float, reverse: bool):
     """The chunk kernels through Pallas's Triton lowering (NVIDIA/AMD GPUs)."""
-    return pallas_chunk_recurrent(problem, scale=scale, reverse=reverse, target="triton")
+    B, _, H, K = problem.query.shape
+    tiles = gpu_tiles(B, H, K, problem.value.shape[-1])
+    return pallas_chunk_recurrent(problem, scale=scale, reverse=reverse, target="triton", **tiles)
 
 
 @kernel_registry.register("pallas_interpret", Platform.PALLAS, Backend.CPU, priority=-10, supports=SUPPORT)

@@ -121,7 +121,7 @@ def pallas_chunk_recurrent(
     chunk_size: int = 64,
     sub_size: int = 16,
     block_v: int = 64,
-    num_warps: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
     interpret: bool = False,
     target: str = "triton",

@@ -36,7 +36,7 @@ anchor choices, each keeping both factors ≤ 0:
 Gate gradients are not computed here: they follow from dq and dk by the reverse-cumsum
 identity, cut at chunk boundaries (`_chunk.py`), for which the kernel writes, per chunk,
 the boundary term Σ_V S ⊙ dS of the state leaving it (S from the recomputed states, or
-h_T for the last chunk; carried alongside dS). Validated like the forward: interpret mode on CPU, Triton
+h_T for the last chunk). Validated like the forward: interpret mode on CPU, Triton
 lowering checked on CPU, not yet run on a GPU or TPU from this repository.
 """
 
@@ -53,9 +53,11 @@ from ._common import (
     F32,
     Gate,
     Static,
+    anchor_before,
     causal_mask,
+    col_index,
     decay_spec,
-    diagonal_decay,
+    diagonal_column,
     exp_where,
     mm,
     mm_nt,
@@ -107,37 +109,46 @@ def _dkv_after(q, do, a, k_s, v_s, a_s, a_r, r, *, scale, dtype):
     return k_factor * mm_tn(dP, q_hat, dtype), mm_tn(P, do, dtype)
 
 
-def _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, *, scale, dtype):
-    """Exact diagonal block: its contributions to (dq_s, dk_s, dv_s)."""
-    E = diagonal_decay(a_s)  # [c(i), c(j), K]
-    q3, k3 = q_s.astype(F32)[:, None, :], k_s.astype(F32)[None, :, :]
-    P = scale * jnp.sum(q3 * k3 * E, axis=-1)  # [c, c], zero above the diagonal
-    dP = (scale * mm_nt(do_s, v_s, dtype))[:, :, None]  # [c, c, 1]; E masks it
-    dq = jnp.sum(dP * k3 * E, axis=1)  # [c, K]
-    dk = jnp.sum(dP * q3 * E, axis=0)  # [c, K]
+def _diagonal_bwd(q_s, v_s, do_s, a_s, k_ref, a_ref, start, *, scale, dtype):
+    """Exact diagonal block, one key column j at a time: its (dq_s, dk_s, dv_s)."""
+    c, K = q_s.shape
+    dP = scale * mm_nt(do_s, v_s, dtype)  # [c, c]; the column's E_j masks i < j
+    q32 = q_s.astype(F32)
+
+    def column(j, carry):
+        P, dq, dk = carry
+        k_j, E_j, P_j = diagonal_column(q_s, a_s, k_ref, a_ref, start, j)
+        is_j = col_index(c, c) == j
+        dP_j = jnp.sum(jnp.where(is_j, dP, 0.0), axis=1, keepdims=True)  # [c, 1] = dP[:, j]
+        dk_j = jnp.sum(dP_j * q32 * E_j, axis=0, keepdims=True)  # [1, K]
+        P = jnp.where(is_j, scale * P_j, P)
+        return P, dq + dP_j * k_j * E_j, jnp.where(row_index(c, K) == j, dk_j, dk)
+
+    zeros = jnp.zeros((c, K), F32)
+    P, dq, dk = lax.fori_loop(0, c, column, (jnp.zeros((c, c), F32), zeros, zeros))
     return dq, dk, mm_tn(P, do_s, dtype)
 
 
-def _key_sub_block_bwd(sub, full, a_before, a_end, a_last, S, dS, p, *, scale, dtype):
-    """Per-channel decay: (dq, dk, dv) of rows [p, p + c) of one chunk, float32.
+def _key_sub_block_bwd(refs, base, p, S, dS, a_last, *, C: int, c: int, scale, dtype):
+    """Per-channel decay: (dq, dk, dv) of rows [p, p + c) of the chunk at `base`, float32.
 
-    `sub` and `full` are (q, k, v, do, A) of the sub-block and of the whole chunk;
-    `a_before` = A_{p−1} and `a_end` = A_{p+c−1} are the anchors (None at the chunk's edges).
+    `p` may be traced. Anchors: r = p − 1 (A = 0 at the chunk start for the first
+    sub-block) for dq against earlier keys; r = p + c − 1 for dk, dv against later queries
+    (none for the last sub-block: the mask empties that term).
     """
-    q_s, k_s, v_s, do_s, a_s = sub
-    q, k, v, do, a = full
-    c = q_s.shape[0]
-    dq, dk, dv = _diagonal_bwd(q_s, k_s, v_s, do_s, a_s, scale=scale, dtype=dtype)
+    q_ref, k_ref, v_ref, do_ref, a_ref = refs
+    q_s, k_s, v_s, do_s, a_s = (rows(ref, base + p, c) for ref in refs)
+    dq, dk, dv = _diagonal_bwd(q_s, v_s, do_s, a_s, k_ref, a_ref, base + p, scale=scale, dtype=dtype)
     dq += scale * mm_nt(do_s, S, dtype) * jnp.exp(a_s)  # from the state entering the chunk
     to_end = jnp.exp(a_last - a_s)  # [c, K]
     dk += mm_nt(v_s, dS, dtype) * to_end  # from the state leaving the chunk
     dv += mm(k_s * to_end, dS, dtype)
-    if a_before is not None:
-        dq += _dq_before(do_s, a_s, k, v, a, a_before, p, scale=scale, dtype=dtype)
-    if a_end is not None:
-        dk_after, dv_after = _dkv_after(q, do, a, k_s, v_s, a_s, a_end, p + c - 1, scale=scale, dtype=dtype)
-        dk, dv = dk + dk_after, dv + dv_after
-    return dq, dk, dv
+    k, v, a = rows(k_ref, base, C), rows(v_ref, base, C), rows(a_ref, base, C)
+    dq += _dq_before(do_s, a_s, k, v, a, anchor_before(a_ref, base, p), p, scale=scale, dtype=dtype)
+    q, do = rows(q_ref, base, C), rows(do_ref, base, C)
+    a_end = rows(a_ref, base + p + c - 1, 1)
+    dk_after, dv_after = _dkv_after(q, do, a, k_s, v_s, a_s, a_end, p + c - 1, scale=scale, dtype=dtype)
+    return dq, dk + dk_after, dv + dv_after
 
 
 def _backward_kernel(*refs, static: Static):
@@ -155,36 +166,40 @@ def _backward_kernel(*refs, static: Static):
     def store(ref, start, size, x):
         ref[pl.ds(start, size), :] = x.astype(ref.dtype)
 
-    def body(step, carry):
-        dS, S_after = carry  # gradient and value of the state leaving chunk n
+    def sub_blocks(base, S, dS, a_last):
+        def step(s, carry):
+            p = pl.multiple_of(s * c, c)
+            refs = (q_ref, k_ref, v_ref, do_ref, a_ref)
+            dq, dk, dv = _key_sub_block_bwd(refs, base, p, S, dS, a_last, C=C, c=c, scale=scale, dtype=dtype)
+            store(dq_ref, base + p, c, dq)
+            store(dk_ref, base + p, c, dk)
+            store(dv_ref, base + p, c, dv)
+            return carry
+
+        return step
+
+    def body(step, dS):  # dS: gradient of the state leaving chunk n
         n = N - 1 - step
         base = pl.multiple_of(n * C, C)
         S = states_ref[n]  # [K, BV] entering chunk n
         if boundary_ref is not None:  # Σ_V S ⊙ dS at the chunk's end, for the gate gradient
+            S_after = jnp.where(n == N - 1, hT_ref[...], states_ref[jnp.minimum(n + 1, N - 1)])
             boundary_ref[pl.ds(n, 1), :] = jnp.sum(S_after * dS, axis=1)[None, :]
+        a_last = None if a_ref is None else rows(a_ref, base + C - 1, 1)
+        if gate is Gate.KEY:
+            lax.fori_loop(0, C // c, sub_blocks(base, S, dS, a_last), 0)
+            q, do, a = rows(q_ref, base, C), rows(do_ref, base, C), rows(a_ref, base, C)
+            return jnp.exp(a_last).T * dS + scale * mm_tn(q * jnp.exp(a), do, dtype)
         q, k = rows(q_ref, base, C), rows(k_ref, base, C)
         v, do = rows(v_ref, base, C), rows(do_ref, base, C)
-        a = None if a_ref is None else rows(a_ref, base, C).astype(F32)
-        a_last = None if a_ref is None else rows(a_ref, base + C - 1, 1)
-        if gate is not Gate.KEY:
-            dq, dk, dv, dS_entering = _head_chunk_bwd(q, k, v, do, a, a_last, S, dS, scale=scale, dtype=dtype)
-            store(dq_ref, base, C, dq)
-            store(dk_ref, base, C, dk)
-            store(dv_ref, base, C, dv)
-            return dS_entering, S
-        for p in range(0, C, c):
-            sub = tuple(rows(ref, base + p, c) for ref in (q_ref, k_ref, v_ref, do_ref, a_ref))
-            before = rows(a_ref, base + p - 1, 1) if p > 0 else None  # anchors, [1, K]
-            end = rows(a_ref, base + p + c - 1, 1) if p + c < C else None
-            dq_s, dk_s, dv_s = _key_sub_block_bwd(
-                sub, (q, k, v, do, a), before, end, a_last, S, dS, p, scale=scale, dtype=dtype
-            )
-            store(dq_ref, base + p, c, dq_s)
-            store(dk_ref, base + p, c, dk_s)
-            store(dv_ref, base + p, c, dv_s)
-        return jnp.exp(a_last).T * dS + scale * mm_tn(q * jnp.exp(a), do, dtype), S
+        a = None if a_ref is None else rows(a_ref, base, C)
+        dq, dk, dv, dS_entering = _head_chunk_bwd(q, k, v, do, a, a_last, S, dS, scale=scale, dtype=dtype)
+        store(dq_ref, base, C, dq)
+        store(dk_ref, base, C, dk)
+        store(dv_ref, base, C, dv)
+        return dS_entering
 
-    dS, _ = lax.fori_loop(0, N, body, (dhT_ref[...].astype(F32), hT_ref[...].astype(F32)))
+    dS = lax.fori_loop(0, N, body, dhT_ref[...].astype(F32))
     dh0_ref[...] = dS.astype(dh0_ref.dtype)
 
 

@@ -30,12 +30,14 @@ sums of gates, hence ≤ 0. The intra-chunk sum must become a matmul:
   and every key j < p take r = p − 1: A_i − A_r = Σ_{r < s ≤ i} a_s ≤ 0 (i ≥ p) and
   A_r − A_j = Σ_{j < s ≤ r} a_s ≤ 0 (j ≤ r). Keys j ≥ p are masked to exactly 0 before the
   exponential (their exponent would be positive). The remaining diagonal block
-  (j, i both in [p, p + c)) has no valid single anchor, so it is computed element-wise
-  from E[i, j, k] = e^{A_ik − A_jk} (j ≤ i): a [c, c, K] tensor, c = 16 by default.
+  (j, i both in [p, p + c)) has no valid single anchor, so it is computed element-wise,
+  one key column j at a time: E_j[i, k] = e^{A_ik − A_jk} for i ≥ j (a [c, K] tile; the
+  [c, c, K] broadcast would not fit in registers at K = 128), c = 16 by default.
+  For the first sub-block (p = 0) the anchor is the chunk start, where A = 0.
 
-So a per-channel chunk does, per query sub-block: one [c, K]·[K, C] score matmul against
-all keys of the chunk (keys at or after p zeroed), one [c, C]·[C, BV] value matmul, and the
-exact diagonal. Matmul operands are cast to the input dtype (bf16/f16 tensor cores, the
+So a per-channel chunk runs a loop over its query sub-blocks, each doing one
+[c, K]·[K, C] score matmul against all keys of the chunk (keys at or after p zeroed), one
+[c, C]·[C, BV] value matmul, and the exact diagonal (a loop over its c key columns). Matmul operands are cast to the input dtype (bf16/f16 tensor cores, the
 factors are ≤ 1 so nothing overflows); accumulation and the state are float32.
 
 With `emit_states` the kernel also writes S entering every chunk ([N, K, BV]): the
@@ -61,9 +63,11 @@ from ._common import (
     F32,
     Gate,
     Static,
+    anchor_before,
     causal_mask,
+    col_index,
     decay_spec,
-    diagonal_decay,
+    diagonal_column,
     exp_where,
     mm,
     mm_nt,
@@ -87,21 +91,28 @@ def _head_chunk(q, k, v, a, a_last, S, *, scale, dtype):
     return scale * o, jnp.exp(a_last) * S + mm_tn(k_to_end, v, dtype)
 
 
-def _key_sub_block(q_s, a_s, k, a, v, k_s, v_s, a_r, S, p, *, dtype):
-    """Per-channel decay: unscaled output rows p : p + c of one chunk, [c, BV] float32.
+def _key_sub_block(refs, base, p, S, *, C: int, c: int, dtype):
+    """Per-channel decay: unscaled output rows [p, p + c) of the chunk at `base`, [c, BV] float32.
 
-    `a_r` [1, K] is A at the anchor r = p − 1 (unused for the first sub-block).
+    `p` may be traced (a loop over sub-blocks); the anchor is r = p − 1, or the chunk
+    start (A = 0) for the first sub-block, whose "earlier keys" term is then empty.
     """
-    C, K = k.shape
+    q_ref, k_ref, v_ref, a_ref = refs
+    q_s, v_s, a_s = rows(q_ref, base + p, c), rows(v_ref, base + p, c), rows(a_ref, base + p, c)
+    k, v, a = rows(k_ref, base, C), rows(v_ref, base, C), rows(a_ref, base, C)
+    K = k.shape[1]
     o = mm(q_s * jnp.exp(a_s), S, dtype)  # inter-chunk: e^{A_i} ≤ 1
-    if p > 0:
-        keys_before = row_index(C, K) < p
-        k_anchor = k * exp_where(keys_before, a_r - a)  # [C, K] e^{A_r − A_j}, j < p; 0 for j ≥ p
-        q_anchor = q_s * jnp.exp(a_s - a_r)  # [c, K] e^{A_i − A_r}, i ≥ p
-        o = o + mm(mm_nt(q_anchor, k_anchor, dtype), v, dtype)
-    E = diagonal_decay(a_s)  # [c, c, K]
-    p_diag = jnp.sum(q_s.astype(F32)[:, None, :] * k_s.astype(F32)[None, :, :] * E, axis=-1)  # [c, c]
-    return o + mm(p_diag, v_s, dtype)
+    a_r = anchor_before(a_ref, base, p)  # [1, K]
+    k_anchor = k * exp_where(row_index(C, K) < p, a_r - a)  # [C, K] e^{A_r − A_j}, j < p; 0 for j ≥ p
+    q_anchor = q_s * jnp.exp(a_s - a_r)  # [c, K] e^{A_i − A_r}, i ≥ p
+    o = o + mm(mm_nt(q_anchor, k_anchor, dtype), v, dtype)
+
+    def column(j, P):  # the exact diagonal block, one key at a time
+        _, _, P_j = diagonal_column(q_s, a_s, k_ref, a_ref, base + p, j)
+        return jnp.where(col_index(c, c) == j, P_j, P)
+
+    P = lax.fori_loop(0, c, column, jnp.zeros((c, c), F32))
+    return o + mm(P, v_s, dtype)
 
 
 def _forward_kernel(*refs, static: Static, emit_output: bool, emit_states: bool):
@@ -117,29 +128,31 @@ def _forward_kernel(*refs, static: Static, emit_output: bool, emit_states: bool)
     Tp, K = q_ref.shape
     dtype = q_ref.dtype
 
+    def sub_block(base, S):
+        def step(s, carry):  # output rows [p, p + c) of the chunk at `base`
+            p = pl.multiple_of(s * c, c)
+            o_s = _key_sub_block((q_ref, k_ref, v_ref, a_ref), base, p, S, C=C, c=c, dtype=dtype)
+            o_ref[pl.ds(base + p, c), :] = (static.scale * o_s).astype(o_ref.dtype)
+            return carry
+
+        return step
+
     def body(n, S):
         base = pl.multiple_of(n * C, C)
         if emit_states:
             states_ref[n] = S
+        if gate is Gate.KEY and emit_output:
+            lax.fori_loop(0, C // c, sub_block(base, S), 0)
         k, v = rows(k_ref, base, C), rows(v_ref, base, C)
-        a = None if a_ref is None else rows(a_ref, base, C).astype(F32)
-        if gate is not Gate.KEY:
-            q = rows(q_ref, base, C)
-            a_last = None if a is None else rows(a_ref, base + C - 1, 1)  # [1]
-            o, S_next = _head_chunk(q, k, v, a, a_last, S, scale=static.scale, dtype=dtype)
-            if emit_output:
-                o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
-            return S_next
+        a = None if a_ref is None else rows(a_ref, base, C)
+        a_last = None if a is None else rows(a_ref, base + C - 1, 1)  # [1] or [1, K]
+        if gate is Gate.KEY:
+            k_to_end = k * jnp.exp(a_last - a)  # [C, K]
+            return jnp.exp(a_last).T * S + mm_tn(k_to_end, v, dtype)
+        o, S_next = _head_chunk(rows(q_ref, base, C), k, v, a, a_last, S, scale=static.scale, dtype=dtype)
         if emit_output:
-            for p in range(0, C, c):
-                q_s, a_s = rows(q_ref, base + p, c), rows(a_ref, base + p, c).astype(F32)
-                k_s, v_s = rows(k_ref, base + p, c), rows(v_ref, base + p, c)
-                a_r = rows(a_ref, base + max(p - 1, 0), 1)  # [1, K] anchor
-                o_s = _key_sub_block(q_s, a_s, k, a, v, k_s, v_s, a_r, S, p, dtype=dtype)
-                o_ref[pl.ds(base + p, c), :] = (static.scale * o_s).astype(o_ref.dtype)
-        a_last = rows(a_ref, base + C - 1, 1)  # [1, K]
-        k_to_end = k * jnp.exp(a_last - a)  # [C, K]
-        return jnp.exp(a_last).T * S + mm_tn(k_to_end, v, dtype)
+            o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
+        return S_next
 
     S = lax.fori_loop(0, Tp // C, body, h0_ref[...].astype(F32))
     hT_ref[...] = S.astype(hT_ref.dtype)

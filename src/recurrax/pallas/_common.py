@@ -58,7 +58,7 @@ class BlockSizes:
     chunk: int = 64
     sub: int = 16
     block_v: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
 
     def __post_init__(self):
@@ -135,16 +135,32 @@ def row_index(size: int, width: int):
     return lax.broadcasted_iota(jnp.int32, (size, width), 0)
 
 
-def diagonal_decay(a_sub):
-    """E[i, j, :] = exp(A_i − A_j) for j ≤ i inside one sub-block, else 0: [c, c, K].
+def col_index(size: int, width: int):
+    """[size, width] int32 column numbers."""
+    return lax.broadcasted_iota(jnp.int32, (size, width), 1)
 
-    The exact (element-wise) diagonal block of a per-channel decay: no anchor, every
-    kept exponent is a sum of gates between j and i, hence ≤ 0 for non-positive gates.
+
+def anchor_before(a_ref, base, p):
+    """A at token p − 1 of the chunk starting at `base`, [1, K]; 0 (A before the chunk) when p = 0.
+
+    `p` may be traced; the load is clamped in range and its value discarded when p = 0.
     """
-    c, K = a_sub.shape
-    i = lax.broadcasted_iota(jnp.int32, (c, c, K), 0)
-    j = lax.broadcasted_iota(jnp.int32, (c, c, K), 1)
-    return exp_where(j <= i, a_sub[:, None, :] - a_sub[None, :, :])
+    row = rows(a_ref, jnp.maximum(base + p - 1, 0), 1)
+    return jnp.where(p > 0, row, 0.0)
+
+
+def diagonal_column(q_s, a_s, k_ref, a_ref, start, j):
+    """Column j of the exact diagonal block of a per-channel decay, with its decay factors.
+
+    Returns `(k_j [1, K], E_j [c, K], P_j [c, 1])` with E_j[i] = e^{A_i − A_j} for i ≥ j
+    (else 0) and P_j[i] = Σ_k q_ik k_jk E_j[i, k]: no anchor, every kept exponent is a sum
+    of gates between j and i. One column at a time keeps the live tile at [c, K] instead
+    of the [c, c, K] of a broadcast formulation.
+    """
+    c, K = q_s.shape
+    k_j = rows(k_ref, start + j, 1).astype(F32)  # [1, K]
+    E_j = exp_where(row_index(c, K) >= j, a_s - rows(a_ref, start + j, 1))  # [c, K]
+    return k_j, E_j, jnp.sum(q_s.astype(F32) * k_j * E_j, axis=1, keepdims=True)
 
 
 def chunk_local_cumsum(g, chunk: int):
