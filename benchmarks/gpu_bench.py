@@ -88,6 +88,8 @@ def check(args) -> dict:
             cases.append(Case(**base, K=wide, V=wide, gates=gates, dtype=dtype))
         cases.append(Case(**base, K=narrow, V=max(16, wide // 2), gates=("gk",), reverse=True, dtype=dtype))
         cases.append(Case(**base, K=wide, V=wide, gates=("g_channel",), gate_low=-20.0, dtype=dtype))
+        cu = (0, 3, 3, 100, 130, 400) if not args.smoke else (0, 3, 3, 20)
+        cases.append(Case(**{**base, "B": 1}, K=wide, V=wide, gates=("g_head", "gk"), cu_seqlens=cu, dtype=dtype))
     impls = [n for n in (PALLAS, "chunk") if n in names]
     rows = []
     for impl in impls:
@@ -129,6 +131,7 @@ def _loose(case) -> tuple[str, ...]:
 def _case_words(case) -> str:
     gates = "+".join(case.gates) or "none"
     extra = (" reverse" if case.reverse else "") + (f" gates≥{case.gate_low:g}" if case.gate_low != -1 else "")
+    extra += f" cu_seqlens={list(case.cu_seqlens)}" if case.cu_seqlens else ""
     return f"B{case.B} T{case.T} H{case.H}/{case.Hkv} K{case.K} V{case.V} {gates} {case.dtype}{extra}"
 
 
@@ -351,21 +354,23 @@ def offline(args) -> dict:
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
     budget, rows = Budget(args.budget), []
     for config in args.configs:
-        gate, K, V, chunk, sub, block_v, warps, stages = config.split(",")
+        gate, K, V, chunk, sub, block_v, warps, stages, *packed = config.split(",")
         K, V, chunk, sub, block_v, warps, stages = map(int, (K, V, chunk, sub, block_v, warps, stages))
+        cu_seqlens = jnp.asarray([0, chunk + 3, 4 * chunk], jnp.int32) if packed else None
         captured.clear()
 
         def loss(q, k, v, g, h0):
             g = None if gate == "none" else (g[..., 0] if gate == "head" else g)
-            problem, cfg, _ = canonicalize(q, k, v, g, None, None, None, None, h0, False, None)
+            problem, cfg, _ = canonicalize(q, k, v, g, None, None, None, None, h0, False, cu_seqlens)
             o, s = pallas_chunk_recurrent(problem, scale=cfg.scale, reverse=False, chunk_size=chunk,
                                           sub_size=sub, block_v=block_v, num_warps=warps, num_stages=stages)
             return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
         S = jax.ShapeDtypeStruct
         B, T, H = 1, 4 * chunk, 2
+        R = B if cu_seqlens is None else 2
         avals = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
-                 S((B, T, H, K), jnp.float32), S((B, H, K, V), jnp.float32))
+                 S((B, T, H, K), jnp.float32), S((R, H, K, V), jnp.float32))
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*avals).lower(lowering_platforms=("cuda",))
         for name, ir in zip(("fwd", "states", "bwd"), list(captured)):
             row = dict(config=config, kernel=name)
@@ -473,7 +478,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=["check", "time-jax", "time-fla", "report", "offline"])
     parser.add_argument("--configs", nargs="+", default=["key,128,128,64,16,64,4,2"],
-                        help="offline: gate,K,V,chunk,sub,block_v,num_warps,num_stages")
+                        help="offline: gate,K,V,chunk,sub,block_v,num_warps,num_stages[,packed]")
     parser.add_argument("--json", nargs="+", default=[])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu.md"))
     parser.add_argument("--budget", type=float, default=170.0, help="seconds after which no new work starts")

@@ -38,6 +38,9 @@ CASES = [
     Case(T=32, gates=("g_channel",), **SMALL),
     Case(**{**SMALL, "V": 32}, T=25, gates=("g_head", "g_gamma", "gk"), initial_state=False, scale=0.3),
     Case(B=2, T=9, H=2, Hkv=2, K=16, V=16, gates=("gk",), reverse=True, dtype="float32"),
+    # packed input: empty sequences, a sequence across chunks, boundaries inside a chunk
+    Case(**SMALL, gates=("g_head", "gk"), cu_seqlens=(0, 3, 3, 4, 30), packed_3d=True),
+    Case(**SMALL, gates=("g_head",), cu_seqlens=(0, 0, 17, 20), reverse=True),
 ]
 
 
@@ -129,12 +132,11 @@ def _request(**overrides):
     ("overrides", "reason"),
     [
         (dict(gates=("gv",)), "gate kinds ['value']"),
-        (dict(cu_seqlens=(0, 3, 8)), "cu_seqlens"),
         (dict(dtype="float64"), "dtype float64"),
         (dict(K=24), "qk_head_dim=24"),
         (dict(V=8), "v_head_dim=8"),
     ],
-    ids=["gv", "varlen", "float64", "K=24", "V=8"],
+    ids=["gv", "float64", "K=24", "V=8"],
 )
 def test_supports_is_fail_closed(overrides, reason):
     refusal = SUPPORT.refusal(_request(**overrides))
@@ -145,6 +147,17 @@ def test_supports_accepts_what_the_kernels_take():
     for gates in [(), ("g_head", "g_gamma"), ("g_channel", "gk")]:
         for dtype in ["float32", "bfloat16", "float16"]:
             assert SUPPORT.refusal(_request(gates=gates, dtype=dtype, K=32, V=16)) is None
+    assert SUPPORT.refusal(_request(cu_seqlens=(0, 3, 8))) is None
+
+
+def test_traced_cu_seqlens_under_jit():
+    case = Case(**SMALL, gates=("g_channel",), cu_seqlens=(0, 7, 7, 25), packed_3d=True)
+    kwargs = make_inputs(case)
+    cu = kwargs.pop("cu_seqlens")
+    run = jax.jit(lambda cu: recurrax.recurrent(**kwargs, cu_seqlens=cu, implementation="pallas_interpret"))
+    o, state = run(cu)
+    o_ref, state_ref = recurrax.recurrent(**kwargs, cu_seqlens=cu, implementation="reference")
+    assert np.allclose(o, o_ref, atol=1e-4) and np.allclose(state, state_ref, atol=1e-4)
 
 
 def test_dispatch_never_picks_pallas_on_cpu():
@@ -168,21 +181,24 @@ def test_forced_pallas_fails_clearly():
 # ----------------------------------------------------------------------------- GPU lowering
 
 
-@pytest.mark.parametrize("gates", [(), ("g_head",), ("g_channel",)], ids=str)
-def test_triton_lowering_on_cpu(gates):
+@pytest.mark.parametrize(
+    ("gates", "cu_seqlens"), [((), None), (("g_head",), None), (("g_channel",), None), (("g_head",), (0, 50, 200))],
+    ids=["none", "head", "channel", "head-packed"],
+)
+def test_triton_lowering_on_cpu(gates, cu_seqlens):
     """The GPU kernels (default tiles, bf16, forward and backward) lower to Triton IR.
 
     Lowering for `cuda` needs no GPU: it builds and verifies the Triton MLIR that XLA
     would compile; compiling it to PTX happens only on a GPU (`benchmarks/gpu.sh`).
     """
-    case = Case(B=1, T=200, H=2, Hkv=1, K=128, V=64, gates=gates, dtype="bfloat16")
+    case = Case(B=1, T=200, H=2, Hkv=1, K=128, V=64, gates=gates, dtype="bfloat16", cu_seqlens=cu_seqlens)
     kwargs = make_inputs(case)
     diff = {k: kwargs[k] for k in ("query", "key", "value", "g", "initial_state") if k in kwargs}
 
     def loss(diff):
         problem, config, _ = canonicalize(
             diff["query"], diff["key"], diff["value"], diff.get("g"), None, None, None, None,
-            diff["initial_state"], False, None,
+            diff["initial_state"], False, kwargs.get("cu_seqlens"),
         )
         o, state = pallas_chunk_recurrent(problem, scale=config.scale, reverse=False, target="triton")
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)

@@ -2,15 +2,17 @@
 
 | name               | backend | priority | lowering                      | status                        |
 |--------------------|---------|----------|-------------------------------|-------------------------------|
-| `pallas_gpu`       | GPU     | 30       | Pallas → Triton               | lowering checked on CPU; not yet run on a GPU |
+| `pallas_gpu`       | GPU     | 30       | Pallas → Triton               | lowered and compiled for sm_90 offline; not yet run on a GPU |
 | `pallas_interpret` | CPU     | −10      | Pallas interpret mode         | tested against the reference  |
 
 What the kernels take (fail-closed `Support`; anything else falls back to XLA `chunk`):
 float32 / bfloat16 / float16 inputs; no decay, per-head decay (`g` per head, `g_gamma`),
 per-key-channel decay (`g` per channel, `gk`) and their combinations; any T (padded to
-the chunk); any grouped-head layout; `reverse`; initial states. Refused: value-side
-decay (`gv`), packed varlen input (`cu_seqlens`), float64, and head dims that are not
-powers of two in [16, 256] (Triton tiles are power-of-two shaped and its dots need ≥ 16).
+the chunk); packed variable-length input (`cu_seqlens`, traced or not: the chunk-aligned
+layout of `recurrax.varlen`, with per-chunk sequence resets inside the kernels); any
+grouped-head layout; `reverse`; initial states. Refused: value-side decay (`gv`), float64,
+and head dims that are not powers of two in [16, 256] (Triton tiles are power-of-two
+shaped and its dots need ≥ 16).
 
 `pallas_interpret` runs the very same kernels in interpret mode on CPU. Its priority is
 below the reference's (0), so dispatch never picks it; tests force it by name.
@@ -40,7 +42,7 @@ def _head_dims(request: Request) -> str | None:
 SUPPORT = Support(
     dtypes=frozenset({"float32", "bfloat16", "float16"}),
     gates=frozenset({"head", "key"}),
-    varlen=False,
+    varlen=True,
     check=_head_dims,
 )
 

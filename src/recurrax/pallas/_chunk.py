@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import varlen
 from .._inputs import Problem
 from ._chunk_bwd import chunk_backward
 from ._chunk_fwd import chunk_forward
@@ -54,28 +55,36 @@ from ._common import F32, BlockSizes, Gate, Static, Target, chunk_local_cumsum
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunk(static: Static, q, k, v, g, h0):
-    """(o [B, Tp, H, V], h_T [B, H, K, V]) for padded, forward-ordered inputs."""
-    (o, h_T), _ = _chunk_fwd(static, q, k, v, g, h0)
+def _chunk(static: Static, q, k, v, g, h0, meta, empty):
+    """(o [B, Tp, H, V], h_T [R, H, K, V]) for padded, forward-ordered inputs.
+
+    `meta` ([3, N] int32) and `empty` ([R] bool) describe packed input in the chunk-aligned
+    layout (None when dense): sequences without tokens keep their initial state.
+    """
+    (o, h_T), _ = _chunk_fwd(static, q, k, v, g, h0, meta, empty)
     return o, h_T
 
 
-def _chunk_fwd(static: Static, q, k, v, g, h0):
+def _chunk_fwd(static: Static, q, k, v, g, h0, meta, empty):
     a = None if g is None else chunk_local_cumsum(g, static.blocks.chunk)
-    o, h_T = chunk_forward(q, k, v, a, h0, static=static)
-    return (o, h_T), (q, k, v, g, h0, h_T)
+    o, h_T = chunk_forward(q, k, v, a, h0, meta, static=static)
+    if empty is not None:
+        h_T = jnp.where(empty[:, None, None, None], h0, h_T)
+    return (o, h_T), (q, k, v, g, h0, h_T, meta, empty)
 
 
 def _chunk_bwd(static: Static, residuals, cotangents):
-    q, k, v, g, h0, h_T = residuals
+    q, k, v, g, h0, h_T, meta, empty = residuals
     do, dh_T = cotangents
     a = None if g is None else chunk_local_cumsum(g, static.blocks.chunk)
-    _, states = chunk_forward(q, k, v, a, h0, static=static, emit_output=False, emit_states=True)
-    dq, dk, dv, dh0, boundary = chunk_backward(
-        q, k, v, a, do.astype(q.dtype), states, h_T, dh_T.astype(F32), static=static
-    )
+    _, states = chunk_forward(q, k, v, a, h0, meta, static=static, emit_output=False, emit_states=True)
+    dh_T = dh_T.astype(F32)
+    dq, dk, dv, dh0, boundary = chunk_backward(q, k, v, a, do.astype(q.dtype), states, h_T, dh_T, meta, static=static)
+    if empty is not None:
+        dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
     dg = None if g is None else gate_gradient(q, k, dq, dk, boundary, static).astype(g.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype))
+    return grads + (None, None)
 
 
 _chunk.defvjp(_chunk_fwd, _chunk_bwd)
@@ -129,7 +138,8 @@ def pallas_chunk_recurrent(
     """The chunk algorithm as Pallas kernels; `(output, final_state)` as DESIGN §1.
 
     **Arguments:**
-    - `problem`: the canonical form, without value-side decay and without `cu_seqlens`.
+    - `problem`: the canonical form, without value-side decay; packed input (`cu_seqlens`)
+      runs in the chunk-aligned layout of `recurrax.varlen` (every sequence starts a chunk).
     - `scale`, `reverse`: static configuration of the call.
     - `chunk_size`, `sub_size`, `block_v`, `num_warps`, `num_stages`: see `BlockSizes`.
     - `interpret`: run the kernels in Pallas interpret mode (any backend; for tests).
@@ -137,20 +147,27 @@ def pallas_chunk_recurrent(
     """
     if problem.log_decay_value is not None:
         raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
-    if problem.cu_seqlens is not None:
-        raise ValueError("the Pallas chunk kernels do not support packed input (cu_seqlens)")
     blocks = BlockSizes(chunk_size, sub_size, block_v, num_warps, num_stages)
     gate, g = _key_side_gate(problem)
     static = Static(float(scale), gate, blocks, Target.INTERPRET if interpret else Target(target))
-
-    q, k, v = problem.query, problem.key, problem.value
-    if reverse:
-        q, k, v, g = (None if x is None else jnp.flip(x, axis=1) for x in (q, k, v, g))
-    T = q.shape[1]
-    Tp = -(-T // chunk_size) * chunk_size
-    q, k, v, g = (_pad_tokens(x, Tp) for x in (q, k, v, g))
+    q, k, v, h0 = problem.query, problem.key, problem.value, problem.initial_state.astype(F32)
     g = None if g is None else g.astype(F32)
-    o, h_T = _chunk(static, q, k, v, g, problem.initial_state.astype(F32))
-    o = o[:, :T]
+    T, cu_seqlens = q.shape[1], problem.cu_seqlens
+    if reverse:  # the same recurrence on the flipped token axis (and sequence order)
+        q, k, v, g = (None if x is None else jnp.flip(x, axis=1) for x in (q, k, v, g))
+        if cu_seqlens is not None:
+            cu_seqlens, h0 = T - cu_seqlens[::-1], h0[::-1]
+    if cu_seqlens is None:
+        Tp = -(-T // chunk_size) * chunk_size
+        q, k, v, g = (_pad_tokens(x, Tp) for x in (q, k, v, g))
+        o, h_T = _chunk(static, q, k, v, g, h0, None, None)
+        o = o[:, :T]
+    else:
+        layout = varlen.chunk_layout(cu_seqlens, T, chunk_size)
+        to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
+        meta = jnp.stack([layout.chunk_seq, layout.chunk_first, layout.chunk_last]).astype(jnp.int32)
+        o, h_T = _chunk(static, *(to_slots(x) for x in (q, k, v, g)), h0, meta, layout.seq_empty)
+        o = varlen.from_chunk_layout(o[0], layout)[None]
+        h_T = h_T[::-1] if reverse else h_T
     o = jnp.flip(o, axis=1) if reverse else o
     return o.astype(problem.query.dtype), h_T.astype(problem.initial_state.dtype)

@@ -36,8 +36,9 @@ anchor choices, each keeping both factors ≤ 0:
 Gate gradients are not computed here: they follow from dq and dk by the reverse-cumsum
 identity, cut at chunk boundaries (`_chunk.py`), for which the kernel writes, per chunk,
 the boundary term Σ_V S ⊙ dS of the state leaving it (S from the recomputed states, or
-h_T for the last chunk). Validated like the forward: interpret mode on CPU, Triton
-lowering checked on CPU, not yet run on a GPU or TPU from this repository.
+h_T for the last chunk). Validated like the forward: interpret mode on CPU, Triton lowering
+and an offline sm_90 compile; not yet run on a GPU. Packed input: a sequence's last
+chunk starts from its final-state cotangent, its first chunk writes d(initial state).
 """
 
 from __future__ import annotations
@@ -151,10 +152,11 @@ def _key_sub_block_bwd(refs, base, p, S, dS, a_last, *, C: int, c: int, scale, d
     return dq, dk + dk_after, dv + dv_after
 
 
-def _backward_kernel(*refs, static: Static):
+def _backward_kernel(*refs, static: Static, varlen: bool):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
     a_ref = rest.pop(0) if gate is not Gate.NONE else None
+    meta_ref = rest.pop(0) if varlen else None
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref, *rest = rest
     boundary_ref = rest.pop(0) if gate is not Gate.NONE else None
 
@@ -178,13 +180,14 @@ def _backward_kernel(*refs, static: Static):
 
         return step
 
-    def body(step, dS):  # dS: gradient of the state leaving chunk n
-        n = N - 1 - step
+    def chunk_step(n, dS, after):
+        """Gradients of chunk n given dS, the gradient of the state leaving it, and `after`
+        [K, BV], that state (the boundary term needs it); returns the gradient of the state
+        entering the chunk."""
         base = pl.multiple_of(n * C, C)
         S = states_ref[n]  # [K, BV] entering chunk n
         if boundary_ref is not None:  # Σ_V S ⊙ dS at the chunk's end, for the gate gradient
-            S_after = jnp.where(n == N - 1, hT_ref[...], states_ref[jnp.minimum(n + 1, N - 1)])
-            boundary_ref[pl.ds(n, 1), :] = jnp.sum(S_after * dS, axis=1)[None, :]
+            boundary_ref[pl.ds(n, 1), :] = jnp.sum(after * dS, axis=1)[None, :]
         a_last = None if a_ref is None else rows(a_ref, base + C - 1, 1)
         if gate is Gate.KEY:
             lax.fori_loop(0, C // c, sub_blocks(base, S, dS, a_last), 0)
@@ -199,46 +202,74 @@ def _backward_kernel(*refs, static: Static):
         store(dv_ref, base, C, dv)
         return dS_entering
 
-    dS = lax.fori_loop(0, N, body, dhT_ref[...].astype(F32))
-    dh0_ref[...] = dS.astype(dh0_ref.dtype)
+    def dense_step(step, dS):
+        n = N - 1 - step
+        after = jnp.where(n == N - 1, hT_ref[...], states_ref[jnp.minimum(n + 1, N - 1)])
+        return chunk_step(n, dS, after)
+
+    def packed_step(step, dS):
+        """Packed input: a sequence's last chunk starts from its final-state cotangent, its
+        first chunk writes the gradient of its initial state."""
+        n = N - 1 - step
+        seq, first, last = meta_ref[0, n], meta_ref[1, n], meta_ref[2, n]
+        dS = jnp.where(last > 0, dhT_ref[seq].astype(F32), dS)
+        after = jnp.where(last > 0, hT_ref[seq], states_ref[jnp.minimum(n + 1, N - 1)])
+        dS_entering = chunk_step(n, dS, after)
+
+        @pl.when(first > 0)
+        def _():
+            dh0_ref[seq] = dS_entering.astype(dh0_ref.dtype)
+
+        return dS_entering
+
+    if varlen:
+        lax.fori_loop(0, N, packed_step, jnp.zeros(dh0_ref.shape[1:], F32))
+    else:
+        dS = lax.fori_loop(0, N, dense_step, dhT_ref[...].astype(F32))
+        dh0_ref[...] = dS.astype(dh0_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def chunk_backward(q, k, v, a, do, states, h_T, dh_T, *, static: Static):
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Static):
     """Run the backward kernel.
 
     **Arguments:**
-    - `q`, `k`, `v`, `a`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
+    - `q`, `k`, `v`, `a`, `meta`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
     - `states`: [B, H, N, K, V] float32, the state entering every chunk.
-    - `h_T`, `dh_T`: [B, H, K, V] float32, the final state and its cotangent.
+    - `h_T`, `dh_T`: [R, H, K, V] float32, the final states and their cotangents.
 
     **Returns:** `(dq, dk, dv, dh0, boundary)`: dq and dk [B, Tp, H, K] float32 (summed
-    over value blocks), dv [B, Tp, H, V] float32, dh0 [B, H, K, V] float32, and (with a
-    decay, else None) boundary [B, H, N, K] float32: Σ_V S ⊙ dS for the state leaving
-    each chunk, the gate gradient's carry (see `_chunk.gate_gradient`).
+    over value blocks), dv [B, Tp, H, V] float32, dh0 [R, H, K, V] float32 (packed: written
+    only for sequences that own a chunk), and (with a decay, else None) boundary
+    [B, H, N, K] float32: Σ_V S ⊙ dS for the state leaving each chunk, the gate gradient's
+    carry (see `_chunk.gate_gradient`).
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
+    R = h_T.shape[0]
     BV = static.block_v(V)
     nV, N = V // BV, Tp // static.blocks.chunk
     specs = specs_for(B, H, nV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
+    state_spec = specs["state"](K, BV) if meta is None else specs["seq_states"](R, K, BV)
     in_specs = [specs["tokens_k"](Tp, K), specs["tokens_k"](Tp, K), specs["tokens_v"](Tp, BV)]
     in_specs += [a_spec] if a_spec is not None else []
-    in_specs += [specs["tokens_v"](Tp, BV), specs["states"](N, K, BV), specs["state"](K, BV), specs["state"](K, BV)]
-    out_specs = [specs["partial_k"](Tp, K), specs["partial_k"](Tp, K), specs["tokens_v"](Tp, BV), specs["state"](K, BV)]
+    in_specs += [specs["meta"](N)] if meta is not None else []
+    in_specs += [specs["tokens_v"](Tp, BV), specs["states"](N, K, BV), state_spec, state_spec]
+    out_specs = [specs["partial_k"](Tp, K), specs["partial_k"](Tp, K), specs["tokens_v"](Tp, BV), state_spec]
     out_shape = [
         jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
         jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
         jax.ShapeDtypeStruct((B, Tp, H, V), F32),
-        jax.ShapeDtypeStruct((B, H, K, V), F32),
+        jax.ShapeDtypeStruct((R, H, K, V), F32),
     ]
     if a_spec is not None:
         out_specs.append(specs["partial_chunks"](N, K))
         out_shape.append(jax.ShapeDtypeStruct((nV, B, H, N, K), F32))
-    args = (q, k, v) + ((a,) if a_spec is not None else ()) + (do, states, h_T, dh_T)
+    args = (q, k, v) + ((a,) if a_spec is not None else ()) + ((meta,) if meta is not None else ())
+    args += (do, states, h_T, dh_T)
     dq, dk, dv, dh0, *boundary = pl.pallas_call(
-        functools.partial(_backward_kernel, static=static),
+        functools.partial(_backward_kernel, static=static, varlen=meta is not None),
         grid=(B, H, nV),
         in_specs=in_specs,
         out_specs=out_specs,

@@ -44,10 +44,13 @@ With `emit_states` the kernel also writes S entering every chunk ([N, K, BV]): t
 backward recomputes them with `emit_output=False` instead of keeping them from the
 forward (residual memory stays O(T·(K + V)) per head).
 
-Validation: run on CPU in Pallas interpret mode against the reference; its Triton
-lowering is checked on CPU (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`),
-but it has not been compiled or run on a GPU or TPU from this repository yet
-(see `benchmarks/gpu.sh`).
+Validation so far: run on CPU in Pallas interpret mode against the reference (tests); the
+Triton lowering is checked on CPU (`lower(lowering_platforms=("cuda",))`, tests), and the
+Triton IR it produces was compiled for sm_90 without a GPU by Triton 3.6's compiler and
+ptxas (`benchmarks/gpu_bench.py offline`: registers, spills, shared memory). It has not
+run on a GPU yet; `benchmarks/gpu.sh` is the prepared run. Packed input adds a [3, N]
+int32 table (sequence, first, last per chunk): a sequence's first chunk starts from its
+initial state, its last chunk writes its final state.
 """
 
 from __future__ import annotations
@@ -115,10 +118,11 @@ def _key_sub_block(refs, base, p, S, *, C: int, c: int, dtype):
     return o + mm(P, v_s, dtype)
 
 
-def _forward_kernel(*refs, static: Static, emit_output: bool, emit_states: bool):
+def _forward_kernel(*refs, static: Static, varlen: bool, emit_output: bool, emit_states: bool):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
     a_ref = rest.pop(0) if gate is not Gate.NONE else None
+    meta_ref = rest.pop(0) if varlen else None
     h0_ref, *outs = rest
     o_ref = outs.pop(0) if emit_output else None
     hT_ref = outs.pop(0)
@@ -137,7 +141,8 @@ def _forward_kernel(*refs, static: Static, emit_output: bool, emit_states: bool)
 
         return step
 
-    def body(n, S):
+    def chunk_step(n, S):
+        """Outputs of chunk n (written) and the state leaving it."""
         base = pl.multiple_of(n * C, C)
         if emit_states:
             states_ref[n] = S
@@ -154,44 +159,68 @@ def _forward_kernel(*refs, static: Static, emit_output: bool, emit_states: bool)
             o_ref[pl.ds(base, C), :] = o.astype(o_ref.dtype)
         return S_next
 
-    S = lax.fori_loop(0, Tp // C, body, h0_ref[...].astype(F32))
-    hT_ref[...] = S.astype(hT_ref.dtype)
+    def packed_step(n, S):
+        """Packed input: a sequence's first chunk starts from its initial state, its last
+        chunk writes its final state (chunk-aligned layout: no chunk holds two sequences)."""
+        seq, first, last = meta_ref[0, n], meta_ref[1, n], meta_ref[2, n]
+        S = jnp.where(first > 0, h0_ref[seq].astype(F32), S)
+        S_next = chunk_step(n, S)
+
+        @pl.when(last > 0)
+        def _():
+            hT_ref[seq] = S_next.astype(hT_ref.dtype)
+
+        return S_next
+
+    if varlen:
+        lax.fori_loop(0, Tp // C, packed_step, jnp.zeros(hT_ref.shape[1:], F32))
+    else:
+        S = lax.fori_loop(0, Tp // C, chunk_step, h0_ref[...].astype(F32))
+        hT_ref[...] = S.astype(hT_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
-def chunk_forward(q, k, v, a, h0, *, static: Static, emit_output: bool = True, emit_states: bool = False):
+def chunk_forward(q, k, v, a, h0, meta=None, *, static: Static, emit_output: bool = True, emit_states: bool = False):
     """Run the forward kernel.
 
     **Arguments:**
     - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; Tp a multiple of the chunk.
     - `a`: chunk-local cumulative log decay, float32 [B, Tp, H] (per head) or [B, Tp, H, K]
       (per channel), or None, matching `static.gate`.
-    - `h0`: [B, H, K, V] float32 initial state.
+    - `h0`: [R, H, K, V] float32 initial states: R = B, or S sequences when packed.
+    - `meta`: None, or for packed input (B = 1, chunk-aligned layout) int32 [3, N]: per
+      chunk its sequence, whether it is that sequence's first chunk, and its last.
     - `emit_output`, `emit_states`: which outputs to produce.
 
-    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [B, H, K, V]
-    float32, and `states` [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
+    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V]
+    float32 (packed: written only for sequences that own a chunk), and `states`
+    [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
     """
     B, Tp, H, K = q.shape
     V = v.shape[-1]
+    R = h0.shape[0]
     BV = static.block_v(V)
     N = Tp // static.blocks.chunk
     specs = specs_for(B, H, V // BV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
+    state_spec = specs["state"](K, BV) if meta is None else specs["seq_states"](R, K, BV)
     in_specs = [specs["tokens_k"](Tp, K), specs["tokens_k"](Tp, K), specs["tokens_v"](Tp, BV)]
     in_specs += [a_spec] if a_spec is not None else []
-    in_specs += [specs["state"](K, BV)]
+    in_specs += [specs["meta"](N)] if meta is not None else []
+    in_specs += [state_spec]
     out_specs, out_shape = [], []
     if emit_output:
         out_specs.append(specs["tokens_v"](Tp, BV))
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype))
-    out_specs.append(specs["state"](K, BV))
-    out_shape.append(jax.ShapeDtypeStruct((B, H, K, V), F32))
+    out_specs.append(state_spec)
+    out_shape.append(jax.ShapeDtypeStruct((R, H, K, V), F32))
     if emit_states:
         out_specs.append(specs["states"](N, K, BV))
         out_shape.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
-    args = (q, k, v) + ((a,) if a_spec is not None else ()) + (h0,)
-    kernel = functools.partial(_forward_kernel, static=static, emit_output=emit_output, emit_states=emit_states)
+    args = (q, k, v) + ((a,) if a_spec is not None else ()) + ((meta,) if meta is not None else ()) + (h0,)
+    kernel = functools.partial(
+        _forward_kernel, static=static, varlen=meta is not None, emit_output=emit_output, emit_states=emit_states
+    )
     return pl.pallas_call(
         kernel,
         grid=(B, H, V // BV),

@@ -194,7 +194,15 @@ def specs_for(B: int, H: int, nV: int):
     def partial_chunks(N, K):  # [nV, B, H, N, K] -> ref [N, K], one slab per value block
         return pl.BlockSpec((None, None, None, N, K), lambda b, h, j: (j, b, h, 0, 0))
 
+    def seq_states(S, K, BV):  # [S, H, K, V] -> ref [S, K, BV] (packed input: one per sequence)
+        return pl.BlockSpec((S, None, K, BV), lambda b, h, j: (0, h, 0, j))
+
+    def meta(M):  # [3, M] int32: per chunk its sequence, whether it is the first, the last
+        return pl.BlockSpec((3, M), lambda b, h, j: (0, 0))
+
     return dict(
+        meta=meta,
+        seq_states=seq_states,
         partial_chunks=partial_chunks,
         tokens_k=tokens_k,
         tokens_v=tokens_v,
