@@ -74,7 +74,8 @@ def test_extreme_decays_stay_finite():
         assert np.isfinite(np.asarray(x, np.float64)).all()
     errors = compare("pallas_interpret", case)
     assert all(v <= F32_TOL for k, v in errors.items() if k not in GATE_GRADS), errors
-    _, _, exact = run_vjp("reference", {k: (v.astype(jnp.float64) if hasattr(v, "astype") else v) for k, v in kwargs.items()})
+    exact_inputs = {k: (v.astype(jnp.float64) if hasattr(v, "astype") else v) for k, v in kwargs.items()}
+    _, _, exact = run_vjp("reference", exact_inputs)
     for name in ("g", "gk"):
         assert np.max(np.abs(np.asarray(grads[name], np.float64) - np.asarray(exact[name]))) < 1e-4
 

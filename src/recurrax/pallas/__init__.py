@@ -1,9 +1,9 @@
 """Pallas kernels for the chunk algorithm, registered as `Platform.PALLAS`.
 
-| name               | backend | priority | lowering                      | status                        |
-|--------------------|---------|----------|-------------------------------|-------------------------------|
-| `pallas_gpu`       | GPU     | 30       | Pallas → Triton               | lowered and compiled for sm_90 offline; not yet run on a GPU |
-| `pallas_interpret` | CPU     | −10      | Pallas interpret mode         | tested against the reference  |
+| name               | backend | priority | lowering              | status                                       |
+|--------------------|---------|----------|-----------------------|----------------------------------------------|
+| `pallas_gpu`       | GPU     | 30       | Pallas → Triton       | compiled for sm_90 offline; not run on a GPU |
+| `pallas_interpret` | CPU     | −10      | Pallas interpret mode | tested against the reference                 |
 
 What the kernels take (fail-closed `Support`; anything else falls back to XLA `chunk`):
 float32 / bfloat16 / float16 inputs; no decay, per-head decay (`g` per head, `g_gamma`),
@@ -14,8 +14,9 @@ grouped-head layout; `reverse`; initial states. Refused: value-side decay (`gv`)
 and head dims that are not powers of two in [16, 256] (Triton tiles are power-of-two
 shaped and its dots need ≥ 16).
 
-`pallas_interpret` runs the very same kernels in interpret mode on CPU. Its priority is
-below the reference's (0), so dispatch never picks it; tests force it by name.
+`pallas_interpret` runs the very same kernels in interpret mode on CPU, with small tiles
+(C = 16, c = 8) so that tiny test shapes still cross chunk and sub-block boundaries. Its
+priority is below the reference's (0), so dispatch never picks it; tests force it by name.
 No TPU registration: the kernels index the [B, T, H, D] layout with a squeezed head axis
 in the second-minor position, which Mosaic TPU's (8, 128) tiling does not take; a TPU
 variant needs a head-major layout (and was never run on a TPU from here).

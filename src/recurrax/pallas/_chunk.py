@@ -143,7 +143,7 @@ def pallas_chunk_recurrent(
     - `scale`, `reverse`: static configuration of the call.
     - `chunk_size`, `sub_size`, `block_v`, `num_warps`, `num_stages`: see `BlockSizes`.
     - `interpret`: run the kernels in Pallas interpret mode (any backend; for tests).
-    - `target`: `"triton"` or `"mosaic_tpu"`, the lowering when not interpreting.
+    - `target`: `"triton"`, the lowering when not interpreting (the only one so far).
     """
     if problem.log_decay_value is not None:
         raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")

@@ -37,8 +37,9 @@ sums of gates, hence ≤ 0. The intra-chunk sum must become a matmul:
 
 So a per-channel chunk runs a loop over its query sub-blocks, each doing one
 [c, K]·[K, C] score matmul against all keys of the chunk (keys at or after p zeroed), one
-[c, C]·[C, BV] value matmul, and the exact diagonal (a loop over its c key columns). Matmul operands are cast to the input dtype (bf16/f16 tensor cores, the
-factors are ≤ 1 so nothing overflows); accumulation and the state are float32.
+[c, C]·[C, BV] value matmul, and the exact diagonal (a loop over its c key columns).
+Matmul operands are cast to the input dtype (bf16/f16 tensor cores; the decay factors
+are ≤ 1 so nothing overflows); accumulation and the state are float32.
 
 With `emit_states` the kernel also writes S entering every chunk ([N, K, BV]): the
 backward recomputes them with `emit_output=False` instead of keeping them from the

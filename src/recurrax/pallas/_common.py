@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -40,7 +39,6 @@ class Target(str, enum.Enum):
     """Where a `pallas_call` is lowered."""
 
     TRITON = "triton"  # Pallas's Triton lowering (NVIDIA / AMD GPUs)
-    MOSAIC_TPU = "mosaic_tpu"  # Pallas's Mosaic TPU lowering
     INTERPRET = "interpret"  # Pallas interpret mode: any backend, for tests
 
 
@@ -84,11 +82,6 @@ class Static:
             from jax.experimental.pallas import triton as plgpu
 
             return plgpu.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages)
-        if self.target is Target.MOSAIC_TPU:
-            from jax.experimental.pallas import tpu as pltpu
-
-            # Grid (B, H, nV): independent programs; the chunk loop is inside the kernel.
-            return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
         return None
 
     def block_v(self, V: int) -> int:
@@ -119,15 +112,15 @@ def exp_where(mask, exponent):
 
 
 def rows(ref, start, size: int):
-    """Rows `start : start + size` of a 1-D or 2-D ref, as float32 when it holds decays."""
+    """Rows `start : start + size` of a 1-D or 2-D ref (`start` may be traced)."""
     return ref[pl.ds(start, size)] if len(ref.shape) == 1 else ref[pl.ds(start, size), :]
 
 
-def causal_mask(size: int, strict: bool = False):
-    """[size, size] mask of (i, j) with j ≤ i (j < i when `strict`)."""
+def causal_mask(size: int):
+    """[size, size] mask of (i, j) with j ≤ i."""
     i = lax.broadcasted_iota(jnp.int32, (size, size), 0)
     j = lax.broadcasted_iota(jnp.int32, (size, size), 1)
-    return j < i if strict else j <= i
+    return j <= i
 
 
 def row_index(size: int, width: int):
