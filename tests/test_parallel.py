@@ -67,8 +67,18 @@ def vjp_results(fn, kwargs: dict, seed: int = 1):
     return run(diff, rest)
 
 
-def errors_against_single_device(case: Case, split: Split, **options) -> dict[str, float]:
-    """Scale-relative errors of the sharded call vs `reference` on one device (float64)."""
+def scaled_error(x, y, floor: float) -> float:
+    """max |x − y| / max(max |y|, floor): `max_rel_error` with a smallest scale."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), floor, 1e-30)) if y.size else 0.0
+
+
+def errors_against_single_device(case: Case, split: Split, floor: float = 0.0, **options) -> dict[str, float]:
+    """Scale-relative errors of the sharded call vs `reference` on one device (float64).
+
+    `floor` is the smallest scale an error is measured against: with it, an expected value of
+    exactly zero tolerates rounding-level noise.
+    """
     kwargs = make_inputs(case)
     mesh = split.mesh()
     sharded = vjp_results(lambda **kw: parallel.recurrent(**kw, mesh=mesh, **split.axes(), **options), kwargs)
@@ -77,16 +87,17 @@ def errors_against_single_device(case: Case, split: Split, **options) -> dict[st
     (o, state, grads), (o_ref, state_ref, grads_ref) = sharded, single
     assert o.shape == o_ref.shape and o.dtype == kwargs["query"].dtype
     assert state.shape == state_ref.shape
-    errors = {"output": max_rel_error(o, o_ref), "final_state": max_rel_error(state, state_ref)}
+    error = lambda x, y: scaled_error(x, y, floor)  # noqa: E731
+    errors = {"output": error(o, o_ref), "final_state": error(state, state_ref)}
     for name, grad in grads.items():
         assert grad.shape == kwargs[name].shape and grad.dtype == kwargs[name].dtype, name
-        errors["d" + name] = max_rel_error(grad, grads_ref[name])
+        errors["d" + name] = error(grad, grads_ref[name])
     return errors
 
 
-def assert_sharded_matches(case: Case, split: Split, **options) -> None:
+def assert_sharded_matches(case: Case, split: Split, floor: float = 0.0, **options) -> None:
     tol = default_tolerance(case.dtype)
-    errors = errors_against_single_device(case, split, **options)
+    errors = errors_against_single_device(case, split, floor, **options)
     bad = {name: error for name, error in errors.items() if not error <= tol}
     assert not bad, f"{split} {case}: {bad} (tol {tol})"
 
@@ -137,9 +148,13 @@ def test_packed_matches_single_device(case, split):
 
 @pytest.mark.parametrize("gate_low", [-1e4, pytest.param(-1.0, marks=slow)])
 def test_float32(gate_low):
-    """Strong decays (down to -1e4 per token) stay finite; float32 meets its tolerance."""
+    """Strong decays (down to -1e4 per token) stay finite; float32 meets its tolerance.
+
+    With such decays the gates' exact gradients are 0 (every decay factor underflows), so
+    errors are measured against a scale of at least 1 (the other gradients' order).
+    """
     case = Case(**SMALL, gates=GATES, dtype="float32", gate_low=gate_low)
-    assert_sharded_matches(case, Split(8))
+    assert_sharded_matches(case, Split(8), floor=1.0)
 
 
 @slow
@@ -168,11 +183,23 @@ def test_rerun_strategy_matches(packed):
         assert max_rel_error(x, y) <= 1e-12
 
 
+LOCAL_CASES = [
+    Case(**SMALL, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 16)),
+    Case(**{**SMALL, "K": 16, "V": 16}, gates=("g_channel",), dtype="float32", reverse=True),
+]
+
+
 @slow
+@pytest.mark.parametrize("case", LOCAL_CASES, ids=["packed-float64", "dense-float32"])
 @pytest.mark.parametrize("name", recurrax.kernel_registry.names())
-def test_every_registered_implementation(name):
-    case = Case(**SMALL, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 16))
-    assert_sharded_matches(case, Split(4), implementation=name)
+def test_every_registered_implementation(name, case):
+    """Each implementation that declares it can run a shard's part of the call runs it exactly."""
+    try:
+        assert_sharded_matches(case, Split(4), implementation=name)
+    except ValueError as error:
+        if "cannot run this call" not in str(error):
+            raise
+        pytest.skip(str(error))
 
 
 @pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="explicit mesh axes need jax.set_mesh")
