@@ -26,7 +26,7 @@ if [ "${1:-}" = fetch ]; then
 fi
 
 SMOKE=()
-budgets=(120 210 90)
+budgets=(100 190 80)
 if [ "${1:-}" = smoke ]; then
     SMOKE=(--smoke)
     budgets=(60 60 10)

@@ -59,6 +59,16 @@ def _error(e: BaseException) -> str:
     return text[:300]
 
 
+_PARTIAL = {"path": None}
+
+
+def _checkpoint(**result):
+    """Write what a step has so far, so a step killed by its timeout still reports."""
+    if _PARTIAL["path"]:
+        with open(_PARTIAL["path"], "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
 class Budget:
     def __init__(self, seconds: float):
         self.end = time.monotonic() + seconds
@@ -109,6 +119,7 @@ def check(args) -> dict:
                 traceback.print_exc()
                 rows.append(dict(impl=impl, case=_case_words(case), status="ERROR " + _error(e)))
             _log(rows[-1].get("impl"), rows[-1].get("case"), rows[-1].get("status"))
+            _checkpoint(check=rows)
 
     dispatch = {}
     for gates in [(), ("g_head",), ("gk",), ("gv",)]:
@@ -158,26 +169,16 @@ def _median_ms(fn, sync, repeats: int = REPEATS) -> float:
 def time_jax(args) -> dict:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
-    import jax.numpy as jnp
 
     recurrax = _import_algorithms()
     budget = Budget(args.budget)
     names = recurrax.kernel_registry.names()
     impls = [n for n in (PALLAS, "chunk") if n in names]
     rows = []
-    for shape in SHAPES:
-        B, T, H, K, V = shape
-        keys = jax.random.split(jax.random.key(0), 5)
-        q = jax.random.normal(keys[0], (B, T, H, K), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (B, T, H, K), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (B, T, H, V), jnp.bfloat16)
-        do = jax.random.normal(keys[3], (B, T, H, V), jnp.bfloat16)
-        gates = {
-            "head": jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32) + 4.0),
-            "key": jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, K), jnp.float32) + 4.0),
-        }
-        for gate, g in gates.items():
-            for impl in impls:
+    for impl in impls:  # the Pallas kernels first: the comparison with fla matters most
+        for shape in SHAPES:
+            q, k, v, do, gates = _jax_inputs(shape)
+            for gate, g in gates.items():
                 for mode in ("fwd", "fwd+bwd"):
                     row = dict(shape=shape, gate=gate, impl=impl, mode=mode)
                     if not budget.left():
@@ -185,7 +186,7 @@ def time_jax(args) -> dict:
                         continue
                     try:
                         fn = _jax_fn(recurrax, impl, mode)
-                        run = lambda: jax.block_until_ready(fn(q, k, v, g, do))  # noqa: E731
+                        run = lambda: jax.block_until_ready(fn(q, k, v, g, do))  # noqa: E731, B023
                         row["ms"] = _median_ms(run, lambda: None)
                         row["status"] = "ok"
                     except Exception as e:  # noqa: BLE001
@@ -193,6 +194,7 @@ def time_jax(args) -> dict:
                         row["status"] = "ERROR " + _error(e)
                     rows.append(row)
                     _log(row)
+                    _checkpoint(jax=rows)
     return dict(jax=rows, sweep=_sweep(budget) if PALLAS == "pallas_gpu" else [],
                 jax_version=jax.__version__, devices=[str(d) for d in jax.devices()])
 
@@ -238,6 +240,24 @@ def _sweep(budget: Budget) -> list[dict]:
         rows.append(row)
         _log(row)
     return rows
+
+
+def _jax_inputs(shape):
+    """bf16 q, k, v, do and float32 gates (log-sigmoid, mostly near 0) for one shape."""
+    import jax
+    import jax.numpy as jnp
+
+    B, T, H, K, V = shape
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B, T, H, K), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, H, K), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, H, V), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (B, T, H, V), jnp.bfloat16)
+    gates = {
+        "head": jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32) + 4.0),
+        "key": jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, K), jnp.float32) + 4.0),
+    }
+    return q, k, v, do, gates
 
 
 def _jax_fn(recurrax, impl: str, mode: str):
@@ -314,6 +334,7 @@ def time_fla(args) -> dict:
                     row["status"] = "ERROR " + _error(e)
                 rows.append(row)
                 _log(row)
+                _checkpoint(fla=rows)
     return dict(fla=rows, fla_versions=versions, gpu=torch.cuda.get_device_name())
 
 
@@ -490,6 +511,7 @@ def main(argv=None):
     if args.step == "report":
         print(report(args))
         return
+    _PARTIAL["path"] = args.json[0]
     result = {"check": check, "time-jax": time_jax, "time-fla": time_fla, "offline": offline}[args.step](args)
     with open(args.json[0], "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cases import Case, assert_matches, compare, make_inputs, run_vjp
+from _cases import Case, assert_matches, compare, make_inputs, max_rel_error, run_vjp
 
 import recurrax
 import recurrax.pallas  # noqa: F401  (registers the Pallas implementations)
@@ -214,3 +214,19 @@ def test_gpu_tiles_fill_the_gpu():
     assert gpu_tiles(8, 32, 128, 128)["block_v"] == 32  # 256 heads: register-bound choice
     assert gpu_tiles(4, 16, 64, 64)["block_v"] == 16  # 64 heads: 4 value blocks each, 256 programs
     assert gpu_tiles(1, 8, 128, 128)["block_v"] == 16  # 8 heads: as many programs as allowed
+
+
+def test_vmap_and_grad():
+    """`jax.vmap` over an extra axis batches the pallas_call (a grid dimension) and its VJP."""
+    kwargs = make_inputs(Case(T=20, gates=("g_channel",), **SMALL))
+    queries = jnp.stack([kwargs["query"], -2 * kwargs["query"]])
+
+    def batched(implementation):
+        def one(query):
+            o, state = recurrax.recurrent(**{**kwargs, "query": query}, implementation=implementation)
+            return jnp.sum(o * o) + jnp.sum(state)
+
+        return jax.vmap(jax.value_and_grad(one))(queries)
+
+    for got, want in zip(batched("pallas_interpret"), batched("reference")):
+        assert max_rel_error(got, want) < F32_TOL
