@@ -122,6 +122,24 @@ def _pad_tokens(x, Tp: int):
     return jnp.pad(x, widths)
 
 
+def _dense(static: Static, q, k, v, g, h0):
+    """[B, T, ...] rows: pad T to a multiple of C (padding leaves the state unchanged)."""
+    T, C = q.shape[1], static.blocks.chunk
+    Tp = -(-T // C) * C
+    o, h_T = _chunk(static, *(_pad_tokens(x, Tp) for x in (q, k, v, g)), h0, None, None)
+    return o[:, :T], h_T
+
+
+def _packed(static: Static, q, k, v, g, h0, cu_seqlens):
+    """[1, N, ...] packed sequences: the chunk-aligned layout of `recurrax.varlen` (static
+    size for a traced `cu_seqlens`), with a per-chunk (sequence, first, last) table."""
+    layout = varlen.chunk_layout(cu_seqlens, q.shape[1], static.blocks.chunk)
+    to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
+    meta = jnp.stack([layout.chunk_seq, layout.chunk_first, layout.chunk_last]).astype(jnp.int32)
+    o, h_T = _chunk(static, *(to_slots(x) for x in (q, k, v, g)), h0, meta, layout.seq_empty)
+    return varlen.from_chunk_layout(o[0], layout)[None], h_T
+
+
 def pallas_chunk_recurrent(
     problem: Problem,
     *,
@@ -158,16 +176,9 @@ def pallas_chunk_recurrent(
         if cu_seqlens is not None:
             cu_seqlens, h0 = T - cu_seqlens[::-1], h0[::-1]
     if cu_seqlens is None:
-        Tp = -(-T // chunk_size) * chunk_size
-        q, k, v, g = (_pad_tokens(x, Tp) for x in (q, k, v, g))
-        o, h_T = _chunk(static, q, k, v, g, h0, None, None)
-        o = o[:, :T]
+        o, h_T = _dense(static, q, k, v, g, h0)
     else:
-        layout = varlen.chunk_layout(cu_seqlens, T, chunk_size)
-        to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
-        meta = jnp.stack([layout.chunk_seq, layout.chunk_first, layout.chunk_last]).astype(jnp.int32)
-        o, h_T = _chunk(static, *(to_slots(x) for x in (q, k, v, g)), h0, meta, layout.seq_empty)
-        o = varlen.from_chunk_layout(o[0], layout)[None]
+        o, h_T = _packed(static, q, k, v, g, h0, cu_seqlens)
         h_T = h_T[::-1] if reverse else h_T
     o = jnp.flip(o, axis=1) if reverse else o
     return o.astype(problem.query.dtype), h_T.astype(problem.initial_state.dtype)
