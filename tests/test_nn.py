@@ -196,9 +196,9 @@ def test_input_errors_name_the_argument():
         layer(inputs(2, 3, D), cache=jnp.zeros((2, H, K, V)))
 
 
-def small_model(mixer: str, **options):
+def small_model(mixer: str, num_layers: int = 2, **options):
     return rnn.LanguageModel(
-        32, D, 2, H, mixer=mixer, mlp_ratio=2, rngs=nnx.Rngs(1),
+        32, D, num_layers, H, mixer=mixer, mlp_ratio=2, rngs=nnx.Rngs(1),
         mixer_options=dict(num_kv_heads=HKV, conv_size=2, **options), **F64,
     )
 
@@ -218,7 +218,7 @@ def test_language_model_decodes_like_its_parallel_forward(mixer):
 
 
 def test_language_model_packed_and_gradients():
-    model = small_model("lightning")
+    model = small_model("lightning", num_layers=1)
     tokens = jnp.asarray(np.random.default_rng(9).integers(0, 32, 7), jnp.int32)
     cu_seqlens = jnp.asarray([0, 4, 7], jnp.int32)
     packed = model(tokens, cu_seqlens=cu_seqlens)
@@ -226,6 +226,6 @@ def test_language_model_packed_and_gradients():
     assert max_rel_error(packed[4:], model(tokens[None, 4:])[0]) < TOL
     weights = inputs(7, 32, seed=10)
     reached = nonzero_gradients(model, lambda model: jnp.sum(model(tokens, cu_seqlens=cu_seqlens) * weights))
-    assert len(reached) > 10 and all(reached.values()), reached
+    assert len(reached) > 8 and all(reached.values()), reached
     with pytest.raises(ValueError, match="^cache "):
-        model(tokens[None], cache=model.init_cache(1)[:1])
+        model(tokens[None], cache=model.init_cache(1) * 2)

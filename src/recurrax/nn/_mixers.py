@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from .._recurrent import recurrent
