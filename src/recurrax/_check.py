@@ -47,6 +47,18 @@ def _fwd_bwd_seconds(name: str, case: Case) -> float:
     return time.perf_counter() - start
 
 
+def _refusal(name: str, case: Case) -> str | None:
+    """Why `name` declares it cannot run `case`, or None."""
+    from . import kernel_registry
+    from ._inputs import canonicalize, request_of
+    from ._testing import ARGUMENTS
+
+    kwargs = make_inputs(case)
+    problem, _, _ = canonicalize(*(kwargs.get(arg, default) for arg, default in ARGUMENTS))
+    impl = next(impl for impl in kernel_registry.implementations() if impl.name == name)
+    return impl.refusal(request_of(problem))
+
+
 def _row(name: str, case_name: str, error: float, worst: str, seconds: float, ok: bool) -> str:
     status = "ok" if ok else "MISMATCH"
     return f"{name:<18} {case_name:<22} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
@@ -67,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         for case_name, case in CASES.items():
             case = Case(**{**case.__dict__, "dtype": args.dtype})
+            refusal = _refusal(name, case)
+            if refusal is not None:
+                print(f"{name:<18} {case_name:<22} {'-':>11} declared unsupported: {refusal}")
+                continue
             errors = compare(name, case)
             worst = max(errors, key=errors.get)
             ok = errors[worst] <= tolerance

@@ -91,7 +91,7 @@ def split_args(kwargs: dict) -> tuple[dict, dict]:
     return diff, rest
 
 
-_ARGUMENTS = tuple((name, False if name == "reverse" else None) for name in (
+ARGUMENTS = tuple((name, False if name == "reverse" else None) for name in (
     "query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state", "reverse", "cu_seqlens"
 ))
 
@@ -101,7 +101,7 @@ def call(implementation: str | Callable, **kwargs):
     `fn(problem, *, scale, reverse)` (e.g. a `functools.partial` with a chunk size)."""
     if isinstance(implementation, str):
         return recurrax.recurrent(**kwargs, implementation=implementation)
-    problem, config, layout = canonicalize(*(kwargs.get(name, default) for name, default in _ARGUMENTS))
+    problem, config, layout = canonicalize(*(kwargs.get(name, default) for name, default in ARGUMENTS))
     output, final_state = implementation(problem, scale=config.scale, reverse=config.reverse)
     return layout.restore(output), final_state
 
