@@ -66,7 +66,11 @@ def recurrent_step(
     **Returns:** `(output, new_state)`: `output` `[batch, (seq_len,) num_heads, v_head_dim]` in
     the query's dtype; `new_state` like `state`, in float32 (float64 for float64 inputs).
     """
-    one_token = _floating("query", query).ndim == 3
+    rank = _floating("query", query).ndim
+    if rank not in (3, 4):
+        words = "[batch, num_heads, qk_head_dim] (one token) or [batch, seq_len, num_heads, qk_head_dim]"
+        _fail("query", words, f"shape {tuple(query.shape)}")
+    one_token = rank == 3
     problem, scale = _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token)
     if problem.query.shape[1] == 1:
         output, new_state = one_step(problem, scale)
