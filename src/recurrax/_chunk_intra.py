@@ -55,7 +55,7 @@ def _lower(size: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Ladder:
-    """Factors of the recursive halving of a chunk with per-channel cumulative decay A.
+    """Factors of the recursive halving of a chunk with per-channel log decays.
 
     **Arguments:**
     - `levels`: for block sizes m = 2c, 4c, …, C: `(m, left, right)` with
@@ -71,24 +71,39 @@ class Ladder:
     leaf_decay: Array | None
 
 
-def ladder(cum: Float[Array, "... C D"], leaf: int) -> Ladder:
-    """The halving factors of a per-channel cumulative log decay (see the module docstring)."""
-    *lead, C, D = cum.shape
+def ladder(log_decay: Float[Array, "... C D"], leaf: int) -> tuple[Ladder, Array, Array]:
+    """The halving factors of per-channel log decays a [..., C, D], with `start` = e^{A_t}
+    and `end` = e^{A_{C−1} − A_t} over the whole chunk.
+
+    Every factor is a product of α_u = e^{a_u} ≤ 1 over a run of tokens, so one exp per
+    token and channel suffices: within aligned blocks of h tokens keep the inclusive prefix
+    products (`prefix`, e^{A_t − A_{block start − 1}}) and the exclusive suffix products
+    (`after`, e^{A_{block end} − A_t}); doubling h multiplies the right half's prefix by the
+    left half's total and the left half's suffix by the right half's total. At level m = 2h
+    the right factor of the halving is `prefix` and the left one is `after`.
+    """
+    *lead, C, D = log_decay.shape
+    alpha = jnp.exp(log_decay)
+    prefix, after = alpha, jnp.ones_like(alpha)
     levels = []
-    m = 2 * leaf
-    while m <= C:
-        blocks = cum.reshape(*lead, C // m, 2, m // 2, D)
-        anchor = blocks[..., 0, -1:, :]  # [..., C/m, 1, D]   A at the end of each left half
-        left = jnp.exp(anchor - blocks[..., 0, :, :])  # e^{μ − A_s} ≤ 1
-        right = jnp.exp(blocks[..., 1, :, :] - anchor)  # e^{A_t − μ} ≤ 1
-        levels.append((m, left, right))
-        m *= 2
+    h = 1
+    while h < C:
+        pairs = C // (2 * h)
+        p = prefix.reshape(*lead, pairs, 2, h, D)
+        a = after.reshape(*lead, pairs, 2, h, D)
+        if h >= leaf:
+            levels.append((2 * h, a[..., 0, :, :], p[..., 1, :, :]))
+        left_total = p[..., 0, -1:, :]  # e^{A at left end − A before the block}
+        right_total = (alpha.reshape(*lead, pairs, 2, h, D) * a)[..., 1, :1, :]
+        prefix = jnp.stack([p[..., 0, :, :], p[..., 1, :, :] * left_total], axis=-3).reshape(*lead, C, D)
+        after = jnp.stack([a[..., 0, :, :] * right_total, a[..., 1, :, :]], axis=-3).reshape(*lead, C, D)
+        h *= 2
     leaf_decay = None
     if leaf > 1:
-        blocks = cum.reshape(*lead, C // leaf, leaf, D)
-        exponent = blocks[..., :, None, :] - blocks[..., None, :, :]  # [..., C/c, t, s, D]
+        cum = chunk_cumsum(log_decay.reshape(*lead, C // leaf, leaf, D), True)
+        exponent = cum[..., :, None, :] - cum[..., None, :, :]  # [..., C/c, t, s, D]
         leaf_decay = jnp.exp(jnp.where(_lower(leaf)[:, :, None], exponent, -jnp.inf))
-    return Ladder(tuple(levels), leaf, leaf_decay)
+    return Ladder(tuple(levels), leaf, leaf_decay), prefix, after
 
 
 def _halves(x: Array, blocks: int, half: int) -> tuple[Array, Array]:
@@ -187,13 +202,26 @@ def _leaf_apply_t(leaves: Array, z: Array, lad: Ladder) -> Array:
     return out.reshape(*lead, C, D)
 
 
+def chunk_cumsum(x: Array, channel: bool, reverse: bool = False) -> Array:
+    """Inclusive cumulative sum over the chunk axis (-2 per channel, -1 per head), from the
+    front, or from the back when `reverse`.
+
+    As a product with a triangular ones matrix: one small matmul, far cheaper on CPU than
+    `jnp.cumsum` (lowered to a reduce-window there), and exact up to rounding.
+    """
+    size = x.shape[-2] if channel else x.shape[-1]
+    ones = _lower(size).astype(x.dtype)
+    ones = ones.T if reverse else ones
+    return dot("ts,...sd->...td", ones, x) if channel else dot("ts,...s->...t", ones, x)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkDecay:
     """One side's decay inside a chunk, with the factors every product needs.
 
     **Arguments:**
     - `kind`: `"none"`, `"head"` (cumulative [..., C]) or `"channel"` ([..., C, D]).
-    - `cum`: the inclusive cumulative log decay A, or None.
+    - `cum`: the inclusive cumulative log decay A (per head), or None.
     - `start`: e^{A_t} (decay from the chunk start through t), `end`: e^{A_{C−1} − A_t}
       (decay after t to the chunk end), `total`: e^{A_{C−1}}; all exponents ≤ 0.
     - `mask`: the [..., C, C] decay matrix (none/head), `lad`: the `Ladder` (channel).
@@ -212,11 +240,12 @@ class ChunkDecay:
         """From per-token log decays [..., C] (per head) or [..., C, D] (per channel) or None."""
         if log_decay is None:
             return ChunkDecay(NONE, mask=_lower(size))
-        cum = jnp.cumsum(log_decay, axis=-2 if channel else -1)
-        last = cum[..., -1:, :] if channel else cum[..., -1:]
-        start, end, total = jnp.exp(cum), jnp.exp(last - cum), jnp.exp(last[..., 0, :] if channel else last[..., 0])
         if channel:
-            return ChunkDecay(CHANNEL, cum, start, end, total, lad=ladder(cum, leaf))
+            lad, start, end = ladder(log_decay, leaf)
+            return ChunkDecay(CHANNEL, None, start, end, start[..., -1, :], lad=lad)
+        cum = chunk_cumsum(log_decay, channel)
+        last = cum[..., -1:]
+        start, end, total = jnp.exp(cum), jnp.exp(last - cum), jnp.exp(last[..., 0])
         exponent = jnp.where(_lower(size), cum[..., :, None] - cum[..., None, :], -jnp.inf)
         return ChunkDecay(HEAD, cum, start, end, total, mask=jnp.exp(exponent))
 

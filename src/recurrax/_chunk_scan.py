@@ -2,9 +2,10 @@
 
 | symbol | meaning                                                                        |
 |--------|--------------------------------------------------------------------------------|
-| B, T   | batch rows, tokens per row (a multiple of C here)                             |
+| B, T   | batch rows, tokens per row (a multiple of P·C here)                            |
 | H      | heads;  K, V: key and value head dimensions                                    |
-| C, N   | chunk size, chunks per row (N = T / C)                                         |
+| C      | chunk size: the state is materialised once per chunk                          |
+| P      | chunks per scan step: one step handles P·C tokens                              |
 | R      | state rows: B, or S sequences when packed (then B = 1)                         |
 | S_n    | state entering chunk n (processing order);  E_n: state leaving it             |
 | A, Bv  | chunk-local cumulative key-side / value-side log decays (`_chunk_intra`)       |
@@ -12,18 +13,23 @@
 Forward, per chunk (q already carries the softmax scale; t, s index the chunk's tokens):
 
     o_t  = Σ_{s≤t} ⟨q_t, k_s e^{A_t−A_s}⟩ v_s e^{Bv_t−Bv_s}  +  e^{Bv_t} ⊙ ((q_t ⊙ e^{A_t})ᵀ S_n)
-    E_n  = e^{A_C} ⊙ S_n ⊙ e^{Bv_C}  +  Σ_s (k_s e^{A_C−A_s}) (v_s e^{Bv_C−Bv_s})ᵀ
+    E_n  = e^{A_C} ⊙ S_n ⊙ e^{Bv_C}  +  U_n,      U_n = Σ_s (k_s e^{A_C−A_s}) (v_s e^{Bv_C−Bv_s})ᵀ
 
-Only the state crosses chunks, so the loop carries one [B, H, K, V] state and keeps S_n of
-every chunk as the residual (O(B·H·N·K·V) memory); everything else is recomputed.
+Only the state crosses chunks. A `lax.scan` step takes P chunks: their intra-chunk products,
+their U_n and their outputs are batched over P (no sequential dependence); only the cheap
+elementwise recurrence S_{n+1} = decay_n ⊙ S_n + U_n is unrolled over the P chunks. The
+residual is the state entering each chunk, O(B·H·(T/C)·K·V) (storing them is cheaper here
+than recomputing the U_n products in the backward).
 
-Backward, per chunk in reverse processing order, with Ē = ∂L/∂E_n carried in:
+Backward, per chunk in reverse processing order, with Ē_n = ∂L/∂E_n:
 
     dP   = scores_Bv(do, v)                          (∂L/∂P where P = scores_A(q, k))
     dq   = apply_A(dP, k)    + e^{A_t} ⊙ (S_n (do_t ⊙ e^{Bv_t}))
-    dk   = apply_t_A(dP, q)  + e^{A_C−A_s} ⊙ (Ē (v_s ⊙ e^{Bv_C−Bv_s}))
-    dv   = apply_t_Bv(P, do) + e^{Bv_C−Bv_s} ⊙ (Ēᵀ (k_s ⊙ e^{A_C−A_s}))
-    ∂L/∂S_n = e^{A_C} ⊙ Ē ⊙ e^{Bv_C} + Σ_t (q_t e^{A_t}) (do_t e^{Bv_t})ᵀ   (carried on)
+    dk   = apply_t_A(dP, q)  + e^{A_C−A_s} ⊙ (Ē_n (v_s ⊙ e^{Bv_C−Bv_s}))
+    dv   = apply_t_Bv(P, do) + e^{Bv_C−Bv_s} ⊙ (Ē_nᵀ (k_s ⊙ e^{A_C−A_s}))
+    Ē_{n−1} = ∂L/∂S_n = e^{A_C} ⊙ Ē_n ⊙ e^{Bv_C} + W_n,   W_n = Σ_t (q_t e^{A_t}) (do_t e^{Bv_t})ᵀ
+
+again with W_n batched and the Ē recurrence unrolled over a step's P chunks.
 
 Gate gradients need no states (DESIGN §2). With G_t = ∂L/∂h_t, ∂L/∂a_t = Σ_v G_t ⊙ (h_t − k_t v_tᵀ);
 unrolling G_t = q_t do_tᵀ + e^{a_{t+1}} G_{t+1} e^{b_{t+1}} gives
@@ -32,9 +38,9 @@ unrolling G_t = q_t do_tᵀ + e^{a_{t+1}} G_{t+1} e^{b_{t+1}} gives
     ∂L/∂b_t = Σ_{u ≥ t} (o_u ⊙ do_u − v_u ⊙ dv_u)  +  Σ_k (∂L/∂h_final ⊙ h_final)
 
 sums over the rest of the token's own sequence (the recursion restarts where a sequence
-ends, and the initial state's term is already inside q ⊙ dq). The suffix sum is a
-within-chunk reverse cumsum plus a carry from later chunks, reset to the final-state term
-at each sequence's last chunk. A per-head decay is the sum of its side's channels.
+ends; the initial state's term is already inside q ⊙ dq). The suffix sum is a within-chunk
+reverse cumsum plus a carry from later chunks, reset to the final-state term at each
+sequence's last chunk. A per-head decay's gradient is the sum over its side's channels.
 
 Packed sequences (`ChunkMeta`): the state is reset to the sequence's initial state at its
 first chunk in processing order (`load`), the final state is taken after its last (`emit`),
@@ -51,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._chunk_intra import ChunkDecay, dot
+from ._chunk_intra import CHANNEL, HEAD, NONE, ChunkDecay, chunk_cumsum, dot
 
 
 class Static(NamedTuple):
@@ -59,6 +65,7 @@ class Static(NamedTuple):
 
     chunk_size: int
     block_size: int
+    chunks_per_step: int
     scale: float
     reverse: bool
 
@@ -87,11 +94,11 @@ class ChunkMeta(NamedTuple):
     empty: Bool[Array, " R"]
 
 
-# ----------------------------------------------------------------------------- one chunk
+# ----------------------------------------------------------------------------- chunk math
 
 
 def side_decays(gates: Gates, leaf: int, size: int) -> tuple[ChunkDecay, ChunkDecay, str | None]:
-    """The key-side and value-side decays of a chunk, and the side a per-head decay joined.
+    """The key-side and value-side decays of chunks, and the side a per-head decay joined.
 
     A per-head decay multiplies the whole state, so it may ride on either side: it joins
     the key channels if there are any, else the value channels, else it stays a scalar.
@@ -110,163 +117,227 @@ def side_decays(gates: Gates, leaf: int, size: int) -> tuple[ChunkDecay, ChunkDe
     return key_side, value_side, head_on
 
 
-def forward_step(q, k, v, key: ChunkDecay, value: ChunkDecay, state):
-    """(o [..., C, V], E [..., K, V]) of one chunk entered with `state`; q carries the scale."""
-    scores = key.scores(q, k)
-    inter = dot("...tk,...kv->...tv", key.from_start(q), state)
-    out = value.apply(scores, v) + value.from_start(inter)
-    update = dot("...sk,...sv->...kv", key.to_end(k), value.to_end(v))
-    return out, value.decay_columns(key.decay_rows(state)) + update
+def chunk_updates(k, v, key: ChunkDecay, value: ChunkDecay):
+    """U_n = Σ_s (k_s e^{A_C−A_s}) (v_s e^{Bv_C−Bv_s})ᵀ for every chunk, [..., K, V]."""
+    return dot("...sk,...sv->...kv", key.to_end(k), value.to_end(v))
 
 
-def backward_step(q, k, v, do, key: ChunkDecay, value: ChunkDecay, state, d_end, need_output: bool):
-    """Gradients of one chunk: (dq, dk, dv, ∂L/∂S_n, o or None). q carries the scale and dq
-    is with respect to that scaled q."""
+def chunk_outputs(q, k, v, key: ChunkDecay, value: ChunkDecay, starts):
+    """o [..., C, V] of chunks entered with states `starts` [..., K, V]."""
+    inter = dot("...tk,...kv->...tv", key.from_start(q), starts)
+    return value.apply(key.scores(q, k), v) + value.from_start(inter)
+
+
+def chunk_gradients(q, k, v, do, key: ChunkDecay, value: ChunkDecay, starts, d_ends, need_output: bool):
+    """(dq, dk, dv, o or None) of chunks entered with `starts` whose leaving states have
+    adjoints `d_ends`; dq is with respect to the scaled q."""
     scores = key.scores(q, k)
     d_scores = value.scores(do, v)
-    q_start, do_start = key.from_start(q), value.from_start(do)
     k_end, v_end = key.to_end(k), value.to_end(v)
-    dq = key.apply(d_scores, k) + key.from_start(dot("...tv,...kv->...tk", do_start, state))
-    dk = key.apply_t(d_scores, q) + key.to_end(dot("...sv,...kv->...sk", v_end, d_end))
-    dv = value.apply_t(scores, do) + value.to_end(dot("...sk,...kv->...sv", k_end, d_end))
-    d_start = value.decay_columns(key.decay_rows(d_end)) + dot("...tk,...tv->...kv", q_start, do_start)
+    dq = key.apply(d_scores, k) + key.from_start(dot("...tv,...kv->...tk", value.from_start(do), starts))
+    dk = key.apply_t(d_scores, q) + key.to_end(dot("...sv,...kv->...sk", v_end, d_ends))
+    dv = value.apply_t(scores, do) + value.to_end(dot("...sk,...kv->...sv", k_end, d_ends))
     out = None
     if need_output:
-        out = value.apply(scores, v) + value.from_start(dot("...tk,...kv->...tv", q_start, state))
-    return dq, dk, dv, d_start, out
+        out = value.apply(scores, v) + value.from_start(dot("...tk,...kv->...tv", key.from_start(q), starts))
+    return dq, dk, dv, out
 
 
-def _suffix_sums(per_token: Array, carry: Array, channel: bool) -> tuple[Array, Array]:
-    """Σ over this and later tokens: within-chunk reverse cumsum plus the carry from later
-    chunks; returns (gradient per token, carry for earlier chunks)."""
-    axis = -2 if channel else -1
-    within = lax.cumsum(per_token, axis=per_token.ndim + axis, reverse=True)
-    expanded = carry[..., None, :] if channel else carry[..., None]
-    return within + expanded, carry + jnp.sum(per_token, axis=axis)
+def _state_decay(key: ChunkDecay, value: ChunkDecay):
+    """Per-chunk factor [..., P, K|1, V|1] of the state's decay over a chunk, or None."""
+    factor = None
+    if key.total is not None:
+        factor = key.total[..., None, None] if key.kind == HEAD else key.total[..., :, None]
+    if value.total is not None:
+        columns = value.total[..., None, :]
+        factor = columns if factor is None else factor * columns
+    return factor
 
 
-# ----------------------------------------------------------------------------- chunk I/O
+def _decayed(state, factor, p: int):
+    return state if factor is None else state * factor[:, :, p]
 
 
-def _load(x: Array | None, index, size: int, reverse: bool, dtype) -> Array | None:
-    """Chunk `index` of x [B, T, H, ...] as [B, H, C, ...] in processing order."""
+# ----------------------------------------------------------------------------- step I/O
+
+
+def _load(x: Array | None, start, length: int, shape: tuple[int, int], reverse: bool, dtype):
+    """Tokens [start, start + length) of x [B, T, H, ...] as [B, H, P, C, ...], processing order."""
     if x is None:
         return None
-    piece = jnp.moveaxis(lax.dynamic_slice_in_dim(x, index * size, size, axis=1), 1, 2)
-    return (jnp.flip(piece, axis=2) if reverse else piece).astype(dtype)
+    piece = jnp.moveaxis(lax.dynamic_slice_in_dim(x, start, length, axis=1), 1, 2)
+    piece = jnp.flip(piece, axis=2) if reverse else piece
+    return piece.reshape(*piece.shape[:2], *shape, *piece.shape[3:]).astype(dtype)
 
 
-def _store(buffer: Array | None, piece: Array | None, index, size: int, reverse: bool) -> Array | None:
-    """Write a [B, H, C, ...] processing-order chunk back into buffer [B, T, H, ...]."""
+def _store(buffer: Array | None, piece: Array | None, start, reverse: bool):
+    """Write a [B, H, P, C, ...] processing-order piece back into buffer [B, T, H, ...]."""
     if buffer is None:
         return None
+    piece = piece.reshape(*piece.shape[:2], -1, *piece.shape[4:])
     piece = jnp.flip(piece, axis=2) if reverse else piece
     piece = jnp.moveaxis(piece, 2, 1).astype(buffer.dtype)
-    return lax.dynamic_update_slice_in_dim(buffer, piece, index * size, axis=1)
+    return lax.dynamic_update_slice_in_dim(buffer, piece, start, axis=1)
 
 
-def _storage_index(step, num_chunks: int, reverse: bool):
-    return num_chunks - 1 - step if reverse else step
+def _step_meta(meta: ChunkMeta | None, first_chunk, count: int, reverse: bool):
+    """The P chunks' (seq, load, emit) of one step, in processing order."""
+    if meta is None:
+        return None
+    pieces = [lax.dynamic_slice_in_dim(x, first_chunk, count) for x in (meta.seq, meta.load, meta.emit)]
+    return [x[::-1] for x in pieces] if reverse else pieces
 
 
-def _zeros_like(x: Array | None) -> Array | None:
-    return None if x is None else jnp.zeros_like(x)
+class _Step(NamedTuple):
+    """One scan step: where it sits and how to read it."""
+
+    start: Array  # first token (storage order)
+    first_chunk: Array  # first chunk (storage order)
+    load: functools.partial
+
+
+def _step(static: Static, num_steps: int, step, dtype) -> _Step:
+    P, C = static.chunks_per_step, static.chunk_size
+    index = num_steps - 1 - step if static.reverse else step
+    load = functools.partial(
+        _load, start=index * P * C, length=P * C, shape=(P, C), reverse=static.reverse, dtype=dtype
+    )
+    return _Step(index * P * C, index * P, load)
+
+
+def _chunk_starts(state, updates, factor, init, step_meta, P: int, finals=None):
+    """States entering each of P chunks from the state entering the step: [B, H, P, K, V],
+    and the state leaving the last chunk; resets to `init` where a sequence is loaded, and
+    records the state leaving a chunk in `finals` where a sequence is emitted."""
+    starts = []
+    for p in range(P):
+        if step_meta is not None:
+            seq, load, emit = step_meta
+            state = jnp.where(load[p], init[seq[p]][None], state)
+        starts.append(state)
+        state = _decayed(state, factor, p) + updates[:, :, p]
+        if finals is not None:
+            finals = finals.at[seq[p]].set(jnp.where(emit[p], state[0], finals[seq[p]]))
+    return jnp.stack(starts, axis=2), state, finals
 
 
 # ----------------------------------------------------------------------------- passes
 
 
 def forward(static: Static, q, k, v, gates: Gates, init, meta: ChunkMeta | None):
-    """(output [B, T, H, V], final states [R, H, K, V], chunk-start states [N, B, H, K, V])."""
-    B, T, H, _ = q.shape
-    C = static.chunk_size
-    N = T // C
+    """(output [B, T, H, V], final states [R, H, K, V], chunk-entry states [steps, B, H, P, K, V])."""
+    T = q.shape[1]
+    P, C = static.chunks_per_step, static.chunk_size
+    num_steps = T // (P * C)
     dtype = init.dtype
-    load = functools.partial(_load, size=C, reverse=static.reverse, dtype=dtype)
 
     def body(carry, step):
         state, out, finals = carry
-        index = _storage_index(step, N, static.reverse)
-        if meta is not None:
-            seq = meta.seq[index]
-            state = jnp.where(meta.load[index], init[seq][None], state)
-        chunk_gates = Gates(*(load(g, index) for g in gates))
-        key, value, _ = side_decays(chunk_gates, static.block_size, C)
-        qc = load(q, index) * static.scale
-        o, end = forward_step(qc, load(k, index), load(v, index), key, value, state)
-        out = _store(out, o, index, C, static.reverse)
-        if meta is not None:
-            finals = finals.at[seq].set(jnp.where(meta.emit[index], end[0], finals[seq]))
-        return (end, out, finals), state
+        where = _step(static, num_steps, step, dtype)
+        step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
+        key, value, _ = side_decays(Gates(*(where.load(g) for g in gates)), static.block_size, C)
+        qc, kc, vc = where.load(q) * static.scale, where.load(k), where.load(v)
+        updates = chunk_updates(kc, vc, key, value)
+        factor = _state_decay(key, value)
+        starts, leaving, finals = _chunk_starts(state, updates, factor, init, step_meta, P, finals)
+        out = _store(out, chunk_outputs(qc, kc, vc, key, value, starts), where.start, static.reverse)
+        return (leaving, out, finals), starts
 
     state0 = init if meta is None else jnp.zeros((1, *init.shape[1:]), dtype)
-    out0 = jnp.zeros((*v.shape[:-1], v.shape[-1]), q.dtype)
-    (last, out, finals), starts = lax.scan(body, (state0, out0, None if meta is None else init), jnp.arange(N))
-    return out, (last if meta is None else finals), starts
+    out0 = jnp.zeros(v.shape, q.dtype)
+    carry0 = (state0, out0, None if meta is None else init)
+    (last, out, finals), entries = lax.scan(body, carry0, jnp.arange(num_steps))
+    return out, (last if meta is None else finals), entries
 
 
-def _final_terms(d_final: Array, final: Array, key: str, value: bool):
+def _final_terms(d_final: Array, final: Array, key_kind: str, value: bool):
     """Σ_v / Σ_k of ∂L/∂h_final ⊙ h_final: the suffix carries of the last chunk."""
     product = d_final * final  # [R, H, K, V]
-    key_term = {"channel": product.sum(-1), "head": product.sum((-2, -1)), "none": None}[key]
+    key_term = {CHANNEL: product.sum(-1), HEAD: product.sum((-2, -1)), NONE: None}[key_kind]
     return key_term, (product.sum(-2) if value else None)
+
+
+def _key_kind(gates: Gates) -> str:
+    if gates.key is not None:
+        return CHANNEL
+    return HEAD if gates.head is not None and gates.value is None else NONE
+
+
+def _suffix(per_token, carry, term, step_meta, channel: bool, P: int):
+    """∂L/∂(log decay) of a step's tokens: Σ over later tokens of the same sequence of
+    `per_token` [B, H, P, C(, D)], plus `carry` (later steps) or `term` (final state)."""
+    within = chunk_cumsum(per_token, channel, reverse=True)
+    totals = jnp.sum(per_token, axis=-2 if channel else -1)  # [B, H, P(, D)]
+    later = [None] * P
+    for p in reversed(range(P)):
+        if step_meta is not None:
+            seq, _, emit = step_meta
+            carry = jnp.where(emit[p], term[seq[p]][None], carry)
+        later[p] = carry
+        carry = carry + totals[:, :, p]
+    later = jnp.stack(later, axis=2)
+    return within + (later[..., None, :] if channel else later[..., None]), carry
 
 
 def backward(static: Static, residuals, d_out, d_final):
     """Gradients (dq, dk, dv, Gates of gradients, d_init) of the chunked pass."""
-    q, k, v, gates, init, meta, starts, finals = residuals
+    q, k, v, gates, init, meta, states, finals = residuals
     T = q.shape[1]
-    C = static.chunk_size
-    N = T // C
+    P, C = static.chunks_per_step, static.chunk_size
+    num_steps = T // (P * C)
     dtype = init.dtype
-    load = functools.partial(_load, size=C, reverse=static.reverse, dtype=dtype)
-    key_kind = "channel" if gates.key is not None else ("head" if gates.head is not None and gates.value is None else "none")
-    has_value = gates.value is not None
+    key_kind, has_value = _key_kind(gates), gates.value is not None
     key_term, value_term = _final_terms(d_final, finals, key_kind, has_value)
 
     def body(carry, xs):
-        step, state = xs
+        step, starts = xs
         d_end, key_carry, value_carry, buffers, d_init = carry
-        index = _storage_index(step, N, static.reverse)
-        if meta is not None:
-            seq, emit = meta.seq[index], meta.emit[index]
-            d_end = jnp.where(emit, d_final[seq][None], d_end)
-            key_carry = None if key_carry is None else jnp.where(emit, key_term[seq][None], key_carry)
-            value_carry = None if value_carry is None else jnp.where(emit, value_term[seq][None], value_carry)
-        chunk_gates = Gates(*(load(g, index) for g in gates))
-        key, value, head_on = side_decays(chunk_gates, static.block_size, C)
-        qc, kc, vc, doc = load(q, index) * static.scale, load(k, index), load(v, index), load(d_out, index)
-        dq, dk, dv, d_start, out = backward_step(qc, kc, vc, doc, key, value, state, d_end, has_value)
+        where = _step(static, num_steps, step, dtype)
+        step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
+        key, value, head_on = side_decays(Gates(*(where.load(g) for g in gates)), static.block_size, C)
+        qc, kc, vc, doc = where.load(q) * static.scale, where.load(k), where.load(v), where.load(d_out)
+
+        factor = _state_decay(key, value)
+        reads = dot("...tk,...tv->...kv", key.from_start(qc), value.from_start(doc))  # W_n
+        d_ends = [None] * P
+        for p in reversed(range(P)):
+            if step_meta is not None:
+                seq, load, emit = step_meta
+                d_end = jnp.where(emit[p], d_final[seq[p]][None], d_end)
+            d_ends[p] = d_end
+            d_end = _decayed(d_end, factor, p) + reads[:, :, p]
+            if step_meta is not None:
+                d_init = d_init.at[seq[p]].add(jnp.where(load[p], d_end[0], 0))
+                d_end = jnp.where(load[p], 0, d_end)
+        d_ends = jnp.stack(d_ends, axis=2)
+        dq, dk, dv, out = chunk_gradients(qc, kc, vc, doc, key, value, starts, d_ends, has_value)
 
         d_head = d_key = d_value = None
         if key_carry is not None:
             per_token = qc * dq - kc * dk
-            channel = key.kind == "channel"
-            d_a, key_carry = _suffix_sums(per_token if channel else per_token.sum(-1), key_carry, channel)
+            channel = key.kind == CHANNEL
+            per_token = per_token if channel else per_token.sum(-1)
+            d_a, key_carry = _suffix(per_token, key_carry, key_term, step_meta, channel, P)
             d_key = d_a if gates.key is not None else None
             d_head = d_a.sum(-1) if head_on == "key" else (d_a if head_on == "head" else None)
         if value_carry is not None:
-            d_b, value_carry = _suffix_sums(out * doc - vc * dv, value_carry, True)
+            d_b, value_carry = _suffix(out * doc - vc * dv, value_carry, value_term, step_meta, True, P)
             d_value = d_b
             d_head = d_b.sum(-1) if head_on == "value" else d_head
 
         grads = (dq * static.scale, dk, dv, d_head, d_key, d_value)
-        buffers = tuple(_store(b, g, index, C, static.reverse) for b, g in zip(buffers, grads))
-        if meta is not None:
-            loads = meta.load[index]
-            d_init = d_init.at[seq].add(jnp.where(loads, d_start[0], 0))
-            d_start = jnp.where(loads, 0, d_start)
-        return (d_start, key_carry, value_carry, buffers, d_init), None
+        buffers = tuple(_store(b, g, where.start, static.reverse) for b, g in zip(buffers, grads))
+        return (d_end, key_carry, value_carry, buffers, d_init), None
 
-    buffers0 = tuple(_zeros_like(x) for x in (q, k, v, *gates))
+    buffers0 = tuple(None if x is None else jnp.zeros_like(x) for x in (q, k, v, *gates))
     if meta is None:
         carry0 = (d_final, key_term, value_term, buffers0, None)
     else:
-        zero_row = lambda x: None if x is None else jnp.zeros((1, *x.shape[1:]), x.dtype)  # noqa: E731
-        carry0 = (zero_row(d_final), zero_row(key_term), zero_row(value_term), buffers0, jnp.zeros_like(init))
-    (d_start, _, _, buffers, d_init), _ = lax.scan(body, carry0, (jnp.arange(N), starts), reverse=True)
+        row = lambda x: None if x is None else jnp.zeros((1, *x.shape[1:]), x.dtype)  # noqa: E731
+        carry0 = (row(d_final), row(key_term), row(value_term), buffers0, jnp.zeros_like(init))
+    (d_end, _, _, buffers, d_init), _ = lax.scan(body, carry0, (jnp.arange(num_steps), states), reverse=True)
     if meta is None:
-        d_init = d_start
+        d_init = d_end
     else:
         d_init = d_init + jnp.where(meta.empty[:, None, None, None], d_final, 0)
     dq, dk, dv, d_head, d_key, d_value = buffers
@@ -286,14 +357,15 @@ def chunked(
     init: Float[Array, "R H K V"],
     meta: ChunkMeta | None,
 ):
-    """(output [B, T, H, V], final state [R, H, K, V]) with T a multiple of the chunk size."""
+    """(output [B, T, H, V], final state [R, H, K, V]); T a multiple of P·C, and the number
+    of chunks in `meta` a multiple of P."""
     out, finals, _ = forward(static, q, k, v, gates, init, meta)
     return out, finals
 
 
 def _chunked_fwd(static, q, k, v, gates, init, meta):
-    out, finals, starts = forward(static, q, k, v, gates, init, meta)
-    return (out, finals), (q, k, v, gates, init, meta, starts, finals)
+    out, finals, states = forward(static, q, k, v, gates, init, meta)
+    return (out, finals), (q, k, v, gates, init, meta, states, finals)
 
 
 def _chunked_bwd(static, residuals, cotangents):

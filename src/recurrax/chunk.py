@@ -25,7 +25,7 @@ residual memory O(B·T·H·(K+V) + B·H·(T/C)·K·V).
   (every sequence starts on a chunk boundary), the state is reset per sequence, and the
   output is gathered back. Shapes depend only on N and S, so `cu_seqlens` may be traced.
 
-**Tuning.** `chunk_size` and `block_size` are static; the defaults per backend
+**Tuning.** `chunk_size`, `block_size` and `chunks_per_step` are static; the defaults per backend
 (`DEFAULT_TILING`) come from the sweep in `benchmarks/chunk_sweep.py`
 (`benchmarks/results/chunk_sweep.md`).
 """
@@ -49,17 +49,22 @@ class Tiling:
     """Static tile sizes of the chunk algorithm.
 
     **Arguments:**
-    - `chunk_size`: tokens per chunk C (the state is materialised once per chunk).
+    - `chunk_size`: tokens per chunk C; the state is materialised once per chunk.
     - `block_size`: leaf block c of the per-channel decay ladder: diagonal blocks of c
       tokens are evaluated element-wise (C / c must be a power of two).
+    - `chunks_per_step`: chunks P handled by one step of the state scan (their intra-chunk
+      work is batched; a larger P amortises per-operation overhead, a smaller P keeps a
+      step's working set in cache).
     """
 
     chunk_size: int
     block_size: int
+    chunks_per_step: int
 
     def check(self) -> None:
         C, c = self.chunk_size, self.block_size
-        for name, size in (("chunk_size", C), ("block_size", c)):
+        for name in ("chunk_size", "block_size", "chunks_per_step"):
+            size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
         ratio = C // c
@@ -68,11 +73,20 @@ class Tiling:
                 f"chunk_size must be block_size times a power of two, got chunk_size={C}, block_size={c}"
             )
 
+    def fitted(self, seq_len: int) -> Tiling:
+        """Smaller tiles for a short sequence: halve C while it fits in half a chunk (C / c
+        stays a power of two), then use no more chunks per step than it fills."""
+        size = self.chunk_size
+        while size // 2 >= max(seq_len, self.block_size):
+            size //= 2
+        steps = min(self.chunks_per_step, -(-seq_len // size))
+        return Tiling(size, min(self.block_size, size), steps)
+
 
 DEFAULT_TILING = {
-    "cpu": Tiling(chunk_size=64, block_size=1),
-    "gpu": Tiling(chunk_size=64, block_size=1),
-    "tpu": Tiling(chunk_size=64, block_size=1),
+    "cpu": Tiling(chunk_size=32, block_size=1, chunks_per_step=1),
+    "gpu": Tiling(chunk_size=64, block_size=1, chunks_per_step=4),
+    "tpu": Tiling(chunk_size=64, block_size=1, chunks_per_step=4),
 }
 """Per-backend defaults, chosen by `benchmarks/chunk_sweep.py` (see the module docstring)."""
 
@@ -89,33 +103,30 @@ def chunk(
     reverse: bool,
     chunk_size: int | None = None,
     block_size: int | None = None,
+    chunks_per_step: int | None = None,
 ) -> tuple[Float[Array, "B T H V"], Float[Array, "R H K V"]]:
     """The chunk algorithm on a canonical `problem`; returns `(output, final_state)`.
 
     **Arguments:**
     - `problem`: the canonical form (`recurrax._inputs.Problem`).
     - `scale`: the softmax scale; `reverse`: run from the last token to the first.
-    - `chunk_size`, `block_size`: static tiling (`Tiling`); None takes this backend's
-      default for whichever is missing.
+    - `chunk_size`, `block_size`, `chunks_per_step`: static tiling (`Tiling`); None takes
+      this backend's default (a default block size larger than `chunk_size` becomes 1).
     """
     default = default_tiling()
-    tiling = Tiling(chunk_size or default.chunk_size, block_size or default.block_size)
+    tiling = Tiling(
+        chunk_size or default.chunk_size,
+        block_size or default.block_size,
+        chunks_per_step or default.chunks_per_step,
+    )
     if block_size is None and tiling.chunk_size % tiling.block_size:
-        tiling = Tiling(tiling.chunk_size, 1)
+        tiling = dataclasses.replace(tiling, block_size=1)
     tiling.check()
     gates = Gates(problem.log_decay_head, problem.log_decay_key, problem.log_decay_value)
     arrays = (problem.query, problem.key, problem.value)
     if problem.cu_seqlens is None:
         return _dense(tiling, scale, reverse, arrays, gates, problem.initial_state)
     return _packed(tiling, scale, reverse, arrays, gates, problem.initial_state, problem.cu_seqlens)
-
-
-def _fitted_chunk(tiling: Tiling, seq_len: int) -> int:
-    """Halve C while the sequence fits in half a chunk (C / c stays a power of two)."""
-    size = tiling.chunk_size
-    while size // 2 >= max(seq_len, tiling.block_size):
-        size //= 2
-    return size
 
 
 def _pad_tokens(x: Array | None, length: int) -> Array | None:
@@ -126,21 +137,28 @@ def _pad_tokens(x: Array | None, length: int) -> Array | None:
     return jnp.pad(x, widths)
 
 
+def _static(tiling: Tiling, scale, reverse) -> Static:
+    return Static(tiling.chunk_size, tiling.block_size, tiling.chunks_per_step, float(scale), bool(reverse))
+
+
 def _dense(tiling: Tiling, scale, reverse, arrays, gates: Gates, init):
     T = arrays[0].shape[1]
-    size = _fitted_chunk(tiling, T)
-    padded = -(-T // size) * size
+    tiling = tiling.fitted(T)
+    step = tiling.chunk_size * tiling.chunks_per_step
+    padded = -(-T // step) * step
     q, k, v = (_pad_tokens(x, padded) for x in arrays)
     gates = Gates(*(_pad_tokens(g, padded) for g in gates))
-    static = Static(size, min(tiling.block_size, size), float(scale), bool(reverse))
-    out, final = chunked(static, q, k, v, gates, init, None)
+    out, final = chunked(_static(tiling, scale, reverse), q, k, v, gates, init, None)
     return out[:, :T], final
 
 
 def _packed(tiling: Tiling, scale, reverse, arrays, gates: Gates, init, cu_seqlens):
-    num_tokens = arrays[0].shape[1]
-    size = tiling.chunk_size
-    layout = varlen.chunk_layout(cu_seqlens, num_tokens, size)
+    num_tokens, num_seqs = arrays[0].shape[1], cu_seqlens.shape[0] - 1
+    size, per_step = tiling.chunk_size, tiling.chunks_per_step
+    needed = varlen.max_chunks(num_tokens, num_seqs, size)
+    per_step = min(per_step, needed)
+    tiling = dataclasses.replace(tiling, chunks_per_step=per_step)
+    layout = varlen.chunk_layout(cu_seqlens, num_tokens, size, -(-needed // per_step) * per_step)
     to_layout = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
     q, k, v = (to_layout(x) for x in arrays)
     gates = Gates(*(to_layout(g) for g in gates))
@@ -151,8 +169,7 @@ def _packed(tiling: Tiling, scale, reverse, arrays, gates: Gates, init, cu_seqle
         emit=first if reverse else last,
         empty=layout.seq_empty,
     )
-    static = Static(size, tiling.block_size, float(scale), bool(reverse))
-    out, final = chunked(static, q, k, v, gates, init, meta)
+    out, final = chunked(_static(tiling, scale, reverse), q, k, v, gates, init, meta)
     return varlen.from_chunk_layout(out[0], layout)[None], final
 
 

@@ -79,11 +79,21 @@ def max_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
     return max(1, (num_tokens + num_seqs * (chunk_size - 1)) // chunk_size)
 
 
-def chunk_layout(cu_seqlens: Int[Array, " S_plus_1"], num_tokens: int, chunk_size: int) -> ChunkLayout:
-    """The chunk-aligned layout of a packed batch (works on a traced `cu_seqlens`)."""
+def chunk_layout(
+    cu_seqlens: Int[Array, " S_plus_1"], num_tokens: int, chunk_size: int, num_chunks: int | None = None
+) -> ChunkLayout:
+    """The chunk-aligned layout of a packed batch (works on a traced `cu_seqlens`).
+
+    **Arguments:**
+    - `cu_seqlens`: [S + 1] sequence boundaries; `num_tokens`: N; `chunk_size`: C.
+    - `num_chunks`: M, at least `max_chunks(N, S, C)` (the default); extra chunks are unused.
+    """
     cu = cu_seqlens.astype(jnp.int32)
     num_seqs = cu.shape[0] - 1
-    num_chunks = max_chunks(num_tokens, num_seqs, chunk_size)
+    needed = max_chunks(num_tokens, num_seqs, chunk_size)
+    num_chunks = needed if num_chunks is None else num_chunks
+    if num_chunks < needed:
+        raise ValueError(f"num_chunks must be at least {needed} for {num_tokens} tokens in {num_seqs} sequences")
     lengths = cu[1:] - cu[:-1]
     seq_chunks = (lengths + chunk_size - 1) // chunk_size  # [S]
     chunk_end = jnp.cumsum(seq_chunks)  # [S] one past each sequence's last chunk
