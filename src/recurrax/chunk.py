@@ -114,10 +114,11 @@ def chunk(
       this backend's default (a default block size larger than `chunk_size` becomes 1).
     """
     default = default_tiling()
+    pick = lambda given, fallback: fallback if given is None else given  # noqa: E731
     tiling = Tiling(
-        chunk_size or default.chunk_size,
-        block_size or default.block_size,
-        chunks_per_step or default.chunks_per_step,
+        pick(chunk_size, default.chunk_size),
+        pick(block_size, default.block_size),
+        pick(chunks_per_step, default.chunks_per_step),
     )
     if block_size is None and tiling.chunk_size % tiling.block_size:
         tiling = dataclasses.replace(tiling, block_size=1)

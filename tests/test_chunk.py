@@ -1,0 +1,232 @@
+"""The chunk algorithm against the reference: forward output, final state and every gradient.
+
+Tiny shapes with tiny tilings (chunks of 2–16 tokens) so that a 9-token sequence already
+spans several chunks and steps, pads its last chunk, and meets every code path of the
+per-channel ladder. Float64 cases must match to 1e-9 (relative to each output's scale).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cases import GATE_COMBOS, Case, assert_matches, make_inputs, max_rel_error, run_vjp, split_args
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import recurrax
+from recurrax._inputs import canonicalize, request_of
+from recurrax.chunk import DEFAULT_TILING, Tiling, chunk
+
+
+def tiled(chunk_size: int, block_size: int = 1, chunks_per_step: int = 1):
+    """The chunk algorithm with a fixed tiling, as an algorithm function for the harness."""
+    fn = functools.partial(chunk, chunk_size=chunk_size, block_size=block_size, chunks_per_step=chunks_per_step)
+    fn.__name__ = f"chunk[{chunk_size}x{block_size}x{chunks_per_step}]"
+    return fn
+
+
+SMALL = tiled(4, 1, 2)  # T = 9 -> 3 chunks in 2 steps of 2, the last chunk padded
+ALL_GATES = ("g_head", "g_gamma", "gk", "gv")
+
+
+# Every way the decays can combine: none, per head (g, g_gamma), per key channel (g, gk),
+# per value channel (gv), and a per-head decay riding on either channel side.
+MATRIX = GATE_COMBOS + (("g_head", "gv"), ("gk", "gv"), ("g_gamma", "gv"))
+REVERSED = (("g_head",), ("g_head", "gv"), ("gk", "gv"), GATE_COMBOS[-1])
+
+
+@pytest.mark.parametrize(
+    "gates, reverse", [(g, False) for g in MATRIX] + [(g, True) for g in REVERSED], ids=str
+)
+def test_gate_matrix(gates, reverse):
+    assert_matches(SMALL, Case(gates=gates, reverse=reverse))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(gates=("g_channel",), initial_state=False, Hkv=4, K=5, V=7, scale=0.3),  # no GQA, K != V
+        Case(gates=("g_head", "gk"), H=6, Hkv=1, K=3, V=9, reverse=True),  # all heads share one kv head
+        Case(gates=("gk", "gv"), T=1, B=3),  # one token
+        Case(gates=("g_head",), T=3),  # shorter than a chunk
+    ],
+    ids=str,
+)
+def test_shapes_and_options(case):
+    assert_matches(SMALL, case)
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [(2, 1, 1), (4, 4, 1), (8, 2, 3), (8, 1, 1), pytest.param((16, 4, 1), marks=pytest.mark.slow)],
+    ids=lambda t: "x".join(map(str, t)),
+)
+def test_tilings(tiling):
+    assert_matches(tiled(*tiling), Case(T=13, gates=("g_channel", "g_head", "gv")))
+
+
+VARLEN = [
+    Case(gates=("g_head", "gv"), cu_seqlens=(0, 3, 3, 4, 11), packed_3d=True),
+    Case(gates=("gk", "g_gamma"), cu_seqlens=(0, 0, 5, 6, 9), reverse=True),
+    Case(gates=("g_channel", "gv"), cu_seqlens=(0, 1, 1, 4, 13, 13), initial_state=False),
+    Case(gates=("g_head",), cu_seqlens=(0, 1, 2, 3, 10), reverse=True, packed_3d=True),
+    Case(gates=ALL_GATES, cu_seqlens=(0, 9, 10, 17), Hkv=1),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=str)
+def test_varlen(case):
+    """Empty and one-token sequences, boundaries inside chunks, both packed layouts."""
+    assert_matches(SMALL, case)
+
+
+def test_varlen_multi_chunk_steps():
+    assert_matches(tiled(2, 1, 3), Case(gates=("gk", "gv"), cu_seqlens=(0, 5, 5, 6, 13), reverse=True))
+
+
+@pytest.mark.parametrize("case", [Case(gates=ALL_GATES), VARLEN[1]], ids=str)
+def test_registered_default_tiling(case):
+    assert_matches("chunk", case)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_strong_decays_match(reverse):
+    assert_matches(SMALL, Case(T=13, gates=("gk", "gv", "g_head"), gate_low=-20.0, reverse=reverse))
+
+
+def _errors_with_unit_floor(implementation, case):
+    """Max |x − y| / max(max |y|, 1) per output and gradient: gate gradients at log decays
+    near −1e4 are exactly 0 in the reference, and 0 ± rounding here (the reverse-cumsum
+    identity sums O(1) terms that cancel), so they are judged against the inputs' unit scale."""
+    kwargs = make_inputs(case)
+    got = run_vjp(implementation, kwargs)
+    exact = {k: (v.astype(jnp.float64) if k in split_args(kwargs)[0] else v) for k, v in kwargs.items()}
+    want = run_vjp("reference", exact)
+    flat = lambda result: {"output": result[0], "final_state": result[1], **result[2]}  # noqa: E731
+    errors = {}
+    for name, x in flat(got).items():
+        x, y = np.asarray(x, np.float64), np.asarray(flat(want)[name], np.float64)
+        assert np.all(np.isfinite(x)), name
+        errors[name] = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1.0))
+    return errors
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_decays_of_minus_1e4_are_finite_and_match(dtype):
+    case = Case(T=13, gates=("gk", "gv", "g_head"), gate_low=-1e4, dtype=dtype)
+    tol = 1e-9 if dtype == "float64" else 2e-4
+    errors = _errors_with_unit_floor(SMALL, case)
+    assert all(e <= tol for e in errors.values()), errors
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(gates=("g_head",), dtype="bfloat16"),
+        Case(gates=("gk", "gv"), dtype="bfloat16", reverse=True),
+        Case(gates=("g_channel",), dtype="float16"),
+        Case(gates=ALL_GATES, dtype="float32", cu_seqlens=(0, 4, 4, 11)),
+    ],
+    ids=str,
+)
+def test_low_precision(case):
+    """bf16 within 5e-2, f16 within 2e-2, f32 within 2e-4 of the float64 reference
+    (`default_tolerance`): inputs are rounded, everything after is float32."""
+    assert_matches(SMALL, case)
+
+
+def test_jit_with_traced_cu_seqlens():
+    case = Case(gates=("gk", "g_head"), cu_seqlens=(0, 2, 2, 7, 11))
+    kwargs = make_inputs(case)
+    diff, rest = split_args(kwargs)
+    cu = rest.pop("cu_seqlens")
+
+    @jax.jit
+    def run(diff, cu_seqlens):
+        return recurrax.recurrent(**diff, **rest, cu_seqlens=cu_seqlens, implementation="chunk")
+
+    o, state = run(diff, jnp.asarray(cu))
+    o_ref, state_ref = recurrax.recurrent(**diff, **rest, cu_seqlens=cu, implementation="reference")
+    assert max_rel_error(o, o_ref) < 1e-9 and max_rel_error(state, state_ref) < 1e-9
+    # the same compiled program serves other boundaries with the same number of sequences
+    other = jnp.asarray([0, 5, 6, 6, 11], jnp.int32)
+    o, state = run(diff, other)
+    o_ref, state_ref = recurrax.recurrent(**diff, **rest, cu_seqlens=other, implementation="reference")
+    assert max_rel_error(o, o_ref) < 1e-9 and max_rel_error(state, state_ref) < 1e-9
+
+
+@st.composite
+def cases(draw):
+    gates = tuple(g for g in ALL_GATES + ("g_channel",) if draw(st.booleans()))
+    if "g_channel" in gates and "g_head" in gates:
+        gates = tuple(g for g in gates if g != "g_head")
+    packed = draw(st.booleans())
+    H, groups = draw(st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]))
+    case = Case(
+        B=draw(st.integers(1, 2)),
+        T=draw(st.integers(1, 12)),
+        H=H,
+        Hkv=H // groups,
+        K=draw(st.integers(1, 5)),
+        V=draw(st.integers(1, 5)),
+        gates=gates,
+        reverse=draw(st.booleans()),
+        initial_state=draw(st.booleans()),
+        gate_low=draw(st.sampled_from([-0.1, -1.0, -5.0])),
+    )
+    if packed:
+        lengths = draw(st.lists(st.integers(0, 6), min_size=1, max_size=4))
+        if sum(lengths) == 0:
+            lengths[0] = 1
+        case = Case(**{**case.__dict__, "cu_seqlens": tuple(int(x) for x in np.cumsum([0, *lengths]))})
+    chunk_size, block_size = draw(st.sampled_from([(2, 1), (4, 1), (4, 2), (8, 4)]))
+    return case, tiled(chunk_size, block_size, draw(st.integers(1, 3)))
+
+
+@settings(max_examples=4, deadline=None)
+@given(cases())
+def test_property_matches_reference(drawn):
+    case, implementation = drawn
+    assert_matches(implementation, case)
+
+
+def test_fwd_bwd_memory_bound():
+    """Issue 3: fwd+bwd temporaries at B=1 T=16384 H=4 K=V=64 with per-channel gk ≤ 256 MiB
+    (XLA's compiled memory analysis; compiled, not run)."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = dict(query=f32(1, 16384, 4, 64), key=f32(1, 16384, 4, 64), value=f32(1, 16384, 4, 64), gk=f32(1, 16384, 4, 64))
+
+    def loss(args):
+        o, state = recurrax.recurrent(**args, implementation="chunk")
+        return jnp.sum(o) + jnp.sum(state)
+
+    memory = jax.jit(jax.grad(loss)).lower(args).compile().memory_analysis()
+    assert memory.temp_size_in_bytes <= 256 * 2**20, memory.temp_size_in_bytes / 2**20
+
+
+def test_chunk_is_the_default_on_this_backend():
+    kwargs = make_inputs(Case(gates=("gk",), dtype="float32"))
+    problem, _, _ = canonicalize(
+        kwargs["query"], kwargs["key"], kwargs["value"], None, None, kwargs["gk"], None, None, None, False, None
+    )
+    assert recurrax.kernel_registry.get(None, request_of(problem)).name == "chunk"
+
+
+def test_tiling_is_validated():
+    problem, config, _ = canonicalize(*(make_inputs(Case())[k] for k in ("query", "key", "value")),
+                                      None, None, None, None, None, None, False, None)
+    with pytest.raises(ValueError, match="chunk_size must be block_size times a power of two"):
+        chunk(problem, scale=config.scale, reverse=False, chunk_size=12, block_size=8)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        chunk(problem, scale=config.scale, reverse=False, chunk_size=8, block_size=0)
+    assert all(isinstance(t, Tiling) for t in DEFAULT_TILING.values())
+
+
+@pytest.mark.slow
+def test_long_sequence_stays_finite_and_matches():
+    """T = 65536 with strong and weak decays mixed, float32 against the float64 reference."""
+    case = Case(B=1, T=65536, H=2, Hkv=1, K=8, V=8, gates=("gk", "gv", "g_head"), dtype="float32", gate_low=-30.0)
+    errors = _errors_with_unit_floor("chunk", case)
+    assert all(e <= 2e-4 for e in errors.values()), errors
