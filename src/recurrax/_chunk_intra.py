@@ -127,7 +127,7 @@ def ladder_scores(x: Array, y: Array, lad: Ladder) -> Array:
     else:
         xb = x.reshape(*lead, C // c, c, D)
         yb = y.reshape(*lead, C // c, c, D)
-        blocks = jnp.sum(xb[..., :, None, :] * yb[..., None, :, :] * lad.leaf_decay, axis=-1)
+        blocks = jnp.einsum("...td,...sd,...tsd->...ts", xb, yb, lad.leaf_decay)
     for m, left, right in lad.levels:
         half = m // 2
         x_left, x_right = _halves(x, C // m, half)
@@ -188,7 +188,7 @@ def _leaf_apply(leaves: Array, z: Array, lad: Ladder) -> Array:
         return leaves[..., 0] * z  # leaves [..., C, 1, 1]: the diagonal of M
     c = lad.leaf
     zb = z.reshape(*lead, C // c, c, D)
-    out = jnp.sum(leaves[..., None] * zb[..., None, :, :] * lad.leaf_decay, axis=-2)  # over s
+    out = jnp.einsum("...ts,...sd,...tsd->...td", leaves, zb, lad.leaf_decay)
     return out.reshape(*lead, C, D)
 
 
@@ -198,7 +198,7 @@ def _leaf_apply_t(leaves: Array, z: Array, lad: Ladder) -> Array:
         return leaves[..., 0] * z
     c = lad.leaf
     zb = z.reshape(*lead, C // c, c, D)
-    out = jnp.sum(leaves[..., None] * zb[..., :, None, :] * lad.leaf_decay, axis=-3)  # over t
+    out = jnp.einsum("...ts,...td,...tsd->...sd", leaves, zb, lad.leaf_decay)
     return out.reshape(*lead, C, D)
 
 
