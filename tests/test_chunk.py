@@ -91,6 +91,13 @@ def test_registered_default_tiling(case):
     assert_matches("chunk", case)
 
 
+def test_leaf_blocks_at_full_head_size():
+    """Exact leaves (block_size > 1) at K = V = 64: their first formulation (broadcast,
+    multiply, reduce) crashed XLA CPU at run time at this shape; they are einsums now."""
+    case = Case(B=2, T=32, H=8, Hkv=8, K=64, V=64, gates=("gk",), dtype="float32")
+    assert_matches(tiled(32, 2, 1), case)
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_strong_decays_match(reverse):
     assert_matches(SMALL, Case(T=13, gates=("gk", "gv", "g_head"), gate_low=-20.0, reverse=reverse))
@@ -221,7 +228,9 @@ def test_tiling_is_validated():
         chunk(problem, scale=config.scale, reverse=False, chunk_size=12, block_size=8)
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         chunk(problem, scale=config.scale, reverse=False, chunk_size=8, block_size=0)
-    assert all(isinstance(t, Tiling) for t in DEFAULT_TILING.values())
+    for table in DEFAULT_TILING.values():
+        for tiling in table.values():
+            tiling.check()
 
 
 @pytest.mark.slow

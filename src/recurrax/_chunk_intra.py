@@ -118,26 +118,36 @@ def _join(left: Array, right: Array) -> Array:
     return joined.reshape(*joined.shape[:-4], -1, joined.shape[-1])
 
 
-def ladder_scores(x: Array, y: Array, lad: Ladder) -> Array:
-    """scores(x, y) [..., C, C] for a per-channel decay, assembled from the leaves up."""
+def _leaf_scores(x: Array, y: Array, lad: Ladder) -> Array:
+    """The leaf (diagonal) blocks of scores(x, y), [..., C/c, c, c]."""
     *lead, C, D = x.shape
     c = lad.leaf
     if lad.leaf_decay is None:
-        blocks = jnp.sum(x * y, axis=-1)[..., None, None]  # [..., C, 1, 1] the diagonal
-    else:
-        xb = x.reshape(*lead, C // c, c, D)
-        yb = y.reshape(*lead, C // c, c, D)
-        blocks = jnp.einsum("...td,...sd,...tsd->...ts", xb, yb, lad.leaf_decay)
+        return jnp.sum(x * y, axis=-1)[..., None, None]  # [..., C, 1, 1] the diagonal
+    xb = x.reshape(*lead, C // c, c, D)
+    yb = y.reshape(*lead, C // c, c, D)
+    return jnp.einsum("...td,...sd,...tsd->...ts", xb, yb, lad.leaf_decay)
+
+
+def _grow(blocks: Array, corner: Array) -> Array:
+    """Diagonal blocks of size m/2 [..., 2·C/m, m/2, m/2] and the R×L corners of the m-blocks
+    [..., C/m, m/2, m/2] -> the lower-triangular m-blocks [..., C/m, m, m]."""
+    *lead, pairs, half, _ = corner.shape
+    below = blocks.reshape(*lead, pairs, 2, half, half)
+    top = jnp.concatenate([below[..., 0, :, :], jnp.zeros_like(corner)], axis=-1)
+    bottom = jnp.concatenate([corner, below[..., 1, :, :]], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
+
+
+def ladder_scores(x: Array, y: Array, lad: Ladder) -> Array:
+    """scores(x, y) [..., C, C] for a per-channel decay, assembled from the leaves up."""
+    *lead, C, D = x.shape
+    blocks = _leaf_scores(x, y, lad)
     for m, left, right in lad.levels:
         half = m // 2
-        x_left, x_right = _halves(x, C // m, half)
+        _, x_right = _halves(x, C // m, half)
         y_left, _ = _halves(y, C // m, half)
-        del x_left
-        corner = dot("...td,...sd->...ts", x_right * right, y_left * left)  # [..., C/m, m/2, m/2]
-        below = blocks.reshape(*lead, C // m, 2, half, half)
-        top = jnp.concatenate([below[..., 0, :, :], jnp.zeros_like(corner)], axis=-1)
-        bottom = jnp.concatenate([corner, below[..., 1, :, :]], axis=-1)
-        blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., C/m, m, m]
+        blocks = _grow(blocks, dot("...td,...sd->...ts", x_right * right, y_left * left))
     return blocks.reshape(*lead, C, C)
 
 
@@ -180,6 +190,27 @@ def ladder_apply_t(M: Array, z: Array, lad: Ladder) -> Array:
         into_left = left * dot("...ts,...td->...sd", corner, z_right * right)
         out = out + _join(into_left, jnp.zeros_like(into_left))
     return out
+
+
+def ladder_triple(x: Array, y: Array, M: Array, lad: Ladder) -> tuple[Array, Array, Array]:
+    """(scores(x, y), apply(M, y), apply_t(M, x)) in one walk: each level rescales x's right
+    halves and y's left halves once and cuts M's corners once for all three products."""
+    *lead, C, D = x.shape
+    corners, leaves = _corners(M, lad)
+    scores = _leaf_scores(x, y, lad)
+    into_x = _leaf_apply(leaves, y, lad)  # apply(M, y): rows of x's shape
+    into_y = _leaf_apply_t(leaves, x, lad)  # apply_t(M, x): rows of y's shape
+    for (m, left, right), (_, _, _, corner) in zip(lad.levels, reversed(corners)):
+        half = m // 2
+        _, x_right = _halves(x, C // m, half)
+        y_left, _ = _halves(y, C // m, half)
+        x_right, y_left = x_right * right, y_left * left
+        scores = _grow(scores, dot("...td,...sd->...ts", x_right, y_left))
+        gain = right * dot("...ts,...sd->...td", corner, y_left)
+        into_x = into_x + _join(jnp.zeros_like(gain), gain)
+        gain = left * dot("...ts,...td->...sd", corner, x_right)
+        into_y = into_y + _join(gain, jnp.zeros_like(gain))
+    return scores.reshape(*lead, C, C), into_x, into_y
 
 
 def _leaf_apply(leaves: Array, z: Array, lad: Ladder) -> Array:
@@ -289,6 +320,12 @@ class ChunkDecay:
         if self.kind == CHANNEL:
             return ladder_apply_t(M, z, self.lad)
         return dot("...ts,...td->...sd", M if self.kind == NONE else M * self.mask, z)
+
+    def triple(self, x: Array, y: Array, M: Array) -> tuple[Array, Array, Array]:
+        """(scores(x, y), apply(M, y), apply_t(M, x)), sharing work along a ladder."""
+        if self.kind == CHANNEL:
+            return ladder_triple(x, y, M, self.lad)
+        return self.scores(x, y), self.apply(M, y), self.apply_t(M, x)
 
     def _masked(self, M: Array) -> Array:
         """scores: mask the raw product; apply: M is already lower-triangular (a `scores`)."""

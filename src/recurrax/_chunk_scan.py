@@ -131,11 +131,11 @@ def chunk_outputs(q, k, v, key: ChunkDecay, value: ChunkDecay, starts):
 def chunk_gradients(q, k, v, do, key: ChunkDecay, value: ChunkDecay, starts, d_ends, need_output: bool):
     """(dq, dk, dv, o or None) of chunks entered with `starts` whose leaving states have
     adjoints `d_ends`; dq is with respect to the scaled q."""
-    scores = key.scores(q, k)
     d_scores = value.scores(do, v)
+    scores, dq, dk = key.triple(q, k, d_scores)  # P, apply_A(dP, k), apply_t_A(dP, q)
     k_end, v_end = key.to_end(k), value.to_end(v)
-    dq = key.apply(d_scores, k) + key.from_start(dot("...tv,...kv->...tk", value.from_start(do), starts))
-    dk = key.apply_t(d_scores, q) + key.to_end(dot("...sv,...kv->...sk", v_end, d_ends))
+    dq = dq + key.from_start(dot("...tv,...kv->...tk", value.from_start(do), starts))
+    dk = dk + key.to_end(dot("...sv,...kv->...sk", v_end, d_ends))
     dv = value.apply_t(scores, do) + value.to_end(dot("...sk,...kv->...sv", k_end, d_ends))
     out = None
     if need_output:

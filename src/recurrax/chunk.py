@@ -84,16 +84,20 @@ class Tiling:
 
 
 DEFAULT_TILING = {
-    "cpu": Tiling(chunk_size=32, block_size=1, chunks_per_step=1),
-    "gpu": Tiling(chunk_size=64, block_size=1, chunks_per_step=4),
-    "tpu": Tiling(chunk_size=64, block_size=1, chunks_per_step=4),
+    "cpu": {"masked": Tiling(64, 1, 8), "ladder": Tiling(32, 1, 4)},
+    "gpu": {"masked": Tiling(64, 1, 8), "ladder": Tiling(32, 1, 4)},
+    "tpu": {"masked": Tiling(64, 1, 8), "ladder": Tiling(32, 1, 4)},
 }
-"""Per-backend defaults, chosen by `benchmarks/chunk_sweep.py` (see the module docstring)."""
+"""Default tiling per backend and regime: `"masked"` when no per-channel decay is present (the
+intra-chunk product is a masked matmul), `"ladder"` otherwise. The CPU figures come from
+`benchmarks/chunk_sweep.py` (results in `benchmarks/results/chunk_sweep.md`); GPU and TPU
+were not measured (no device was available) and reuse them until someone sweeps there."""
 
 
-def default_tiling(backend: str | None = None) -> Tiling:
-    """The measured default tiling of `backend` (the current one when None)."""
-    return DEFAULT_TILING.get(backend or current_backend(), DEFAULT_TILING["cpu"])
+def default_tiling(per_channel: bool, backend: str | None = None) -> Tiling:
+    """The measured default tiling for a problem with (or without) per-channel decays."""
+    table = DEFAULT_TILING.get(backend or current_backend(), DEFAULT_TILING["cpu"])
+    return table["ladder" if per_channel else "masked"]
 
 
 def chunk(
@@ -113,7 +117,7 @@ def chunk(
     - `chunk_size`, `block_size`, `chunks_per_step`: static tiling (`Tiling`); None takes
       this backend's default (a default block size larger than `chunk_size` becomes 1).
     """
-    default = default_tiling()
+    default = default_tiling(problem.log_decay_key is not None or problem.log_decay_value is not None)
     pick = lambda given, fallback: fallback if given is None else given  # noqa: E731
     tiling = Tiling(
         pick(chunk_size, default.chunk_size),
