@@ -1,20 +1,24 @@
-"""Sweep of the chunk algorithm's tiling (chunk_size × block_size) on this machine.
+"""Sweep of the chunk algorithm's tiling on this machine.
 
-For each gate kind and tiling, times the forward and forward+backward of the chunk algorithm
-(jitted, compile excluded) interleaved with a float32 matmul peak measurement (a jitted
-2048×2048 `jnp.dot`), so that noise from a shared machine hits both alike. Reports the median
-and best time, model-FLOP utilisation (4·B·T·H·K·V forward, 12·… forward+backward) against the
-best matmul peak of the same run, and the ratio to the `scan` implementation when present.
+A tiling is `CxcxP`: chunk_size C (the state is materialised every C tokens) × block_size c
+(exact element-wise leaf of the per-channel ladder) × chunks_per_step P (chunks batched in
+one step of the state scan). For each gate kind and tiling this times the forward and the
+forward+backward of the chunk algorithm (jitted; compilation excluded), round-robin with a
+float32 matmul peak measurement (a jitted 2048×2048 `jnp.dot`) so that noise from a shared
+machine hits everything alike, and reports median and best times, model-FLOP utilisation
+(4·B·T·H·K·V forward, 12·B·T·H·K·V forward+backward) against the best matmul peak of the same
+run, and the time ratio to the `scan` implementation (`--scan`).
 
-    python benchmarks/chunk_sweep.py                      # the default grid
-    python benchmarks/chunk_sweep.py --gates g,gk --tilings 64x1,32x1 --rounds 9
+    python benchmarks/chunk_sweep.py                                  # the default grid
+    python benchmarks/chunk_sweep.py --gates g,gk --tilings 64x1x8,32x1x4 --rounds 9 --scan
+    python benchmarks/chunk_sweep.py --out benchmarks/results/chunk_sweep.md   # append markdown
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
+import os
 import statistics
 import time
 
@@ -36,6 +40,7 @@ GATES = {
 
 
 def make_inputs(B, T, H, K, V, gate, seed=0):
+    """Normal q, k, v and log decays log(U(0.9, 1)) for the gate kind, float32."""
     rng = np.random.default_rng(seed)
     sizes = dict(B=B, T=T, H=H, K=K, V=V)
     kwargs = {
@@ -49,7 +54,8 @@ def make_inputs(B, T, H, K, V, gate, seed=0):
 
 
 def programs(fn, kwargs):
-    """(forward, forward+backward) jitted programs of `fn(problem, scale=, reverse=)`."""
+    """(forward, forward+backward) jitted programs of an algorithm `fn(problem, scale=, reverse=)`;
+    the backward differentiates every input (random cotangents for both outputs)."""
 
     def run(diff):
         problem, config, _ = canonicalize(
@@ -87,20 +93,27 @@ def interleaved(candidates: dict, rounds: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="2,2048,8,64,64", help="B,T,H,K,V")
-    parser.add_argument("--gates", default="g,gk")
-    parser.add_argument("--tilings", default="32x1x8,64x1x4,32x1x4,32x1x16,16x1x16,64x1x8,32x4x8", help="CxcxP: chunk_size x block_size x chunks_per_step")
+    parser.add_argument("--gates", default="g,gk", help=f"comma-separated, of {list(GATES)}")
+    parser.add_argument("--tilings", default="32x1x1,32x1x4,64x1x1,64x1x8,32x2x4", help="CxcxP, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--scan", action="store_true", help="also time the scan implementation")
+    parser.add_argument("--out", help="append the markdown tables to this file")
     args = parser.parse_args(argv)
+    lines = []
+
+    def emit(line=""):
+        print(line, flush=True)
+        lines.append(line)
+
     B, T, H, K, V = map(int, args.shape.split(","))
     size = 2048
     x = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32)
     peak_fn = jax.jit(jnp.dot)
     tilings = [tuple(map(int, t.split("x"))) for t in args.tilings.split(",")]
     modes = args.modes.split(",")
-    print(f"# chunk sweep: B={B} T={T} H={H} K={K} V={V} float32, {jax.devices()[0].device_kind}, "
-          f"{args.rounds} interleaved rounds")
+    emit(f"### B={B} T={T} H={H} K={K} V={V}, float32, {args.rounds} interleaved rounds, "
+         f"load average {os.getloadavg()[0]:.1f} at the start")
     for gate in args.gates.split(","):
         kwargs = make_inputs(B, T, H, K, V, gate)
         candidates = {"peak": (peak_fn, (x, x))}
@@ -109,9 +122,7 @@ def main(argv=None):
             for C, c, P in tilings
         }
         if args.scan:
-            importlib.import_module("recurrax.scan")
-            impl = recurrax.kernel_registry._implementations["scan"]
-            fns["scan"] = impl.fn
+            fns["scan"] = recurrax.kernel_registry._implementations["scan"].fn
         for name, fn in fns.items():
             fwd, fwdbwd = programs(fn, kwargs)
             if "fwd" in modes:
@@ -120,17 +131,20 @@ def main(argv=None):
                 candidates[(name, "fwd+bwd")] = (fwdbwd, (kwargs,))
         result = interleaved(candidates, args.rounds)
         peak = 2 * size**3 / result.pop("peak")[1]
-        print(f"\n## gate {gate}: matmul peak {peak / 1e9:.0f} GFLOP/s (best of the run)\n")
-        print("| tiling | mode | median ms | best ms | MFU (median) | MFU (best) | scan / chunk (median) |")
-        print("|---|---|---|---|---|---|---|")
+        emit(f"\n#### gate {gate}: matmul peak {peak / 1e9:.0f} GFLOP/s (best of the run)\n")
+        emit("| tiling | mode | median ms | best ms | MFU (median) | MFU (best) | scan / chunk (median) |")
+        emit("|---|---|---:|---:|---:|---:|---:|")
         elements = B * T * H * K * V
         for (name, mode), (med, best) in result.items():
             flops = (4 if mode == "fwd" else 12) * elements
             ratio = ""
             if ("scan", mode) in result and name != "scan":
                 ratio = f"{result[('scan', mode)][0] / med:.1f}×"
-            print(f"| {name} | {mode} | {med * 1e3:.1f} | {best * 1e3:.1f} | {flops / med / peak:.1%} | "
-                  f"{flops / best / peak:.1%} | {ratio} |", flush=True)
+            emit(f"| {name} | {mode} | {med * 1e3:.1f} | {best * 1e3:.1f} | {flops / med / peak:.1%} | "
+                 f"{flops / best / peak:.1%} | {ratio} |")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
 
 
 if __name__ == "__main__":

@@ -5,29 +5,42 @@
 | B, T   | batch rows, tokens per row                                                  |
 | H      | heads (grouped heads already expanded)                                      |
 | K, V   | key/query and value head dimensions                                         |
-| C      | chunk size (`chunk_size`); T is padded up to a multiple with neutral tokens |
+| C      | chunk size (`chunk_size`): one K×V state is materialised per chunk          |
 | c      | leaf block size (`block_size`) of the per-channel decay ladder              |
-| N      | chunks per row; packed input: M ≤ ceil(N_tokens / C) + S aligned chunks    |
-| R      | state rows: B, or S packed sequences                                        |
+| P      | chunks per scan step (`chunks_per_step`)                                    |
+| N      | packed tokens; their aligned layout has M ≤ ceil(N / C) + S chunks          |
+| S, R   | packed sequences; state rows (B, or S when packed)                          |
 
 Same semantics as DESIGN §1. Inside a chunk the output is a decayed causal product of
 queries and keys applied to values (`_chunk_intra`: exact for any decay strength, every
 exponential has a non-positive exponent); across chunks only the [K, V] state is carried
-by a `lax.scan` (`_chunk_scan`), whose hand-written backward recomputes everything from
-the chunk-start states. Costs per token and head: 4·K·V + 2·C·(K + V)/2·… multiply-adds,
-residual memory O(B·T·H·(K+V) + B·H·(T/C)·K·V).
+by a `lax.scan` (`_chunk_scan`), whose hand-written backward recomputes everything else
+from the chunk-entry states. FLOPs per token and head: forward 4·K·V + 2·C·(K + V), backward
+8·K·V + 2·C·(3·K + 2·V) (with per-channel decays the intra-chunk part is about halved: the
+ladder never computes the masked upper triangle). Residual memory: the inputs and one state
+per chunk, O(B·T·H·(K+V) + B·H·(T/C)·K·V).
 
-- Padding: T is padded to a multiple of C with q = k = v = 0 and log decay 0 — tokens that
-  neither change the state nor read it. A short T shrinks C (by halving) first.
+- Padding: T is padded to a multiple of P·C with q = k = v = 0 and log decay 0 — tokens
+  that neither change the state nor read it. A short T first shrinks C (by halving) and P.
 - `reverse`: chunks are visited from last to first and each chunk is flipped; the padding
   then comes first, which is harmless for neutral tokens.
 - Packed input: tokens are gathered into the chunk-aligned layout of `varlen.chunk_layout`
   (every sequence starts on a chunk boundary), the state is reset per sequence, and the
   output is gathered back. Shapes depend only on N and S, so `cu_seqlens` may be traced.
 
-**Tuning.** `chunk_size`, `block_size` and `chunks_per_step` are static; the defaults per backend
-(`DEFAULT_TILING`) come from the sweep in `benchmarks/chunk_sweep.py`
-(`benchmarks/results/chunk_sweep.md`).
+**Tuning.** `chunk_size` (C), `block_size` (c) and `chunks_per_step` (P) are static. The
+defaults (`DEFAULT_TILING`) come from `benchmarks/chunk_sweep.py` on the 2-core development
+CPU (B=2 T=2048 H=8 K=V=64 float32; tables in `benchmarks/results/chunk_sweep.md`):
+
+- without per-channel decays, 64×1×8: the forward+backward is fastest there (per-head g
+  50 ms, 9.4% of the measured matmul peak; 6× the scan implementation);
+- with per-channel decays, 32×1×4 (gk: 86 ms, 5.5%): c = 1 beats every exact leaf (a leaf
+  of c tokens costs c exps per token and channel, a ladder level one multiply), and a shorter
+  chunk keeps the ladder shallow;
+- P > 1 lets XLA spread the larger batched matmuls over both cores of an idle machine;
+  under heavy load P = 1 measured best.
+
+GPU and TPU have not been swept (no device was available) and reuse the CPU table.
 """
 
 from __future__ import annotations
