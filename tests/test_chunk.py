@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import recurrax
 from recurrax._inputs import canonicalize, request_of
-from recurrax.chunk import DEFAULT_TILING, Tiling, chunk
+from recurrax.chunk import DEFAULT_TILING, chunk
 
 
 def tiled(chunk_size: int, block_size: int = 1, chunks_per_step: int = 1):
@@ -202,8 +202,8 @@ def test_property_matches_reference(drawn):
 def test_fwd_bwd_memory_bound():
     """Issue 3: fwd+bwd temporaries at B=1 T=16384 H=4 K=V=64 with per-channel gk ≤ 256 MiB
     (XLA's compiled memory analysis; compiled, not run)."""
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    args = dict(query=f32(1, 16384, 4, 64), key=f32(1, 16384, 4, 64), value=f32(1, 16384, 4, 64), gk=f32(1, 16384, 4, 64))
+    tokens = jax.ShapeDtypeStruct((1, 16384, 4, 64), jnp.float32)
+    args = dict(query=tokens, key=tokens, value=tokens, gk=tokens)
 
     def loss(args):
         o, state = recurrax.recurrent(**args, implementation="chunk")

@@ -29,8 +29,11 @@ and both exponents are ≤ 0 (A is non-increasing for log decays ≤ 0), so ever
 in [0, 1] and underflows only where the exact product is smaller still. The R×L block is
 then one matmul of rescaled operands; the recursion ends at leaf blocks of c tokens, where
 `e^{A_t − A_s}` is evaluated element-wise with the exponent masked before the exp (c = 1
-leaves only the diagonal t = s, whose factor is 1). Each level costs one exp per token and
-channel; the matmuls over all levels do the C²·D/2 work of the lower triangle.
+leaves only the diagonal t = s, whose factor is 1). Every ladder factor is a product of
+α_u = e^{a_u} over a run of tokens, so one exp per token and channel feeds all levels and
+each level adds one multiply; the matmuls over all levels do the C²·D/2 work of the lower
+triangle. (Exps dominate the elementwise cost on CPU, and `jnp.cumsum` is a reduce-window
+there: cumulative sums are products with a triangular ones matrix instead.)
 """
 
 from __future__ import annotations
@@ -251,15 +254,13 @@ class ChunkDecay:
     """One side's decay inside a chunk, with the factors every product needs.
 
     **Arguments:**
-    - `kind`: `"none"`, `"head"` (cumulative [..., C]) or `"channel"` ([..., C, D]).
-    - `cum`: the inclusive cumulative log decay A (per head), or None.
+    - `kind`: `"none"`, `"head"` (a scalar per token) or `"channel"` ([..., C, D]).
     - `start`: e^{A_t} (decay from the chunk start through t), `end`: e^{A_{C−1} − A_t}
       (decay after t to the chunk end), `total`: e^{A_{C−1}}; all exponents ≤ 0.
     - `mask`: the [..., C, C] decay matrix (none/head), `lad`: the `Ladder` (channel).
     """
 
     kind: str
-    cum: Array | None = None
     start: Array | None = None
     end: Array | None = None
     total: Array | None = None
@@ -273,12 +274,12 @@ class ChunkDecay:
             return ChunkDecay(NONE, mask=_lower(size))
         if channel:
             lad, start, end = ladder(log_decay, leaf)
-            return ChunkDecay(CHANNEL, None, start, end, start[..., -1, :], lad=lad)
+            return ChunkDecay(CHANNEL, start, end, start[..., -1, :], lad=lad)
         cum = chunk_cumsum(log_decay, channel)
         last = cum[..., -1:]
         start, end, total = jnp.exp(cum), jnp.exp(last - cum), jnp.exp(last[..., 0])
         exponent = jnp.where(_lower(size), cum[..., :, None] - cum[..., None, :], -jnp.inf)
-        return ChunkDecay(HEAD, cum, start, end, total, mask=jnp.exp(exponent))
+        return ChunkDecay(HEAD, start, end, total, mask=jnp.exp(exponent))
 
     # -- per-token rescalings ([..., C, D] arrays); identity without decay
     def from_start(self, x: Array) -> Array:
@@ -328,5 +329,5 @@ class ChunkDecay:
         return self.scores(x, y), self.apply(M, y), self.apply_t(M, x)
 
     def _masked(self, M: Array) -> Array:
-        """scores: mask the raw product; apply: M is already lower-triangular (a `scores`)."""
+        """The raw product masked to s ≤ t and decayed (none: mask only; head: the decay matrix)."""
         return jnp.where(self.mask, M, 0) if self.kind == NONE else M * self.mask
