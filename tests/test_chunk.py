@@ -164,6 +164,24 @@ def test_jit_with_traced_cu_seqlens():
     assert max_rel_error(o, o_ref) < 1e-9 and max_rel_error(state, state_ref) < 1e-9
 
 
+def test_vmap_of_grad():
+    """A batch of problems under `jax.vmap(jax.grad(...))`, packed and reversed."""
+    case = Case(gates=("gv", "g_head"), cu_seqlens=(0, 3, 3, 9), reverse=True)
+    kwargs = [make_inputs(case, seed) for seed in range(2)]
+    diff = {k: jnp.stack([kw[k] for kw in kwargs]) for k in split_args(kwargs[0])[0]}
+    rest = split_args(kwargs[0])[1]
+
+    def grads(implementation):
+        def loss(diff):
+            o, state = recurrax.recurrent(**diff, **rest, implementation=implementation)
+            return jnp.sum(o**2) + jnp.sum(jnp.sin(state))
+
+        return jax.vmap(jax.grad(loss))(diff)
+
+    got, want = grads("chunk"), grads("reference")
+    assert all(max_rel_error(got[k], want[k]) < 1e-9 for k in want)
+
+
 @st.composite
 def cases(draw):
     gates = tuple(g for g in ALL_GATES + ("g_channel",) if draw(st.booleans()))

@@ -88,12 +88,20 @@ class Tiling:
 
     def fitted(self, seq_len: int) -> Tiling:
         """Smaller tiles for a short sequence: halve C while it fits in half a chunk (C / c
-        stays a power of two), then use no more chunks per step than it fills."""
+        stays a power of two), then fit the chunks per step to the chunk count."""
         size = self.chunk_size
         while size // 2 >= max(seq_len, self.block_size):
             size //= 2
-        steps = min(self.chunks_per_step, -(-seq_len // size))
-        return Tiling(size, min(self.block_size, size), steps)
+        return Tiling(size, min(self.block_size, size), self.steps_for(-(-seq_len // size)))
+
+    def steps_for(self, num_chunks: int) -> int:
+        """Chunks per step for `num_chunks` chunks: the largest P' ≤ P whose padding of the
+        chunk count to a multiple of P' wastes at most an eighth (P' = 1 never pads)."""
+        for per_step in range(min(self.chunks_per_step, num_chunks), 0, -1):
+            padded = -(-num_chunks // per_step) * per_step
+            if 8 * (padded - num_chunks) <= padded:
+                return per_step
+        return 1
 
 
 DEFAULT_TILING = {
@@ -172,9 +180,9 @@ def _dense(tiling: Tiling, scale, reverse, arrays, gates: Gates, init):
 
 def _packed(tiling: Tiling, scale, reverse, arrays, gates: Gates, init, cu_seqlens):
     num_tokens, num_seqs = arrays[0].shape[1], cu_seqlens.shape[0] - 1
-    size, per_step = tiling.chunk_size, tiling.chunks_per_step
+    size = tiling.chunk_size
     needed = varlen.max_chunks(num_tokens, num_seqs, size)
-    per_step = min(per_step, needed)
+    per_step = tiling.steps_for(needed)
     tiling = dataclasses.replace(tiling, chunks_per_step=per_step)
     layout = varlen.chunk_layout(cu_seqlens, num_tokens, size, -(-needed // per_step) * per_step)
     to_layout = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
