@@ -180,10 +180,11 @@ def _dense(tiling: Tiling, scale, reverse, arrays, gates: Gates, init):
 
 def _packed(tiling: Tiling, scale, reverse, arrays, gates: Gates, init, cu_seqlens):
     num_tokens, num_seqs = arrays[0].shape[1], cu_seqlens.shape[0] - 1
+    tiling = tiling.fitted(num_tokens)  # no sequence is longer than all the tokens
     size = tiling.chunk_size
     needed = varlen.max_chunks(num_tokens, num_seqs, size)
-    per_step = tiling.steps_for(needed)
-    tiling = dataclasses.replace(tiling, chunks_per_step=per_step)
+    tiling = dataclasses.replace(tiling, chunks_per_step=tiling.steps_for(needed))
+    per_step = tiling.chunks_per_step
     layout = varlen.chunk_layout(cu_seqlens, num_tokens, size, -(-needed // per_step) * per_step)
     to_layout = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
     q, k, v = (to_layout(x) for x in arrays)
