@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import jax
 import pytest
 
 README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
@@ -18,4 +19,5 @@ def test_quickstart_is_two_commands():
 
 @pytest.mark.parametrize("source", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
 def test_readme_example_runs(source):
-    exec(compile(source, "README.md", "exec"), {"__name__": "readme"})
+    with jax.enable_x64(False):  # as a user runs them: JAX's default precision
+        exec(compile(source, "README.md", "exec"), {"__name__": "readme"})

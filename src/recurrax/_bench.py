@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import math
 import os
@@ -64,7 +63,6 @@ FLOPS_PER_ELEMENT = {"fwd": 4, "fwd+bwd": 12}
 """Model FLOPs per B·T·H·K·V: forward 4, forward and backward 12."""
 
 DEFAULT_IMPLS = ("reference", "scan", "chunk")
-OPTIONAL_MODULES = ("recurrax.scan", "recurrax.chunk")
 MiB = 2**20
 
 
@@ -738,15 +736,6 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def import_optional_implementations() -> None:
-    """Register scan and chunk when their modules exist."""
-    for module in OPTIONAL_MODULES:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
-
-
 def chosen_implementations(requested: str | None) -> list[str]:
     """The implementations to measure; an unregistered name raises `ValueError`."""
     registered = kernel_registry.names()
@@ -824,7 +813,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`recurrax bench [options]`: 0 on success, 1 if a measurement failed, 2 on bad options."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_arguments(argv)
-    import_optional_implementations()
     try:
         impls, kinds = chosen_implementations(args.impls), chosen_gates(args.gates)
         if args.target_impl is not None:
