@@ -247,8 +247,3 @@ def request_of(problem: Problem) -> Request:
         v_head_dim=problem.value.shape[-1],
         seq_len=T,
     )
-
-
-def state_dtype_of(problem: Problem):
-    """The accumulation dtype: float32, or float64 for float64 inputs."""
-    return problem.initial_state.dtype
