@@ -30,15 +30,17 @@ per chunk, O(B·T·H·(K+V) + B·H·(T/C)·K·V).
 
 **Tuning.** `chunk_size` (C), `block_size` (c) and `chunks_per_step` (P) are static. The
 defaults (`DEFAULT_TILING`) come from `benchmarks/chunk_sweep.py` on the 2-core development
-CPU (B=2 T=2048 H=8 K=V=64 float32; tables in `benchmarks/results/chunk_sweep.md`):
+CPU, an Intel Xeon, and were re-checked on an AMD EPYC (B=2 T=2048 H=8 K=V=64 float32; tables
+in `benchmarks/results/chunk_sweep.md`; what bounds them in `chunk_profile.md`). Intel figures:
 
 - without per-channel decays, 64×1×8: the forward+backward is fastest there (per-head g
   50 ms, 9.4% of the measured matmul peak; 6× the scan implementation);
 - with per-channel decays, 32×1×4 (gk: 86 ms, 5.5%): c = 1 beats every exact leaf (a leaf
   of c tokens costs c exps per token and channel, a ladder level one multiply), and a shorter
   chunk keeps the ladder shallow;
-- P > 1 lets XLA spread the larger batched matmuls over both cores of an idle machine;
-  under heavy load P = 1 measured best.
+- P > 1 amortises per-operation overhead over larger batched matmuls (each still runs on
+  one core: XLA CPU does not split a batched dot over its threads); under heavy load P = 1
+  measured best.
 
 GPU and TPU have not been swept (no device was available) and reuse the CPU table.
 """
