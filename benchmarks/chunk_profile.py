@@ -48,22 +48,15 @@ from recurrax._bench import machine_description
 from recurrax.chunk import chunk, default_tiling
 
 sys.path.insert(0, os.path.dirname(__file__))
-from chunk_sweep import make_inputs, programs
+from chunk_sweep import interleaved, make_inputs, programs
 
 B, T, H, K, V = 2, 2048, 8, 64, 64
 MODEL_FWD, MODEL_FWD_BWD = 4 * B * T * H * K * V, 12 * B * T * H * K * V
 
 
 def best_of(fn, args, rounds: int) -> tuple[float, float]:
-    """(median, best) seconds of a jitted call, after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+    """(median, best) seconds of a jitted call: `chunk_sweep.interleaved` with one candidate."""
+    return interleaved({"call": (fn, args)}, rounds)["call"]
 
 
 def peak(rounds: int) -> float:
