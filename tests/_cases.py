@@ -6,6 +6,7 @@ from recurrax._testing import (  # noqa: F401
     GATES,
     Case,
     assert_matches,
+    canonical,
     compare,
     default_tolerance,
     make_inputs,

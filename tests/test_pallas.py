@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cases import Case, assert_matches, compare, make_inputs, max_rel_error, run_vjp
+from _cases import Case, assert_matches, canonical, compare, make_inputs, max_rel_error, run_vjp
 
 import recurrax
 import recurrax.pallas  # noqa: F401  (registers the Pallas implementations)
@@ -123,9 +123,7 @@ def test_default_tiles_slow(case):
 
 def _request(**overrides):
     """The dispatch request of a small case with `overrides` applied."""
-    kwargs = make_inputs(dataclasses.replace(Case(T=8, **SMALL), **overrides))
-    names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state", "reverse")
-    problem, _, _ = canonicalize(*(kwargs.get(name) for name in names), kwargs.get("cu_seqlens"))
+    problem, _, _ = canonical(make_inputs(dataclasses.replace(Case(T=8, **SMALL), **overrides)))
     return request_of(problem)
 
 

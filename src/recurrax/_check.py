@@ -50,11 +50,10 @@ def _fwd_bwd_seconds(name: str, case: Case) -> float:
 def _refusal(name: str, case: Case) -> str | None:
     """Why `name` declares it cannot run `case`, or None."""
     from . import kernel_registry
-    from ._inputs import canonicalize, request_of
-    from ._testing import ARGUMENTS
+    from ._inputs import request_of
+    from ._testing import canonical
 
-    kwargs = make_inputs(case)
-    problem, _, _ = canonicalize(*(kwargs.get(arg, default) for arg, default in ARGUMENTS))
+    problem, _, _ = canonical(make_inputs(case))
     impl = next(impl for impl in kernel_registry.implementations() if impl.name == name)
     return impl.refusal(request_of(problem))
 

@@ -96,12 +96,18 @@ ARGUMENTS = tuple((name, False if name == "reverse" else None) for name in (
 ))
 
 
+def canonical(kwargs: dict):
+    """`canonicalize` of `recurrent`'s keyword arguments, absent ones at their defaults:
+    (problem, config, layout)."""
+    return canonicalize(*(kwargs.get(name, default) for name, default in ARGUMENTS))
+
+
 def call(implementation: str | Callable, **kwargs):
     """`recurrent` through a registered name, or straight through an algorithm function
     `fn(problem, *, scale, reverse)` (e.g. a `functools.partial` with a chunk size)."""
     if isinstance(implementation, str):
         return recurrax.recurrent(**kwargs, implementation=implementation)
-    problem, config, layout = canonicalize(*(kwargs.get(name, default) for name, default in ARGUMENTS))
+    problem, config, layout = canonical(kwargs)
     output, final_state = implementation(problem, scale=config.scale, reverse=config.reverse)
     return layout.restore(output), final_state
 
