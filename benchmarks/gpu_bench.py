@@ -18,6 +18,7 @@ error instead of stopping the run, and each step stops starting new work past it
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -85,8 +86,8 @@ def check(args) -> dict:
 
     jax.config.update("jax_enable_x64", True)
     recurrax = _import_algorithms()
-    from recurrax._inputs import canonicalize, request_of
-    from recurrax._testing import Case, compare, default_tolerance, make_inputs
+    from recurrax._inputs import request_of
+    from recurrax._testing import Case, canonical, compare, default_tolerance, make_inputs
 
     budget = Budget(args.budget)
     names = recurrax.kernel_registry.names()
@@ -123,9 +124,7 @@ def check(args) -> dict:
 
     dispatch = {}
     for gates in [(), ("g_head",), ("gk",), ("gv",)]:
-        kwargs = make_inputs(Case(B=1, T=64, H=2, Hkv=2, K=64, V=64, gates=gates, dtype="bfloat16"))
-        arg_names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state", "reverse")
-        problem, _, _ = canonicalize(*(kwargs.get(n) for n in arg_names), None)
+        problem, _, _ = canonical(make_inputs(Case(B=1, T=64, H=2, Hkv=2, K=64, V=64, gates=gates, dtype="bfloat16")))
         dispatch["+".join(gates) or "none"] = recurrax.kernel_registry.get(None, request_of(problem)).name
     return dict(check=rows, dispatch=dispatch, implementations=names)
 
@@ -163,6 +162,24 @@ def _median_ms(fn, sync, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
+def _measure(rows: list, row: dict, budget: Budget, run, sync, checkpoint: str | None = None) -> None:
+    """Time `run` into `row` (median ms) and append it to `rows`: skipped past the budget, and
+    an error recorded (not raised) if it fails; then log it and checkpoint `rows` as `checkpoint`."""
+    if not budget.left():
+        rows.append({**row, "status": "skipped (time budget)"})
+        return
+    try:
+        row["ms"] = _median_ms(run(), sync)
+        row["status"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["status"] = "ERROR " + _error(e)
+    rows.append(row)
+    _log(row)
+    if checkpoint:
+        _checkpoint(**{checkpoint: rows})
+
+
 # ----------------------------------------------------------------------------- time-jax
 
 
@@ -176,25 +193,18 @@ def time_jax(args) -> dict:
     impls = [n for n in (PALLAS, "chunk") if n in names]
     rows = []
     for impl in impls:  # the Pallas kernels first: the comparison with fla matters most
+        forward = functools.partial(_recurrent, recurrax, impl)
         for shape in SHAPES:
             q, k, v, do, gates = _jax_inputs(shape)
             for gate, g in gates.items():
                 for mode in ("fwd", "fwd+bwd"):
+
+                    def run(forward=forward, mode=mode, g=g):
+                        fn = _jax_fn(forward, mode)
+                        return lambda: jax.block_until_ready(fn(q, k, v, g, do))  # noqa: B023
+
                     row = dict(shape=shape, gate=gate, impl=impl, mode=mode)
-                    if not budget.left():
-                        rows.append({**row, "status": "skipped (time budget)"})
-                        continue
-                    try:
-                        fn = _jax_fn(recurrax, impl, mode)
-                        run = lambda: jax.block_until_ready(fn(q, k, v, g, do))  # noqa: E731, B023
-                        row["ms"] = _median_ms(run, lambda: None)
-                        row["status"] = "ok"
-                    except Exception as e:  # noqa: BLE001
-                        traceback.print_exc()
-                        row["status"] = "ERROR " + _error(e)
-                    rows.append(row)
-                    _log(row)
-                    _checkpoint(jax=rows)
+                    _measure(rows, row, budget, run, lambda: None, checkpoint="jax")
     return dict(jax=rows, sweep=_sweep(budget) if PALLAS == "pallas_gpu" else [],
                 jax_version=jax.__version__, devices=[str(d) for d in jax.devices()])
 
@@ -205,50 +215,35 @@ SWEEP = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
 def _sweep(budget: Budget) -> list[dict]:
     """With the time left: fwd+bwd of the per-channel kernels on one shape over a few
     tile choices, to check `recurrax.pallas.gpu_tiles` (chosen from offline compiles)."""
-    import functools
-
     import jax
-    import jax.numpy as jnp
 
     from recurrax._testing import call
     from recurrax.pallas import gpu_tiles, pallas_chunk_recurrent
 
     B, T, H, K, V = SHAPES[1]
-    keys = jax.random.split(jax.random.key(1), 5)
-    q, k = (jax.random.normal(x, (B, T, H, K), jnp.bfloat16) for x in keys[:2])
-    v, do = (jax.random.normal(x, (B, T, H, V), jnp.bfloat16) for x in keys[2:4])
-    g = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, K), jnp.float32) + 4.0)
+    q, k, v, do, gates = _jax_inputs(SHAPES[1], seed=1)
+    g = gates["key"]
     rows = []
     for tiles in SWEEP:
         row = dict(shape=(B, T, H, K, V), gate="key", mode="fwd+bwd", **tiles,
                    default=tiles["block_v"] == gpu_tiles(B, H, K, V)["block_v"] and tiles["num_warps"] == 8)
-        if not budget.left():
-            rows.append({**row, "status": "skipped (time budget)"})
-            continue
         algorithm = functools.partial(pallas_chunk_recurrent, target="triton", chunk_size=64, sub_size=16, **tiles)
 
-        def loss(q, k, v, g, do):
-            o, _ = call(algorithm, query=q, key=k, value=v, g=g)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+        def run(algorithm=algorithm):
+            fn = _jax_fn(lambda q, k, v, g: call(algorithm, query=q, key=k, value=v, g=g), "fwd+bwd")
+            return lambda: jax.block_until_ready(fn(q, k, v, g, do))
 
-        try:
-            fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-            row["ms"] = _median_ms(lambda: jax.block_until_ready(fn(q, k, v, g, do)), lambda: None)  # noqa: B023
-            row["status"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            row["status"] = "ERROR " + _error(e)
-        rows.append(row)
-        _log(row)
+        _measure(rows, row, budget, run, lambda: None)
     return rows
 
 
-def _jax_inputs(shape):
+def _jax_inputs(shape, seed: int = 0):
     """bf16 q, k, v, do and float32 gates (log-sigmoid, mostly near 0) for one shape."""
     import jax
     import jax.numpy as jnp
 
     B, T, H, K, V = shape
-    keys = jax.random.split(jax.random.key(0), 5)
+    keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (B, T, H, K), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, T, H, K), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, H, V), jnp.bfloat16)
@@ -260,12 +255,15 @@ def _jax_inputs(shape):
     return q, k, v, do, gates
 
 
-def _jax_fn(recurrax, impl: str, mode: str):
+def _recurrent(recurrax, impl: str, q, k, v, g):
+    return recurrax.recurrent(q, k, v, g=g, implementation=impl)
+
+
+def _jax_fn(forward, mode: str):
+    """The jitted program timed for `mode`: `forward(q, k, v, g) -> (o, state)` itself, or the
+    gradients of <o, do> with respect to q, k, v and g. Both take (q, k, v, g, do)."""
     import jax
     import jax.numpy as jnp
-
-    def forward(q, k, v, g):
-        return recurrax.recurrent(q, k, v, g=g, implementation=impl)
 
     if mode == "fwd":
         return jax.jit(lambda q, k, v, g, do: forward(q, k, v, g))
@@ -311,14 +309,11 @@ def time_fla(args) -> dict:
                 lambda q, k, v, g: chunk_gla(q, k, v, g)[0])
             impl = "fla chunk_simple_gla" if gate == "head" else "fla chunk_gla"
             for mode in ("fwd", "fwd+bwd"):
-                row = dict(shape=shape, gate=gate, impl=impl, mode=mode)
-                if not budget.left():
-                    rows.append({**row, "status": "skipped (time budget)"})
-                    continue
-                try:
+
+                def run(op=op, mode=mode, g=g):
                     leaves = [x.detach().clone().requires_grad_(mode == "fwd+bwd") for x in (q, k, v, g)]
 
-                    def run():
+                    def step():
                         if mode == "fwd":
                             with torch.no_grad():
                                 op(*leaves)
@@ -327,14 +322,10 @@ def time_fla(args) -> dict:
                                 x.grad = None
                             op(*leaves).backward(do)
 
-                    row["ms"] = _median_ms(run, torch.cuda.synchronize)
-                    row["status"] = "ok"
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    row["status"] = "ERROR " + _error(e)
-                rows.append(row)
-                _log(row)
-                _checkpoint(fla=rows)
+                    return step
+
+                row = dict(shape=shape, gate=gate, impl=impl, mode=mode)
+                _measure(rows, row, budget, run, torch.cuda.synchronize, checkpoint="fla")
     return dict(fla=rows, fla_versions=versions, gpu=torch.cuda.get_device_name())
 
 
