@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._inputs import Problem, _fail, _floating, canonicalize, request_of
+from .reference import key_side_decay
 from .registry import kernel_registry
 
 _STEP_HINT = (
@@ -85,23 +86,14 @@ def one_step(problem: Problem, scale: float) -> tuple[Float[Array, "B 1 H V"], F
     state_dtype = problem.initial_state.dtype
     query, key, value = (x[:, 0].astype(state_dtype) for x in (problem.query, problem.key, problem.value))
     state = problem.initial_state  # [B, H, K, V]
-    key_decay = _key_side_decay(problem)
+    key_decay = key_side_decay(problem)
     if key_decay is not None:
-        state = state * jnp.exp(key_decay)[..., None]  # [B, H, K, 1] or [B, H, 1, 1]
+        state = state * jnp.exp(key_decay[:, 0])[..., None]  # [B, H, K, 1] or [B, H, 1, 1]
     if problem.log_decay_value is not None:
         state = state * jnp.exp(problem.log_decay_value[:, 0])[..., None, :]  # [B, H, 1, V]
     state = state + key[..., :, None] * value[..., None, :]
     output = scale * jnp.einsum("bhk,bhkv->bhv", query, state)
     return output[:, None].astype(problem.query.dtype), state
-
-
-def _key_side_decay(problem: Problem) -> Float[Array, "B H K"] | Float[Array, "B H 1"] | None:
-    """The key-side log decay of the single token, without materialising absent terms."""
-    head = None if problem.log_decay_head is None else problem.log_decay_head[:, 0, :, None]
-    channel = None if problem.log_decay_key is None else problem.log_decay_key[:, 0]
-    if head is None or channel is None:
-        return head if channel is None else channel
-    return head + channel
 
 
 def _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token) -> tuple[Problem, float]:

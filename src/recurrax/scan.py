@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._inputs import Problem
+from .reference import key_side_decay
 from .registry import Backend, Platform, Support, kernel_registry
 from .varlen import segments
 
@@ -244,15 +245,6 @@ _recurrence.defvjp(_recurrence_fwd, _backward)
 # --------------------------------------------------------------------------- layout
 
 
-def _key_side_decay(problem: Problem) -> Float[Array, "B T H K"] | Float[Array, "B T H 1"] | None:
-    """a_t = log_decay_head (broadcast over K) + log_decay_key, without materialising absent terms."""
-    head = None if problem.log_decay_head is None else problem.log_decay_head[..., None]
-    key = problem.log_decay_key
-    if head is None or key is None:
-        return head if key is None else key
-    return head + key
-
-
 def _to_blocks(x: Array | None, block_size: int, reverse: bool) -> Array | None:
     """[B, T, ...] in token order → [N, C, B, ...] in processing order.
 
@@ -301,7 +293,7 @@ def scan_recurrent(problem: Problem, *, scale: float, reverse: bool, block_size:
         query=blocks(problem.query),
         key=blocks(problem.key),
         value=blocks(problem.value),
-        log_decay_key=blocks(_key_side_decay(problem)),
+        log_decay_key=blocks(key_side_decay(problem)),
         log_decay_value=blocks(problem.log_decay_value),
     )
     boundaries = None if problem.cu_seqlens is None else _boundaries(problem.cu_seqlens, T, C, reverse)
