@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from . import varlen
@@ -157,14 +156,6 @@ def chunk(
     return _packed(tiling, scale, reverse, arrays, gates, problem.initial_state, problem.cu_seqlens)
 
 
-def _pad_tokens(x: Array | None, length: int) -> Array | None:
-    if x is None or x.shape[1] == length:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, length - x.shape[1])
-    return jnp.pad(x, widths)
-
-
 def _static(tiling: Tiling, scale, reverse) -> Static:
     return Static(tiling.chunk_size, tiling.block_size, tiling.chunks_per_step, float(scale), bool(reverse))
 
@@ -174,8 +165,8 @@ def _dense(tiling: Tiling, scale, reverse, arrays, gates: Gates, init):
     tiling = tiling.fitted(T)
     step = tiling.chunk_size * tiling.chunks_per_step
     padded = -(-T // step) * step
-    q, k, v = (_pad_tokens(x, padded) for x in arrays)
-    gates = Gates(*(_pad_tokens(g, padded) for g in gates))
+    q, k, v = (varlen.pad_tokens(x, padded) for x in arrays)
+    gates = Gates(*(varlen.pad_tokens(g, padded) for g in gates))
     out, final = chunked(_static(tiling, scale, reverse), q, k, v, gates, init, None)
     return out[:, :T], final
 

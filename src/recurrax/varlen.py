@@ -2,7 +2,8 @@
 
 Notation: N packed tokens, S sequences, `cu_seqlens` [S + 1] with sequence s occupying
 tokens `cu_seqlens[s] : cu_seqlens[s + 1]` (possibly empty). Everything here works on a
-traced `cu_seqlens`: S comes from its static shape, never from its values.
+traced `cu_seqlens`: S comes from its static shape, never from its values. `pad_tokens` is
+the dense rows' counterpart of the chunk-aligned layout (a row padded to whole chunks).
 """
 
 from __future__ import annotations
@@ -122,3 +123,13 @@ def to_chunk_layout(x: Array, layout: ChunkLayout) -> Array:
 def from_chunk_layout(y: Array, layout: ChunkLayout) -> Array:
     """[M·C, ...] aligned slots -> [N, ...] packed tokens."""
     return jnp.take(y, layout.token_slot, axis=0)
+
+
+def pad_tokens(x: Array | None, length: int) -> Array | None:
+    """Dense rows [B, T, ...] zero-padded along the token axis to `length` (None stays None):
+    how the chunked algorithms fill the last chunk of a row when T is not a multiple of it."""
+    if x is None or x.shape[1] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, length - x.shape[1])
+    return jnp.pad(x, widths)

@@ -114,19 +114,11 @@ def _key_side_gate(problem: Problem) -> tuple[Gate, jax.Array | None]:
     return Gate.NONE, None
 
 
-def _pad_tokens(x, Tp: int):
-    if x is None or x.shape[1] == Tp:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, Tp - x.shape[1])
-    return jnp.pad(x, widths)
-
-
 def _dense(static: Static, q, k, v, g, h0):
     """[B, T, ...] rows: pad T to a multiple of C (padding leaves the state unchanged)."""
     T, C = q.shape[1], static.blocks.chunk
     Tp = -(-T // C) * C
-    o, h_T = _chunk(static, *(_pad_tokens(x, Tp) for x in (q, k, v, g)), h0, None, None)
+    o, h_T = _chunk(static, *(varlen.pad_tokens(x, Tp) for x in (q, k, v, g)), h0, None, None)
     return o[:, :T], h_T
 
 
