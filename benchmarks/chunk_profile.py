@@ -18,6 +18,7 @@ script measures four things, each side by side in one run:
 
     python benchmarks/chunk_profile.py                         # print the markdown
     python benchmarks/chunk_profile.py --out benchmarks/results/chunk_profile.md
+    python benchmarks/chunk_profile.py --quick --out /tmp/profile.md   # seconds: a smoke run
 """
 
 from __future__ import annotations
@@ -44,14 +45,30 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from recurrax._bench import machine_description
-from recurrax.chunk import chunk, default_tiling
+from recurrax.chunk import chunk_recurrent, default_tiling
+from recurrax.tools.bench.machine import machine_description
+from recurrax.tools.cases import Case
 
 sys.path.insert(0, os.path.dirname(__file__))
-from chunk_sweep import interleaved, make_inputs, programs
+from chunk_sweep import interleaved, programs
 
 B, T, H, K, V = 2, 2048, 8, 64, 64
+PEAK_SIZE = 2048
 MODEL_FWD, MODEL_FWD_BWD = 4 * B * T * H * K * V, 12 * B * T * H * K * V
+QUICK = False
+
+
+def configure(quick: bool) -> None:
+    """`--quick`: tiny sizes (one step of the 64×8 skeleton) and a small peak matmul, for a
+    smoke run of seconds whose figures mean nothing."""
+    global B, T, H, K, V, PEAK_SIZE, MODEL_FWD, MODEL_FWD_BWD, QUICK
+    if quick:
+        B, T, H, K, V, PEAK_SIZE, QUICK = 1, 512, 2, 16, 16, 256, True
+        MODEL_FWD, MODEL_FWD_BWD = 4 * B * T * H * K * V, 12 * B * T * H * K * V
+
+
+def case(gate: str) -> Case:
+    return Case.benchmark(B, T, H, K, V, gates=gate)
 
 
 def best_of(fn, args, rounds: int) -> tuple[float, float]:
@@ -60,8 +77,8 @@ def best_of(fn, args, rounds: int) -> tuple[float, float]:
 
 
 def peak(rounds: int) -> float:
-    x = jnp.ones((2048, 2048), jnp.float32)
-    return 2 * 2048**3 / best_of(jax.jit(jnp.dot), (x, x), rounds)[1]
+    x = jnp.ones((PEAK_SIZE, PEAK_SIZE), jnp.float32)
+    return 2 * PEAK_SIZE**3 / best_of(jax.jit(jnp.dot), (x, x), rounds)[1]
 
 
 def matmul_shapes(C: int, P: int) -> dict[str, tuple[int, int, int, int]]:
@@ -91,7 +108,7 @@ def busy_cores(fn, args, rounds: int) -> tuple[float, float]:
 def matmul_rates(rounds: int) -> dict[str, float]:
     """GFLOP/s of the peak and of each small batched product (best of `rounds`), run in
     this process (both cores available)."""
-    rates = {"peak 2048² dot": peak(rounds) / 1e9}
+    rates = {f"peak {PEAK_SIZE}² dot": peak(rounds) / 1e9}
     for C, P in ((64, 8), (32, 4)):
         for name, (n, m, k, o) in matmul_shapes(C, P).items():
             a, b = jnp.ones((n, m, k), jnp.float32), jnp.ones((n, k, o), jnp.float32)
@@ -107,7 +124,7 @@ def in_child(cores: set[int], rounds: int) -> dict[str, float]:
     code = (
         f"import os, json, sys; os.sched_setaffinity(0, {cores!r});"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
-        f"import chunk_profile as p; print(json.dumps(p.matmul_rates({rounds})))"
+        f"import chunk_profile as p; p.configure({QUICK}); print(json.dumps(p.matmul_rates({rounds})))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
@@ -179,14 +196,13 @@ def categorise(name: str) -> str | None:
 
 def breakdown(gate: str, runs: int = 5) -> dict[str, float]:
     """Milliseconds per run of each op category in the chunk forward+backward (XLA's trace)."""
-    kwargs = make_inputs(B, T, H, K, V, gate)
-    _, fwd_bwd = programs(chunk, kwargs)
-    best_of(fwd_bwd, (kwargs,), 2)
+    _, fwd_bwd, diff = programs(chunk_recurrent, case(gate))
+    best_of(fwd_bwd, (diff,), 2)
     with tempfile.TemporaryDirectory() as directory:
         start = time.perf_counter()
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             for _ in range(runs):
-                jax.block_until_ready(fwd_bwd(kwargs))
+                jax.block_until_ready(fwd_bwd(diff))
         wall = (time.perf_counter() - start) / runs
         (path,) = glob.glob(f"{directory}/**/perfetto_trace.json.gz", recursive=True)
         with gzip.open(path) as handle:
@@ -211,6 +227,7 @@ def report(rounds: int) -> list[str]:
             "`python benchmarks/chunk_profile.py --out benchmarks/results/chunk_profile.md`."
         ),
         "",
+        *(["**Quick run (`--quick`): tiny sizes, one round — the figures mean nothing.**", ""] if QUICK else []),
         "## 1. Matmul rates (GFLOP/s, best of the run)",
         "",
         "| product | both cores | pinned to one core |",
@@ -226,13 +243,12 @@ def report(rounds: int) -> list[str]:
         "| program | median ms | busy cores |",
         "|---|---:|---:|",
     ]
-    x = jnp.ones((2048, 2048), jnp.float32)
-    programs_ = {"2048² dot": (jax.jit(jnp.dot), (x, x))}
+    x = jnp.ones((PEAK_SIZE, PEAK_SIZE), jnp.float32)
+    programs_ = {f"{PEAK_SIZE}² dot": (jax.jit(jnp.dot), (x, x))}
     for gate in ("g", "gk"):
-        kwargs = make_inputs(B, T, H, K, V, gate)
-        fwd, fwd_bwd = programs(chunk, kwargs)
-        programs_[f"chunk fwd, {gate}"] = (fwd, (kwargs,))
-        programs_[f"chunk fwd+bwd, {gate}"] = (fwd_bwd, (kwargs,))
+        fwd, fwd_bwd, diff = programs(chunk_recurrent, case(gate))
+        programs_[f"chunk fwd, {gate}"] = (fwd, (diff,))
+        programs_[f"chunk fwd+bwd, {gate}"] = (fwd_bwd, (diff,))
     for name, (fn, args) in programs_.items():
         median, busy = busy_cores(fn, args, rounds)
         lines.append(f"| {name} | {1e3 * median:.1f} | {busy:.2f} |")
@@ -284,7 +300,7 @@ def report(rounds: int) -> list[str]:
 
 def _tiling(gate: str) -> str:
     t = default_tiling(gate == "gk")
-    return f"{t.chunk_size}x{t.block_size}x{t.chunks_per_step}"
+    return f"{t.chunk_size}x{t.leaf_size}x{t.chunks_per_step}"
 
 
 def main(argv=None) -> int:
@@ -293,7 +309,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", help="write the markdown here")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round: a smoke run of seconds")
     args = parser.parse_args(argv)
+    configure(args.quick)
+    if args.quick:
+        args.rounds = 1
     text = "\n".join(report(args.rounds)) + "\n"
     print(text)
     if args.out:

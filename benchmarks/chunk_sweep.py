@@ -1,17 +1,20 @@
 """Sweep of the chunk algorithm's tiling on this machine.
 
-A tiling is `CxcxP`: chunk_size C (the state is materialised every C tokens) × block_size c
+A tiling is `CxcxP`: chunk_size C (the state is materialised every C tokens) × leaf_size c
 (exact element-wise leaf of the per-channel ladder) × chunks_per_step P (chunks batched in
-one step of the state scan). For each gate kind and tiling this times the forward and the
-forward+backward of the chunk algorithm (jitted; compilation excluded), round-robin with a
-float32 matmul peak measurement (a jitted 2048×2048 `jnp.dot`) so that noise from a shared
-machine hits everything alike, and reports median and best times, model-FLOP utilisation
-(4·B·T·H·K·V forward, 12·B·T·H·K·V forward+backward) against the best matmul peak of the same
-run, and the time ratio to the `scan` implementation (`--scan`).
+one step of the state scan), i.e. `recurrax.chunk.Tiling(C, c, P)`. For each gate kind and
+tiling this times the forward and the forward+backward of `recurrax.chunk.chunk_recurrent`
+(jitted; compilation excluded), round-robin with a float32 matmul peak measurement (a
+jitted N×N `jnp.dot`, N = 2048) so that noise from a shared machine hits everything alike,
+and reports median and best times, model-FLOP utilisation (4·B·T·H·K·V forward,
+12·B·T·H·K·V forward+backward) against the best matmul peak of the same run, and the time
+ratio to the `scan` implementation (`--scan`). Inputs come from `recurrax.tools.cases`
+(`Case.benchmark`: float32, gates `log_sigmoid(normal) / 16`, no initial state).
 
     python benchmarks/chunk_sweep.py                                  # the default grid
     python benchmarks/chunk_sweep.py --gates g,gk --tilings 64x1x8,32x1x4 --rounds 9 --scan
     python benchmarks/chunk_sweep.py --out benchmarks/results/chunk_sweep.md   # append markdown
+    python benchmarks/chunk_sweep.py --quick --scan --out /tmp/sweep.md       # seconds: a smoke run
 """
 
 from __future__ import annotations
@@ -26,54 +29,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import recurrax
-from recurrax._inputs import canonicalize
-from recurrax.chunk import chunk
-
-GATES = {
-    "none": {},
-    "g": {"g": "BTH"},
-    "g_gamma": {"g_gamma": "H"},
-    "gk": {"gk": "BTHK"},
-    "gk+gv": {"gk": "BTHK", "gv": "BTHV"},
-}
+from recurrax.chunk import Tiling, chunk_recurrent
+from recurrax.tools.cases import GATE_PRESETS, Case, call, make_cotangents, make_inputs, split_args
 
 
-def make_inputs(B, T, H, K, V, gate, seed=0):
-    """Normal q, k, v and log decays log(U(0.9, 1)) for the gate kind, float32."""
-    rng = np.random.default_rng(seed)
-    sizes = dict(B=B, T=T, H=H, K=K, V=V)
-    kwargs = {
-        "query": rng.standard_normal((B, T, H, K)),
-        "key": rng.standard_normal((B, T, H, K)),
-        "value": rng.standard_normal((B, T, H, V)),
-    }
-    for name, dims in GATES[gate].items():
-        kwargs[name] = np.log(rng.uniform(0.9, 1.0, [sizes[d] for d in dims]))
-    return {k: jnp.asarray(v, jnp.float32) for k, v in kwargs.items()}
-
-
-def programs(fn, kwargs):
-    """(forward, forward+backward) jitted programs of an algorithm `fn(problem, scale=, reverse=)`;
-    the backward differentiates every input (random cotangents for both outputs)."""
+def programs(fn, case: Case):
+    """(forward, forward+backward, differentiable inputs) of `fn` on `case`'s inputs: `fn` is a
+    registered name or an algorithm `fn(problem, *, scale, reverse)`. Both programs are jitted
+    and take the differentiable inputs; the backward differentiates all of them (the loss is
+    `<output, d_output> + <final_state, d_state>` for random cotangents)."""
+    diff, rest = split_args(make_inputs(case))
+    d_output, d_state = make_cotangents(case)
 
     def run(diff):
-        problem, config, _ = canonicalize(
-            diff["query"], diff["key"], diff["value"], diff.get("g"), diff.get("g_gamma"),
-            diff.get("gk"), diff.get("gv"), None, None, False, None,
-        )
-        return fn(problem, scale=config.scale, reverse=False)
-
-    rng = np.random.default_rng(1)
-    o, s = jax.eval_shape(run, kwargs)
-    do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
-    ds = jnp.asarray(rng.standard_normal(s.shape), jnp.float32)
+        return call(fn, **diff, **rest)
 
     def loss(diff):
-        o, s = run(diff)
-        return jnp.sum(o * do) + jnp.sum(s * ds)
+        output, final_state = run(diff)
+        return jnp.sum(output * d_output) + jnp.sum(final_state * d_state)
 
-    return jax.jit(run), jax.jit(jax.value_and_grad(loss))
+    return jax.jit(run), jax.jit(jax.value_and_grad(loss)), diff
 
 
 def interleaved(candidates: dict, rounds: int) -> dict:
@@ -90,16 +65,25 @@ def interleaved(candidates: dict, rounds: int) -> dict:
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
+QUICK = dict(shape="1,64,2,16,16", gates="g,gk", tilings="16x1x1,16x4x2", rounds=1, peak_size=128)
+"""`--quick`: tiny sizes, one round — a smoke run of seconds (the figures mean nothing)."""
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="2,2048,8,64,64", help="B,T,H,K,V")
-    parser.add_argument("--gates", default="g,gk", help=f"comma-separated, of {list(GATES)}")
+    parser.add_argument("--gates", default="g,gk", help=f"comma-separated, of {list(GATE_PRESETS)}")
     parser.add_argument("--tilings", default="32x1x1,32x1x4,64x1x1,64x1x8,32x2x4", help="CxcxP, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--peak-size", type=int, default=2048, help="N of the N×N float32 matmul peak")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--scan", action="store_true", help="also time the scan implementation")
+    parser.add_argument("--quick", action="store_true", help="tiny shape and tilings, one round (smoke run)")
     parser.add_argument("--out", help="append the markdown tables to this file")
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     lines = []
 
     def emit(line=""):
@@ -107,28 +91,28 @@ def main(argv=None):
         lines.append(line)
 
     B, T, H, K, V = map(int, args.shape.split(","))
-    size = 2048
+    size = args.peak_size
     x = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), jnp.float32)
     peak_fn = jax.jit(jnp.dot)
-    tilings = [tuple(map(int, t.split("x"))) for t in args.tilings.split(",")]
+    tilings = [Tiling(*map(int, t.split("x"))) for t in args.tilings.split(",")]
     modes = args.modes.split(",")
     emit(f"### B={B} T={T} H={H} K={K} V={V}, float32, {args.rounds} interleaved rounds, "
          f"load average {os.getloadavg()[0]:.1f} at the start")
     for gate in args.gates.split(","):
-        kwargs = make_inputs(B, T, H, K, V, gate)
+        case = Case.benchmark(B, T, H, K, V, gates=gate)
         candidates = {"peak": (peak_fn, (x, x))}
         fns = {
-            f"chunk {C}x{c}x{P}": functools.partial(chunk, chunk_size=C, block_size=c, chunks_per_step=P)
-            for C, c, P in tilings
+            f"chunk {t.chunk_size}x{t.leaf_size}x{t.chunks_per_step}": functools.partial(chunk_recurrent, tiling=t)
+            for t in tilings
         }
         if args.scan:
-            fns["scan"] = recurrax.kernel_registry._implementations["scan"].fn
+            fns["scan"] = "scan"
         for name, fn in fns.items():
-            fwd, fwdbwd = programs(fn, kwargs)
+            fwd, fwdbwd, diff = programs(fn, case)
             if "fwd" in modes:
-                candidates[(name, "fwd")] = (fwd, (kwargs,))
+                candidates[(name, "fwd")] = (fwd, (diff,))
             if "fwd+bwd" in modes:
-                candidates[(name, "fwd+bwd")] = (fwdbwd, (kwargs,))
+                candidates[(name, "fwd+bwd")] = (fwdbwd, (diff,))
         result = interleaved(candidates, args.rounds)
         peak = 2 * size**3 / result.pop("peak")[1]
         emit(f"\n#### gate {gate}: matmul peak {peak / 1e9:.0f} GFLOP/s (best of the run)\n")

@@ -2,20 +2,19 @@
 
     python benchmarks/parallel_bench.py                 # 8 host CPU devices, ~2 minutes
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/parallel_bench.py
+    python benchmarks/parallel_bench.py --quick --out /tmp/parallel   # seconds: a smoke run
 
-Writes `benchmarks/results/parallel.md` and `benchmarks/results/parallel.png`.
+Writes `parallel.md` and `parallel.png` into `--out` (default `benchmarks/results/`).
+
+Everything runs through the public `recurrax.parallel.recurrent` (the one-device baseline
+through `recurrax.recurrent`); inputs come from `recurrax.tools.cases` (float32, per-key-channel
+decay `gk`, with an initial state; packed with `cu_seqlens` for the packed sweep).
 
 Bytes communicated come from the compiled HLO: every all-gather, all-reduce, reduce-scatter,
 collective-permute and all-to-all, counted at the larger of its operand and result buffer
 (the gathered / reduced array one device holds), summed over the program. "Ring bytes" is
 what a ring algorithm sends per device for the same ops: (P−1)/P of that for all-gather and
 reduce-scatter, 2(P−1)/P for all-reduce.
-
-Besides the sweeps over sequence length and device count it measures the two design
-choices of `recurrax.parallel`: the backward (JAX autodiff through `shard_map`, what the
-library uses, against a hand-written `custom_vjp` rule defined below) and how a shard
-applies its incoming state (the exact matmul correction against re-running the local
-algorithm from it).
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import recurrax  # noqa: E402
 from recurrax import parallel  # noqa: E402
-from recurrax._inputs import canonicalize, request_of  # noqa: E402
-from recurrax.registry import kernel_registry  # noqa: E402
+from recurrax.tools.cases import Case, make_inputs, split_args  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
@@ -93,22 +91,18 @@ def communication(hlo_text: str) -> dict[str, float]:
 
 
 def make_arguments(T: int, H: int, K: int, V: int, num_seqs: int, seed: int = 0) -> dict:
-    """Random float32 inputs with a per-key-channel decay (gk); packed when num_seqs > 0."""
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    arguments = dict(
-        query=normal(1, T, H, K),
-        key=normal(1, T, H, K),
-        value=normal(1, T, H, V),
-        gk=jnp.asarray(rng.uniform(-0.2, 0.0, (1, T, H, K)), jnp.float32),
-    )
+    """float32 inputs with a per-key-channel decay (gk) and an initial state, from
+    `recurrax.tools.cases`: one row of T tokens, or T tokens packed into `num_seqs` sequences
+    with random boundaries when num_seqs > 0."""
+    cu_seqlens = None
     if num_seqs:
-        cuts = np.sort(rng.choice(np.arange(1, T), num_seqs - 1, replace=False))
-        arguments["cu_seqlens"] = jnp.asarray(np.concatenate([[0], cuts, [T]]), jnp.int32)
-        arguments["initial_state"] = normal(num_seqs, H, K, V)
-    else:
-        arguments["initial_state"] = normal(1, H, K, V)
-    return arguments
+        cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, T), num_seqs - 1, replace=False))
+        cu_seqlens = (0, *map(int, cuts), T)
+    case = Case.benchmark(1, T, H, K, V, gates="gk", initial_state=True, cu_seqlens=cu_seqlens)
+    kwargs = make_inputs(case, seed)
+    if num_seqs:
+        kwargs["cu_seqlens"] = jnp.asarray(kwargs["cu_seqlens"])
+    return kwargs
 
 
 def sequence_mesh(shards: int) -> Mesh:
@@ -118,14 +112,15 @@ def sequence_mesh(shards: int) -> Mesh:
 def step_functions(call, arguments: dict):
     """jitted (forward, forward+backward) of `call(**arguments)`; the backward takes
     cotangents equal to the outputs, i.e. the gradient of ½(|o|² + |final_state|²)."""
-    differentiable = {k: v for k, v in arguments.items() if k != "cu_seqlens"}
-    rest = {k: v for k, v in arguments.items() if k == "cu_seqlens"}
+    differentiable, other = split_args(arguments)
+    rest = {k: v for k, v in other.items() if k == "cu_seqlens"}  # traced
+    static = {k: v for k, v in other.items() if k != "cu_seqlens"}  # reverse, softmax_scale
 
     def forward(diff, rest):
-        return call(**diff, **rest)
+        return call(**diff, **rest, **static)
 
     def forward_backward(diff, rest):
-        (output, state), pullback = jax.vjp(lambda d: call(**d, **rest), diff)
+        (output, state), pullback = jax.vjp(lambda d: call(**d, **rest, **static), diff)
         return pullback((output, state))[0]
 
     return jax.jit(forward), jax.jit(forward_backward), (differentiable, rest)
@@ -182,125 +177,29 @@ def profile(call, arguments: dict, repeats: int) -> dict:
     return profile_all({"call": call}, arguments, repeats)["call"]
 
 
-def sharded(shards: int, implementation, strategy: str = "correct"):
+def sharded(shards: int, implementation):
+    """`recurrax.parallel.recurrent` over the first `shards` devices (the token axis split)."""
     mesh = sequence_mesh(shards)
-    names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state", "reverse",
-             "cu_seqlens")
 
     def call(**kw):
-        arguments = tuple(kw.get(name, False if name == "reverse" else None) for name in names)
-        return parallel.sharded_call(
-            arguments, mesh=mesh, sequence_axis="seq", implementation=implementation, strategy=strategy
-        )
+        return parallel.recurrent(**kw, mesh=mesh, sequence_axis="seq", implementation=implementation)
 
     return call
 
 
-# --- the hand-written backward, for comparison --------------------------------------------------
+def single(implementation):
+    """`recurrax.recurrent` on one device: the baseline."""
+    return lambda **kw: recurrax.recurrent(**kw, implementation=implementation)
 
 
-def _handwritten_shard(plan: parallel.Plan, problem):
-    """Dense forward as the library's, with a `custom_vjp` whose backward is written out.
-
-    Backward, per shard p (G_p: cotangent of the state leaving shard p, D_p: ∂L/∂h_p through
-    the correction only):
-        D_p = s · Σ_t (q_t ⊙ e^{α_t}) ⊗ (do_t ⊙ e^{β_t})
-        G_{P−1} = d final_state,   G_{p−1} = D_p + e^{A_p} ⊙ G_p ⊙ e^{B_p}
-    one all-gather of (D_p, A_p, B_p), then the local algorithm's vjp at the true incoming
-    state h_p with cotangents (do, G_p) gives every local gradient and ∂L/∂h_p (which is
-    ∂L/∂initial_state on shard 0). The local forward is recomputed inside that vjp.
-    """
-    axis, length = plan.axes.sequence, problem.query.shape[1]
-
-    def forward(problem):
-        shard = jax.lax.axis_index(axis)
-        local = problem._replace(initial_state=jnp.zeros_like(problem.initial_state))
-        output, final = plan.run(local)
-        decays = parallel.Decays.of(problem)
-        finals, totals = plan.gather(final, decays.at(length - 1))
-        passes = jnp.ones(plan.axes.shards, bool)
-        incoming, last = parallel.fold_shards(problem.initial_state, finals, totals, passes)
-        incoming = incoming[shard]
-        output = output.astype(incoming.dtype) + parallel.correction(problem.query, decays, incoming, plan.scale)
-        return (output.astype(problem.query.dtype), last), incoming
-
-    def backward(residuals, cotangents):
-        problem, incoming = residuals
-        d_output, d_last = cotangents
-        shard = jax.lax.axis_index(axis)
-        d_last = jax.lax.psum(d_last, axis)  # a replicated output's cotangent arrives split over shards
-        decays = parallel.Decays.of(problem)
-        query = problem.query.astype(incoming.dtype)
-        query = query if decays.key is None else query * jnp.exp(decays.key)
-        d_out = d_output.astype(incoming.dtype)
-        d_out = d_out if decays.value is None else d_out * jnp.exp(decays.value)
-        direct = plan.scale * jnp.einsum("blhk,blhv->bhkv", query, d_out)
-        directs, totals = plan.gather(direct, decays.at(length - 1))
-
-        def leaving(cotangent, shard_terms):
-            direct_p, total_p = shard_terms
-            return direct_p + parallel.decay_state(cotangent, total_p), cotangent
-
-        _, leaving_cotangents = jax.lax.scan(leaving, d_last, (directs, totals), reverse=True)
-        _, pullback = jax.vjp(plan.run, problem._replace(initial_state=incoming))
-        (d_problem,) = pullback((d_output, leaving_cotangents[shard]))
-        d_initial = jnp.where(shard == 0, d_problem.initial_state, jnp.zeros_like(incoming))
-        return (d_problem._replace(initial_state=d_initial, cu_seqlens=None),)
-
-    @jax.custom_vjp
-    def run(problem):
-        return forward(problem)[0]
-
-    def run_forward(problem):
-        outputs, incoming = forward(problem)
-        return outputs, (problem, incoming)
-
-    run.defvjp(run_forward, backward)
-    return run(problem)
-
-
-def handwritten(shards: int, implementation):
-    """`parallel.recurrent` (dense, forward order) with the hand-written backward."""
-    mesh = sequence_mesh(shards)
-
-    def call(query, key, value, gk, initial_state):
-        axes = parallel.MeshAxes.of(mesh, "seq", None, None)
-        problem, config, layout = canonicalize(query, key, value, None, None, gk, None, None, initial_state,
-                                               False, None)
-        request = request_of(problem)
-        impl = kernel_registry.get(implementation, request)
-        plan = parallel.Plan(impl, config.scale, False, axes)
-        in_specs, out_specs = parallel._specs(problem, axes)
-        body = lambda p: _handwritten_shard(plan, p)  # noqa: E731
-        return parallel._shard_map(body, mesh, (in_specs,), out_specs)(problem)
-
-    return call
-
-
-def local_implementation(implementation, H: int, K: int) -> str:
-    """The name of the implementation the shards run."""
-    x = make_arguments(64, H, K, K, 0)
-    problem = canonicalize(x["query"], x["key"], x["value"], None, None, x["gk"], None, None, None, False, None)[0]
-    return kernel_registry.get(implementation, request_of(problem)).name
+def local_implementation(implementation, H: int, K: int, T: int) -> str:
+    """The name of the implementation the shards run (a shard holds T tokens)."""
+    x = make_arguments(T, H, K, K, 0)
+    problem = recurrax.Problem.create(query=x["query"], key=x["key"], value=x["value"], gk=x["gk"])
+    return recurrax.kernel_registry.get(implementation, recurrax.Request.of(problem)).name
 
 
 # --- the report ---------------------------------------------------------------------------------
-
-
-def design_notes(design: dict) -> list[str]:
-    """What the design-choice table says, in words, from its own numbers."""
-    ms = lambda label, mode: design[label][mode]["ms"]  # noqa: E731
-    return [
-        f"- Backward: autodiff {ms('library', 'fwd+bwd'):.0f} ms vs hand-written "
-        f"{ms('manual', 'fwd+bwd'):.0f} ms per forward+backward step. The hand-written rule needs",
-        "  the local algorithm's vjp at the true incoming state, so it re-runs the local forward inside",
-        "  the backward (autodiff reuses the forward's residuals), and it adds an all-gather and an",
-        "  all-reduce; autodiff transposes the one all-gather into one reduce-scatter of the same size.",
-        f"- Incoming state: the matmul correction {ms('library', 'fwd'):.0f} ms vs a second local run "
-        f"{ms('rerun', 'fwd'):.0f} ms forward, {ms('library', 'fwd+bwd'):.0f} vs {ms('rerun', 'fwd+bwd'):.0f} ms "
-        "forward+backward",
-        "  (the re-run also differentiates through two local runs).",
-    ]
 
 
 def _kib(x: float) -> str:
@@ -351,6 +250,10 @@ def plot(by_length: dict, by_devices: dict, shards: int, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+QUICK = dict(heads=2, head_dim=16, lengths=[64, 256], devices=[1, 4], repeats=1, packed=[2])
+"""`--quick`: tiny sizes on up to 4 simulated devices, one repeat."""
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--implementation", default=None, help="local algorithm (default: the registry's pick)")
@@ -359,40 +262,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--packed", type=int, nargs="+", default=[4, 32], help="sequence counts of the packed sweep")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke run of seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     H, K = args.heads, args.head_dim
     impl, repeats = args.implementation, args.repeats
     start = time.perf_counter()
-    local = local_implementation(impl, H, K)
     P_max, T_mid = max(args.devices), args.lengths[len(args.lengths) // 2]
+    local = local_implementation(impl, H, K, T_mid // P_max)
 
     by_length = {}
     for T in args.lengths:
         by_length[T] = profile(sharded(P_max, impl), make_arguments(T, H, K, K, 0), repeats)
         print(f"T={T} P={P_max}: {by_length[T]['fwd']['bytes']:.0f} B fwd, {by_length[T]['fwd+bwd']['bytes']:.0f} B "
               f"fwd+bwd", flush=True)
-    by_devices = profile_all({P: sharded(P, impl) for P in args.devices}, make_arguments(T_mid, H, K, K, 0), repeats)
+    calls = {"single": single(impl), **{P: sharded(P, impl) for P in args.devices}}
+    by_devices = profile_all(calls, make_arguments(T_mid, H, K, K, 0), repeats)
+    baseline = by_devices.pop("single")
     print("device sweep done", flush=True)
-    packed = {S: profile(sharded(P_max, impl), make_arguments(T_mid, H, K, K, S), repeats) for S in (4, 32)}
+    packed = {S: profile(sharded(P_max, impl), make_arguments(T_mid, H, K, K, S), repeats) for S in args.packed}
     print("packed done", flush=True)
-    variants = {
-        "single": lambda **kw: recurrax.recurrent(**kw, implementation=impl),
-        "library": sharded(P_max, impl),
-        "rerun": sharded(P_max, impl, "rerun"),
-        "manual": handwritten(P_max, impl),
-    }
-    design = profile_all(variants, make_arguments(T_mid, H, K, K, 0), 2 * repeats)
-    print("design choices done", flush=True)
-
-    # exactness of the hand-written backward against autodiff
-    arguments = make_arguments(T_mid // 4, H, K, K, 0)
-    _, ad_step, ad_args = step_functions(sharded(P_max, impl), arguments)
-    _, hw_step, hw_args = step_functions(handwritten(P_max, impl), arguments)
-    ad_grads, hw_grads = ad_step(*ad_args), hw_step(*hw_args)
-    mismatch = max(float(jnp.max(jnp.abs(ad_grads[k] - hw_grads[k])) / jnp.max(jnp.abs(ad_grads[k])))
-                   for k in ad_grads)
-    print(f"hand-written vs autodiff gradients: max relative difference {mismatch:.1e}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     plot(by_length, by_devices, P_max, args.out / "parallel.png")
@@ -425,6 +318,7 @@ def main(argv: list[str]) -> int:
         f"## Communication and time vs device count (T = {T_mid})",
         "",
         HEADER.format(what="P"),
+        row("one device, `recurrax.recurrent`", baseline),
         *(row(str(P), by_devices[P]) for P in sorted(by_devices)),
         "",
         "Forward traffic grows as P · (state + decay) per device: the all-gather, O(P·B·H·K·V).",
@@ -436,19 +330,9 @@ def main(argv: list[str]) -> int:
         "",
         "Packed input adds one all-reduce of the per-sequence final states (S·H·K·V), still",
         "independent of T (and of where the boundaries fall).",
-        "",
-        f"## Design choices (T = {T_mid}, {P_max} shards)",
-        "",
-        HEADER.format(what="variant"),
-        row("one device, `recurrax.recurrent`", design["single"]),
-        row("correction + autodiff backward (the library)", design["library"]),
-        row("re-run the local algorithm from the incoming state", design["rerun"]),
-        row("correction + hand-written `custom_vjp` backward", design["manual"]),
-        "",
-        f"The hand-written backward's gradients equal autodiff's to {mismatch:.0e} (relative, float32).",
-        "",
-        *design_notes(design),
     ]
+    if args.quick:
+        lines[2:2] = ["**Quick run (`--quick`): tiny sizes, one repeat — the times mean nothing.**", ""]
     (args.out / "parallel.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
