@@ -1,55 +1,72 @@
 #!/usr/bin/env bash
-# The prepared GPU run of issue 6: check the Pallas kernels (and XLA chunk) against the
-# float64 reference on the GPU, time forward and forward+backward in bf16 against
-# flash-linear-attention, and write benchmarks/results/gpu.md (also copied to $OUT).
+# The prepared GPU run (one H200, at most about 8.5 minutes): check recurrax's GPU implementations against
+# the float64 reference, time bf16 forward and forward+backward of them and XLA chunk against
+# flash-linear-attention (fla) and jax-linear-attention (jla), and write
+# benchmarks/results/gpu.md and gpu.png (also copied to $OUT with the raw JSON).
 #
-# The GPU machine has no network. Its image has JAX (CUDA), PyTorch and Triton, not
-# flash-linear-attention, so bring fla-core (pure Python) as a wheel:
+# The GPU machine has no network. Its image has JAX 0.11.2 (CUDA 13), PyTorch 2.11, Triton 3.6,
+# einops, transformers, equinox, optax, matplotlib; fla and jla travel as wheels:
 #
-#   bash benchmarks/gpu.sh fetch        # here, with network: fla-core wheel into .whl/
-#   # then, with the device tool, from the repo root (about 9 minutes):
+#   bash benchmarks/fetch_gpu_wheels.sh     # here, with network: the wheels into .whl/ (git-ignored)
+#   # then, with the device tool, from the repo root:
 #   #   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=600)
-#   # and commit benchmarks/results/gpu.md from the files that come back.
+#   # and commit benchmarks/results/gpu.md and gpu.png from the files that come back.
 #
-# On any machine with a GPU and network, `bash benchmarks/gpu.sh` alone works (it falls
-# back to `pip install fla-core`). `bash benchmarks/gpu.sh smoke` tries the whole script
-# on a CPU with tiny shapes in interpret mode (no fla, no GPU figures).
+#   bash benchmarks/gpu.sh --smoke --out /tmp/gpu   # any machine, tiny shapes, about 2 minutes on a CPU
+#   bash benchmarks/gpu.sh --steps time-jax,time-torch   # some steps only (a second call, say)
+#   BUDGETS="70 200 70" bash benchmarks/gpu.sh      # per-step budgets in seconds (check, time-jax, time-torch)
+#
+# Steps run in separate processes (x64 JAX for the oracle, plain JAX for timing, PyTorch for fla),
+# each under `timeout` and with a budget after which it starts no new measurement; the report is
+# rewritten after every step, so a run cut short still leaves a partial table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-FLA_VERSION=${FLA_VERSION:-0.6.0}
-
-if [ "${1:-}" = fetch ]; then
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        -d .whl "fla-core==$FLA_VERSION"
-fi
-
 SMOKE=()
-budgets=(100 190 80)
-if [ "${1:-}" = smoke ]; then
-    SMOKE=(--smoke)
-    budgets=(60 60 10)
+out_dir=
+budgets=(70 200 70)   # seconds: check, time-jax, time-torch (each step's timeout adds 50, 70, 40)
+steps=check,time-jax,time-torch
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --smoke|smoke) SMOKE=(--smoke); budgets=(40 60 20) ;;
+        --out) out_dir=$2; shift ;;
+        --steps) steps=$2; shift ;;
+        *) echo "usage: bash benchmarks/gpu.sh [--smoke] [--out DIR] [--steps check,time-jax,time-torch]" >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ -n "${BUDGETS:-}" ]; then read -r -a budgets <<< "$BUDGETS"; fi
+if [ -z "$out_dir" ]; then  # a smoke run never overwrites the committed results
+    if [ ${#SMOKE[@]} -gt 0 ]; then out_dir=$(mktemp -d); else out_dir=benchmarks/results; fi
 fi
+mkdir -p "$out_dir"
+start=$SECONDS
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
-elif [ ${#SMOKE[@]} -eq 0 ] && ! "$PY" -c "import fla" 2>/dev/null; then
-    "$PY" -m pip install -q "fla-core==$FLA_VERSION" || echo "fla-core not installed: fla columns will say so" >&2
+    site=$(mktemp -d)
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl; then
+        export PYTHONPATH=$site
+    else
+        echo "gpu.sh: the wheels in .whl/ did not install for $("$PY" -V): fla/jla columns will say so" >&2
+    fi
 fi
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
 tmp=$(mktemp -d)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
-# Each step is its own process: x64 JAX for the float64 oracle, plain JAX for timing, PyTorch for fla.
-timeout $((budgets[0] + 45)) "$PY" benchmarks/gpu_bench.py check --json "$tmp/check.json" --budget "${budgets[0]}" "${SMOKE[@]}"
-timeout $((budgets[1] + 60)) "$PY" benchmarks/gpu_bench.py time-jax --json "$tmp/jax.json" --budget "${budgets[1]}" "${SMOKE[@]}"
-if [ ${#SMOKE[@]} -eq 0 ]; then
-    timeout $((budgets[2] + 30)) "$PY" benchmarks/gpu_bench.py time-fla --json "$tmp/fla.json" --budget "${budgets[2]}"
-fi
-out=benchmarks/results/gpu.md
-[ ${#SMOKE[@]} -eq 0 ] || out="$tmp/gpu-smoke.md"
-"$PY" benchmarks/gpu_bench.py report --json "$tmp"/*.json --out "$out" "${SMOKE[@]}"
-if [ -n "${OUT:-}" ]; then cp "$out" "$tmp"/*.json "$OUT"/; fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
+report() {
+    "$PY" benchmarks/gpu_bench.py report --json "$tmp"/*.json --out "$out_dir/gpu.md" "${SMOKE[@]}" > /dev/null \
+        || echo "gpu.sh: report failed" >&2
+    if [ -n "${OUT:-}" ]; then cp "$out_dir"/gpu.md "$out_dir"/gpu.png "$tmp"/*.json "$OUT"/ 2>/dev/null; fi
+    echo "gpu.sh: $1 done at $((SECONDS - start)) s" >&2
+}
+step() {  # step NAME BUDGET MARGIN
+    case ",$steps," in *",$1,"*) ;; *) return ;; esac
+    timeout $(($2 + $3)) "$PY" benchmarks/gpu_bench.py "$1" --json "$tmp/$1.json" --budget "$2" "${SMOKE[@]}"
+    report "$1"
+}
+step check "${budgets[0]}" 50
+step time-jax "${budgets[1]}" 70
+step time-torch "${budgets[2]}" 40
+cat "$out_dir/gpu.md"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The prepared TPU run (a TPU VM, about 8 minutes): check recurrax's TPU implementations
+# (`pallas_tpu`, read from the registry) and XLA chunk against the float64 reference (run on the
+# host CPU: TPUs have no float64), time bf16 forward and forward+backward of them at the GPU run's
+# three shapes, and write benchmarks/results/tpu.md and tpu.png (also copied to $OUT with the JSON).
+#
+#   bash benchmarks/tpu.sh                       # on the TPU VM, from the repo root
+#   bash benchmarks/tpu.sh --smoke --out /tmp/t  # anywhere: tiny shapes; without a TPU the TPU
+#                                                # kernels are skipped with the reason, XLA chunk runs
+#
+# Needs jax with its TPU plugin, jaxtyping and matplotlib on the VM's python3 (PYTHON=... to
+# choose another); recurrax runs from src/. fla and jax-linear-attention are GPU libraries and
+# are not timed here. Same script as the GPU run (benchmarks/gpu_bench.py), same guarantees:
+# each step under `timeout` with a budget, the report rewritten after every step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SMOKE=()
+out_dir=
+budgets=(150 250)   # seconds: check, time-jax (timeouts add 60, 90)
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --smoke|smoke) SMOKE=(--smoke --oracle-on-host); budgets=(30 40) ;;
+        --out) out_dir=$2; shift ;;
+        *) echo "usage: bash benchmarks/tpu.sh [--smoke] [--out DIR]" >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ -z "$out_dir" ]; then  # a smoke run never overwrites the committed results
+    if [ ${#SMOKE[@]} -gt 0 ]; then out_dir=$(mktemp -d); else out_dir=benchmarks/results; fi
+fi
+mkdir -p "$out_dir"
+start=$SECONDS
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+tmp=$(mktemp -d)
+"$PY" -c "import jax; print(jax.devices())" 2>/dev/null || true
+report() {
+    "$PY" benchmarks/gpu_bench.py report --json "$tmp"/*.json --out "$out_dir/tpu.md" --title TPU "${SMOKE[@]}" \
+        > /dev/null || echo "tpu.sh: report failed" >&2
+    if [ -n "${OUT:-}" ]; then cp "$out_dir"/tpu.md "$out_dir"/tpu.png "$tmp"/*.json "$OUT"/ 2>/dev/null; fi
+    echo "tpu.sh: $1 done at $((SECONDS - start)) s" >&2
+}
+step() {  # step NAME BUDGET MARGIN
+    timeout $(($2 + $3)) "$PY" benchmarks/gpu_bench.py "$1" --json "$tmp/$1.json" --budget "$2" \
+        --backend tpu --check-baseline --no-jla "${SMOKE[@]}"
+    report "$1"
+}
+step check "${budgets[0]}" 60
+step time-jax "${budgets[1]}" 90
+cat "$out_dir/tpu.md"
