@@ -1,6 +1,6 @@
-"""The shared harness lives in the package (`recurrax check` uses it too); tests import it here."""
+"""The shared harness is the one input maker, `recurrax.tools.cases` (`recurrax check` and the benchmarks use it too)."""
 
-from recurrax._testing import (  # noqa: F401
+from recurrax.tools.cases import (  # noqa: F401
     DIFF_ARGS,
     GATE_COMBOS,
     GATES,

@@ -160,6 +160,18 @@ def test_fixed_decays():
     assert np.allclose(rnn.lightning_log_decays(4, 0, 1), -slopes * (1 + 1e-5))
 
 
+def test_lightning_decay_form_option():
+    from recurrax.decays import lightning_g_gamma
+
+    for form in ("alibi", "ejkernel"):
+        layer = rnn.LightningAttention(D, 4, layer_idx=1, num_layers=3, decay_form=form, rngs=nnx.Rngs(0))
+        assert np.allclose(layer._decays(inputs(2, 3, D))["g_gamma"], lightning_g_gamma(4, 1, 3, form))
+    assert np.allclose(rnn.LightningAttention(D, 4, layer_idx=1, num_layers=3, rngs=nnx.Rngs(0))._decays(None)["g_gamma"],
+                       rnn.lightning_log_decays(4, 1, 3))  # the default stays the ALiBi form
+    with pytest.raises(ValueError, match="form"):
+        rnn.LightningAttention(D, 4, decay_form="minimax", rngs=nnx.Rngs(0))
+
+
 def test_gla_decays_are_per_key_channel_and_non_positive():
     layer = make("gla")
     decays = layer._decays(inputs(2, 3, D))["g"]
@@ -229,3 +241,57 @@ def test_language_model_packed_and_gradients():
     assert len(reached) > 8 and all(reached.values()), reached
     with pytest.raises(ValueError, match="^cache "):
         model(tokens[None], cache=model.init_cache(1) * 2)
+
+
+def test_head_counts_must_divide_the_width():
+    with pytest.raises(ValueError, match=r"num_heads must divide d_model=64.*got num_heads=5"):
+        rnn.GatedLinearAttention(64, num_heads=5, rngs=nnx.Rngs(0))
+    layer = rnn.GatedLinearAttention(64, num_heads=5, qk_head_dim=8, v_head_dim=8, rngs=nnx.Rngs(0))
+    assert layer(inputs(1, 3, 64)).shape == (1, 3, 64)  # explicit head dims: any head count
+
+
+def test_a_one_dimensional_input_hints_at_cu_seqlens():
+    with pytest.raises(ValueError, match=r"^tokens must be \[batch, seq_len\].*pass cu_seqlens"):
+        small_model("gla")(jnp.zeros((32,), jnp.int32))
+    with pytest.raises(TypeError, match="^tokens must be an integer array"):
+        small_model("gla")(jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"^x must be .*pass cu_seqlens"):
+        make("gla")(inputs(6, D))
+
+
+@pytest.mark.parametrize("cls", [rnn.GatedLinearAttention, rnn.MultiScaleRetention, rnn.LightningAttention,
+                                 rnn.LinearAttention])
+def test_help_shows_the_real_signature_and_arguments(cls):
+    import inspect
+    import pydoc
+
+    parameters = inspect.signature(cls).parameters
+    assert list(parameters)[:2] == ["d_model", "num_heads"]
+    assert {"num_kv_heads", "conv_size", "implementation", "rngs"} <= set(parameters)
+    assert "options" not in parameters and "args" not in parameters
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    assert "num_kv_heads" in text and "`implementation`" in text
+
+
+def test_implementation_is_passed_through():
+    x = inputs(2, 5, D)
+    layer = make("gla", implementation="scan")
+    assert max_rel_error(layer(x), make("gla")(x)) < TOL
+    with pytest.raises(ValueError, match="implementation='pallas_gpu' cannot run this call"):
+        make("gla", implementation="pallas_gpu")(x)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        make("gla", implementation="no-such")
+    model = rnn.LanguageModel(32, D, 1, H, implementation="pallas_gpu", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="pallas_gpu"):
+        model(jnp.zeros((1, 4), jnp.int32))
+
+
+def test_missing_flax_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    for module in [m for m in sys.modules if m.startswith("flax.") or m.startswith("recurrax.nn")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "flax", None)  # `import flax` now fails as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'recurrax\[nn\]'"):
+        importlib.import_module("recurrax.nn")

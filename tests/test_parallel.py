@@ -164,25 +164,6 @@ def test_half_precision_inputs(dtype):
     assert_sharded_matches(case, Split(4))
 
 
-@pytest.mark.parametrize("packed", [pytest.param(False, marks=slow), True], ids=["dense", "packed"])
-def test_rerun_strategy_matches(packed):
-    cu = (0, 3, 3, 11, 16) if packed else None
-    case = Case(**SMALL, gates=("g_head", "gk", "gv"), cu_seqlens=cu, reverse=packed)
-    kwargs = make_inputs(case)
-    mesh = Split(4).mesh()
-
-    def call(strategy):
-        def fn(**kw):
-            arguments = tuple(kw.get(name) for name in ("query", "key", "value", "g", "g_gamma", "gk", "gv"))
-            arguments += (kw.get("softmax_scale"), kw.get("initial_state"), kw["reverse"], kw.get("cu_seqlens"))
-            return parallel.sharded_call(arguments, mesh=mesh, sequence_axis="seq", strategy=strategy)
-
-        return vjp_results(fn, kwargs)
-
-    for x, y in zip(jax.tree.leaves(call("rerun")), jax.tree.leaves(call("correct"))):
-        assert max_rel_error(x, y) <= 1e-12
-
-
 LOCAL_CASES = [
     Case(**SMALL, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 16)),
     Case(**{**SMALL, "K": 16, "V": 16}, gates=("g_channel",), dtype="float32", reverse=True),

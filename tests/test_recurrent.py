@@ -88,3 +88,94 @@ def test_default_dispatch_picks_the_highest_priority_xla_implementation():
     best = IMPLEMENTATIONS[0]
     request = recurrax.Request("float32", frozenset({"head", "key", "value"}), True, "cpu", 8, 8, 16)
     assert kernel_registry.get(None, request).name == best
+
+
+# --------------------------------------------------------------------------- eager calls
+
+
+def test_eager_calls_reuse_one_compiled_program():
+    """Outside jit, a second call with the same shapes runs the cached program (no new trace);
+    new shapes or options compile once more; under an outer jit nothing is cached here."""
+    from recurrax._recurrent import _recurrent
+
+    kwargs = make_inputs(Case(B=1, T=5, H=2, Hkv=2, K=4, V=4, gates=("g_head",), dtype="float32"))
+    before = _recurrent.jitted._cache_size()
+    first = recurrax.recurrent(**kwargs)
+    second = recurrax.recurrent(**kwargs)
+    assert _recurrent.jitted._cache_size() == before + 1
+    assert outputs_close(first, second, 1e-12)
+    recurrax.recurrent(**kwargs, implementation="scan")
+    assert _recurrent.jitted._cache_size() == before + 2
+    arrays, static = split_args(kwargs)
+    jax.jit(lambda arrays: recurrax.recurrent(**arrays, **static))(arrays)
+    assert _recurrent.jitted._cache_size() == before + 2
+
+
+# --------------------------------------------------------------------------- gate signs
+
+
+GATE_SHAPES = {"g": (2, 5, 3), "g_gamma": (3,), "gk": (2, 5, 3, 4), "gv": (2, 5, 3, 4)}
+
+
+def _gate_call(**gates):
+    x = jnp.ones((2, 5, 3, 4))
+    return recurrax.recurrent(x, x, x, **gates)
+
+
+@pytest.mark.parametrize("name", list(GATE_SHAPES))
+def test_positive_log_decay_names_the_argument_and_its_largest_value(name):
+    values = -np.ones(GATE_SHAPES[name])
+    values.flat[1] = 2.5
+    with pytest.raises(ValueError, match=rf"{name} must be log decays.*largest value of 2\.5"):
+        _gate_call(**{name: jnp.asarray(values)})
+
+
+def test_decay_factors_get_a_hint_and_positive_gates_can_be_allowed():
+    factors = jnp.full(GATE_SHAPES["g"], 0.9)
+    with pytest.raises(ValueError, match=r"decay factors: pass their log \(e\.g\. jnp\.log\(g\)\)"):
+        _gate_call(g=factors)
+    o, state = recurrax.recurrent(*(jnp.ones((2, 5, 3, 4)),) * 3, g=factors, allow_positive_gates=True)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(state))
+    _gate_call(g=jnp.log(factors))  # the log decays pass
+
+
+def test_runtime_checks_catch_traced_positive_gates_and_bad_cu_seqlens():
+    from jax.experimental import checkify
+
+    x = jnp.ones((10, 3, 4))
+
+    def run(g, cu):
+        return recurrax.recurrent(x, x, x, g=g, cu_seqlens=cu)[0]
+
+    good_g, good_cu = -jnp.ones((10, 3)), jnp.array([0, 4, 10])
+    with recurrax.runtime_checks():
+        checked = jax.jit(checkify.checkify(run))
+        error, _ = checked(good_g, good_cu)
+        error.throw()  # nothing wrong
+        error, _ = checked(good_g.at[2, 1].set(0.5), good_cu)
+        with pytest.raises(Exception, match=r"g must be log decays.*0\.5"):
+            error.throw()
+        error, _ = checked(good_g, jnp.array([0, 4, 7]))  # leaves tokens 7..9 unassigned
+        with pytest.raises(Exception, match="cu_seqlens must end at the token count 10"):
+            error.throw()
+
+
+def test_the_default_path_adds_no_check():
+    x = jnp.ones((10, 3, 4))
+    jaxpr = str(jax.make_jaxpr(lambda g, cu: recurrax.recurrent(x, x, x, g=g, cu_seqlens=cu))(-jnp.ones((10, 3)),
+                                                                                           jnp.array([0, 4, 10])))
+    assert "check" not in jaxpr and "callback" not in jaxpr
+
+
+# --------------------------------------------------------------------------- which implementation
+
+
+def test_select_says_which_implementation_runs_and_why_others_refuse():
+    x = jnp.ones((2, 5, 3, 4))
+    selection = kernel_registry.select(x, x, x, gv=-jnp.ones((2, 5, 3, 4)))
+    answers = dict(selection.answers)
+    assert selection.name == kernel_registry.get(None, recurrax.Request.of(recurrax.Problem.create(
+        query=x, key=x, value=x, gv=-jnp.ones((2, 5, 3, 4))))).name
+    assert "runs on gpu" in answers["pallas_gpu"] and "gate kinds ['value']" in answers["pallas_interpret"]
+    assert f"runs: {selection.name}" in str(selection)
+    assert kernel_registry.select(x, x, x, implementation="scan").name == "scan"

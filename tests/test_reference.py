@@ -11,7 +11,7 @@ import recurrax
 
 def numpy_recurrent(query, key, value, g=None, g_gamma=None, gk=None, gv=None,
                     softmax_scale=None, initial_state=None, reverse=False, cu_seqlens=None):
-    """DESIGN §1 written out with loops over sequences, heads and tokens (float64)."""
+    """`docs/design.md` §1 written out with loops over sequences, heads and tokens (float64)."""
     arrays = [query, key, value, g, gk, gv]
     packed_3d = cu_seqlens is not None and np.ndim(query) == 3
     query, key, value, g, gk, gv = [

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import recurrax
-import recurrax.scan  # noqa: F401  (registers "scan")
-from recurrax._inputs import canonicalize
+from recurrax import Problem
 from recurrax.scan import scan_recurrent
 
 ALL_GATES = GATES  # g_head and g_channel both set g; make_inputs lets the channel one win
@@ -38,9 +37,9 @@ def test_varlen_through_the_public_api(case):
 # ----------------------------------------------------------------------------- block sizes
 
 
-def blocked(block_size: int):
+def checkpointed(checkpoint_every: int):
     """The scan algorithm with a chosen block size C (the registered one uses the default)."""
-    return functools.partial(scan_recurrent, block_size=block_size)
+    return functools.partial(scan_recurrent, checkpoint_every=checkpoint_every)
 
 
 def errors_vs_reference(got, expected) -> dict[str, float]:
@@ -56,19 +55,19 @@ def jitted_vjp(implementation, kwargs: dict):
     return jax.jit(lambda diff: run_vjp(implementation, {**diff, **rest}))(diff)
 
 
-def assert_blocked_matches(case: Case, block_size: int, tol: float = 1e-9):
+def assert_checkpointed_matches(case: Case, checkpoint_every: int, tol: float = 1e-9):
     """Like `assert_matches` (float64), compiled, with block size C."""
     kwargs = make_inputs(case)
-    got = jitted_vjp(blocked(block_size), kwargs)
+    got = jitted_vjp(checkpointed(checkpoint_every), kwargs)
     for name, grad in got[2].items():
         assert grad.dtype == kwargs[name].dtype and grad.shape == kwargs[name].shape, name
     errors = errors_vs_reference(got, jitted_vjp("reference", kwargs))
     bad = {k: v for k, v in errors.items() if not v <= tol}
-    assert not bad, f"scan(block_size={block_size}) vs reference on {case}: {bad}"
+    assert not bad, f"scan(checkpoint_every={checkpoint_every}) vs reference on {case}: {bad}"
 
 
 @pytest.mark.parametrize(
-    "case, block_size",
+    "case, checkpoint_every",
     [
         (Case(gates=ALL_GATES), 4),  # T=9: two full blocks and a padded one
         (Case(gates=("g_head", "gk", "gv"), reverse=True, T=20), 4),  # T a multiple of C
@@ -85,15 +84,15 @@ def assert_blocked_matches(case: Case, block_size: int, tol: float = 1e-9):
     ],
     ids=str,
 )
-def test_block_size(case, block_size):
-    assert_blocked_matches(case, block_size)
+def test_checkpoint_every(case, checkpoint_every):
+    assert_checkpointed_matches(case, checkpoint_every)
 
 
-def test_block_size_must_be_positive():
+def test_checkpoint_every_must_be_positive():
     x = jnp.ones((1, 2, 1, 2))
-    problem, config, _ = canonicalize(x, x, x, None, None, None, None, None, None, False, None)
-    with pytest.raises(ValueError, match="block_size"):
-        scan_recurrent(problem, scale=config.scale, reverse=False, block_size=0)
+    problem = Problem.create(query=x, key=x, value=x)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        scan_recurrent(problem, scale=problem.default_scale, reverse=False, checkpoint_every=0)
 
 
 # ----------------------------------------------------------------------------- numerics and dtypes
@@ -103,7 +102,7 @@ def test_block_size_must_be_positive():
 def test_extreme_decays_stay_finite(dtype):
     case = Case(gates=ALL_GATES, gate_low=-1e4, dtype=dtype, B=1, T=6)
     kwargs = make_inputs(case)
-    o, state, grads = got = jitted_vjp(blocked(4), kwargs)
+    o, state, grads = got = jitted_vjp(checkpointed(4), kwargs)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in [o, state, *grads.values()])
     errors = errors_vs_reference(got, jitted_vjp("reference", kwargs))
     assert max(errors.values()) < (1e-9 if dtype == "float64" else 1e-5), errors
@@ -204,15 +203,15 @@ GATE_KINDS = [(), ("g_head",), ("g_channel", "gv"), ("g_gamma", "gk"), ("g_head"
     gates=st.sampled_from(GATE_KINDS),
     reverse=st.booleans(),
     initial_state=st.booleans(),
-    block_size=st.sampled_from([2, 4, 64]),
+    checkpoint_every=st.sampled_from([2, 4, 64]),
     packed=st.booleans(),
 )
-def test_property_matches_reference(T, heads, gates, reverse, initial_state, block_size, packed):
+def test_property_matches_reference(T, heads, gates, reverse, initial_state, checkpoint_every, packed):
     H, Hkv = heads
     cu = (0, 0, T // 2, T) if packed else None
     case = Case(B=1 if packed else 2, T=T, H=H, Hkv=Hkv, K=4, V=3, gates=gates, reverse=reverse,
                 initial_state=initial_state, cu_seqlens=cu, packed_3d=packed)
-    assert_blocked_matches(case, block_size)
+    assert_checkpointed_matches(case, checkpoint_every)
 
 
 # ----------------------------------------------------------------------------- memory and registry

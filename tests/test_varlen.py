@@ -36,16 +36,16 @@ def test_chunk_layout_matches_loops(lengths, chunk_size):
     layout = varlen.chunk_layout(jnp.asarray(cu), N, chunk_size)
     M = varlen.max_chunks(N, S, chunk_size)
     assert M <= -(-N // chunk_size) + S
-    assert layout.slot_token.shape == (M * chunk_size,) and layout.chunk_seq.shape == (M,)
+    assert layout.slot_token.shape == (M * chunk_size,) and layout.owners.seq.shape == (M,)
 
     slots, chunk_seq, first, last = _layout_by_hand(lengths, chunk_size)
     used = len(chunk_seq)
     assert used <= M
     np.testing.assert_array_equal(layout.token_slot, slots)
-    np.testing.assert_array_equal(layout.chunk_seq[:used], chunk_seq)
-    np.testing.assert_array_equal(layout.chunk_first, first + [False] * (M - used))
-    np.testing.assert_array_equal(layout.chunk_last, last + [False] * (M - used))
-    np.testing.assert_array_equal(layout.seq_empty, np.asarray(lengths) == 0)
+    np.testing.assert_array_equal(layout.owners.seq[:used], chunk_seq)
+    np.testing.assert_array_equal(layout.owners.first, first + [False] * (M - used))
+    np.testing.assert_array_equal(layout.owners.last, last + [False] * (M - used))
+    np.testing.assert_array_equal(layout.owners.empty, np.asarray(lengths) == 0)
     # every sequence starts on a chunk boundary, and the two index maps are inverse
     assert all(layout.token_slot[c] % chunk_size == 0 for c in cu[:-1][np.asarray(lengths) > 0])
     np.testing.assert_array_equal(layout.slot_token[layout.token_slot], np.arange(N))
@@ -66,7 +66,7 @@ def test_chunk_layout_under_jit_with_extra_chunks():
     @jax.jit
     def slots_of(cu):
         layout = varlen.chunk_layout(cu, 7, 2, num_chunks=8)
-        return layout.token_slot, layout.chunk_first
+        return layout.token_slot, layout.owners.first
 
     token_slot, first = slots_of(jnp.asarray([0, 1, 1, 7], jnp.int32))
     np.testing.assert_array_equal(token_slot, [0, 2, 3, 4, 5, 6, 7])

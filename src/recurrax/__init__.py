@@ -1,25 +1,31 @@
-"""recurrax: linear-time recurrent (gated linear) attention for JAX."""
+"""recurrax: linear-time recurrent (gated linear) attention for JAX.
 
-from . import reference as _reference  # noqa: F401  (registers "reference")
-from . import scan as _scan  # noqa: F401  (registers "scan")
-from . import chunk as _chunk  # noqa: F401  (registers "chunk")
-from . import pallas as _pallas  # noqa: F401  (registers "pallas_gpu", "pallas_interpret")
-from . import parallel
-from .decode import recurrent_step
-from ._inputs import Problem
+Public entry points: `recurrent` (the operation), `recurrent_step` (decoding),
+`parallel.recurrent` (sequence parallelism); `Problem` (the canonical form) and the registry
+(`kernel_registry`, `Platform`, `Backend`, `Request`, `Support`). `docs/architecture.md`
+maps the package.
+"""
+
+from . import implementations as _implementations  # noqa: F401  (registers the table's implementations)
+from . import decays, parallel
 from ._recurrent import recurrent
+from .decode import recurrent_step
+from .problem import Gate, Problem, runtime_checks
 from .registry import Backend, Implementation, Platform, Request, Support, kernel_registry
 
 __all__ = [
     "Backend",
+    "Gate",
     "Implementation",
     "Platform",
     "Problem",
     "Request",
     "Support",
+    "decays",
     "kernel_registry",
     "parallel",
     "recurrent",
     "recurrent_step",
+    "runtime_checks",
 ]
 __version__ = "0.1.0"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float, Int
 
-from ._inputs import canonicalize, request_of
-from .registry import kernel_registry
+from ._eager import cached_when_eager
+from .problem import canonicalize, check_values
+from .registry import Request, kernel_registry
 
 
 def recurrent(
@@ -22,6 +23,7 @@ def recurrent(
     cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
     *,
     implementation: str | None = None,
+    allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
     """Gated linear attention as a recurrence, in linear time.
 
@@ -45,15 +47,41 @@ def recurrent(
     - `reverse`: run from the last token to the first.
     - `cu_seqlens`: `[num_seqs + 1]` integer boundaries of packed sequences (may be traced).
     - `implementation`: a registered name (`"reference"`, `"scan"`, `"chunk"`, ...) or `None`
-      for the best one that supports the call on this backend.
+      for the best one that supports the call on this backend
+      (`kernel_registry.select(...)` says which one and why).
+    - `allow_positive_gates`: keep positive log decays (they grow the state). By default a
+      concrete gate with a positive value raises `ValueError`; traced ones are checked under
+      `recurrax.runtime_checks()`.
+
+    Called eagerly, the validated call runs as one compiled program cached per shape and
+    static option (`_eager.py`); under `jit`, `grad` or `vmap` it is traced as usual.
 
     **Returns:** `(output, final_state)`: `output` shaped like `query` with `v_head_dim` last, in
     the query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32
     (float64 for float64 inputs).
     """
+    arrays = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
+    output = _recurrent(*arrays, implementation=implementation, allow_positive_gates=allow_positive_gates)
+    gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
+    check_values(gates, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)  # eager values
+    return output
+
+
+@cached_when_eager(static_argnames=("softmax_scale", "reverse", "implementation", "allow_positive_gates"))
+def _recurrent(
+    query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, *,
+    implementation, allow_positive_gates,
+):
     problem, config, layout = canonicalize(
-        query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens
+        query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
     )
-    impl = kernel_registry.get(implementation, request_of(problem))
+    impl = kernel_registry.get(implementation, Request.of(problem))
     output, final_state = impl.fn(problem, scale=config.scale, reverse=config.reverse)
     return layout.restore(output), final_state
+
+
+def _packed_tokens(query, cu_seqlens) -> int | None:
+    """The token count a concrete `cu_seqlens` must end at (None when it cannot be known)."""
+    if cu_seqlens is None or not hasattr(query, "ndim") or query.ndim not in (3, 4):
+        return None
+    return query.shape[0] if query.ndim == 3 else query.shape[1]

@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._inputs import Problem, _fail, _floating, canonicalize, request_of
-from .reference import key_side_decay
-from .registry import kernel_registry
+from ._eager import cached_when_eager
+from .problem import Problem, _fail, _floating, canonicalize, check_values
+from .registry import Request, kernel_registry
 
 _STEP_HINT = (
     " (recurrent_step adds a seq_len axis of 1 to one-token arguments: query "
@@ -44,6 +44,7 @@ def recurrent_step(
     gk: Float[Array, "batch *seq_len num_heads qk_head_dim"] | None = None,
     gv: Float[Array, "batch *seq_len num_heads v_head_dim"] | None = None,
     softmax_scale: float | None = None,
+    allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "batch *seq_len num_heads v_head_dim"], Float[Array, "batch num_heads qk_head_dim v_head_dim"]]:
     """Advance the recurrent state of `batch` sequences by their next token(s).
 
@@ -63,20 +64,32 @@ def recurrent_step(
     - `g_gamma`: constant log decay per head `[num_heads]`.
     - `gk`: per-key-channel log decay; `gv`: per-value-channel log decay `[..., v_head_dim]`.
     - `softmax_scale`: a Python number; defaults to `qk_head_dim ** -0.5`.
+    - `allow_positive_gates`: as for `recurrax.recurrent`.
+
+    Called eagerly, it runs one compiled program cached per shape (as `recurrent` does).
 
     **Returns:** `(output, new_state)`: `output` `[batch, (seq_len,) num_heads, v_head_dim]` in
     the query's dtype; `new_state` like `state`, in float32 (float64 for float64 inputs).
     """
+    output = _recurrent_step(query, key, value, state, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+                             softmax_scale=softmax_scale, allow_positive_gates=allow_positive_gates)
+    check_values({"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}, None, None, allow_positive_gates)  # eager values
+    return output
+
+
+@cached_when_eager(static_argnames=("softmax_scale", "allow_positive_gates"))
+def _recurrent_step(query, key, value, state, *, g, g_gamma, gk, gv, softmax_scale, allow_positive_gates):
     rank = _floating("query", query).ndim
     if rank not in (3, 4):
         words = "[batch, num_heads, qk_head_dim] (one token) or [batch, seq_len, num_heads, qk_head_dim]"
         _fail("query", words, f"shape {tuple(query.shape)}")
     one_token = rank == 3
-    problem, scale = _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token)
+    problem, scale = _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token,
+                                allow_positive_gates)
     if problem.query.shape[1] == 1:
         output, new_state = one_step(problem, scale)
     else:
-        impl = kernel_registry.get(None, request_of(problem))
+        impl = kernel_registry.get(None, Request.of(problem))
         output, new_state = impl.fn(problem, scale=scale, reverse=False)
     return (output[:, 0] if one_token else output), new_state
 
@@ -86,7 +99,7 @@ def one_step(problem: Problem, scale: float) -> tuple[Float[Array, "B 1 H V"], F
     state_dtype = problem.initial_state.dtype
     query, key, value = (x[:, 0].astype(state_dtype) for x in (problem.query, problem.key, problem.value))
     state = problem.initial_state  # [B, H, K, V]
-    key_decay = key_side_decay(problem)
+    key_decay = problem.key_side_decay()
     if key_decay is not None:
         state = state * jnp.exp(key_decay[:, 0])[..., None]  # [B, H, K, 1] or [B, H, 1, 1]
     if problem.log_decay_value is not None:
@@ -96,7 +109,9 @@ def one_step(problem: Problem, scale: float) -> tuple[Float[Array, "B 1 H V"], F
     return output[:, None].astype(problem.query.dtype), state
 
 
-def _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token) -> tuple[Problem, float]:
+def _canonical(
+    query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_token, allow_positive_gates
+) -> tuple[Problem, float]:
     """Validate through `recurrent`'s own canonicalisation; `state` is checked under its name."""
     names = ("query", "key", "value", "g", "gk", "gv")
     arrays = dict(zip(names, (query, key, value, g, gk, gv)))
@@ -105,7 +120,7 @@ def _canonical(query, key, value, state, g, g_gamma, gk, gv, softmax_scale, one_
             arrays = {name: _with_time_axis(name, x) for name, x in arrays.items()}
         problem, config, _ = canonicalize(
             arrays["query"], arrays["key"], arrays["value"], arrays["g"], g_gamma, arrays["gk"], arrays["gv"],
-            softmax_scale, None, False, None,
+            softmax_scale, None, False, None, allow_positive_gates,
         )
     except (TypeError, ValueError) as error:
         if not one_token:

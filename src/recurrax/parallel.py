@@ -43,8 +43,6 @@ last shard to the first and no extra communication is needed.
 
 The backward is JAX's autodiff through `shard_map`: the all-gather transposes to a
 reduce-scatter of the same size, the local algorithm's own backward runs once per shard.
-`benchmarks/parallel_bench.py` measures it against a hand-written rule and against
-re-running the local algorithm from the incoming state instead of the correction.
 """
 
 from __future__ import annotations
@@ -58,14 +56,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Float, Int
 
-from ._inputs import Problem, canonicalize, request_of
-from .reference import key_side_decay
-from .registry import Implementation, kernel_registry
+from ._eager import cached_when_eager
+from ._recurrent import _packed_tokens
+from .problem import Problem, canonicalize, check_values
+from .registry import Implementation, Request, kernel_registry
 
 __all__ = ["recurrent"]
-
-STRATEGIES = ("correct", "rerun")
-"""How a shard applies its incoming state: the exact matmul correction, or a second local run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +144,7 @@ class Decays(NamedTuple):
     @classmethod
     def of(cls, problem: Problem) -> Decays:
         cumulative = lambda x: None if x is None else jnp.cumsum(x, axis=1)  # noqa: E731
-        return cls(cumulative(key_side_decay(problem)), cumulative(problem.log_decay_value))
+        return cls(cumulative(problem.key_side_decay()), cumulative(problem.log_decay_value))
 
     def at(self, token: int | Int[Array, ""]) -> Decays:
         """The cumulative decays at one local token: [B, H, K] and [B, H, V]."""
@@ -250,22 +246,6 @@ def _local_sequences(cu_seqlens: Int[Array, " S_plus_1"], shard: Int[Array, ""],
     return local_cu, nonempty & inside(starts), nonempty & inside(stops - 1)
 
 
-def _mirror(problem: Problem, num_tokens: int) -> Problem:
-    """The shard's part of the mirrored problem: tokens flipped, packed sequences reversed."""
-    flip = lambda x: None if x is None else x[:, ::-1]  # noqa: E731
-    packed = problem.cu_seqlens is not None
-    return Problem(
-        query=flip(problem.query),
-        key=flip(problem.key),
-        value=flip(problem.value),
-        log_decay_head=flip(problem.log_decay_head),
-        log_decay_key=flip(problem.log_decay_key),
-        log_decay_value=flip(problem.log_decay_value),
-        initial_state=problem.initial_state[::-1] if packed else problem.initial_state,
-        cu_seqlens=num_tokens - problem.cu_seqlens[::-1] if packed else None,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Static configuration of one sharded call.
@@ -275,14 +255,12 @@ class Plan:
     - `scale`: the softmax scale.
     - `reverse`: whether state flows from the last token to the first.
     - `axes`: the mesh axes.
-    - `strategy`: `"correct"` (matmul correction) or `"rerun"` (second local run).
     """
 
     impl: Implementation
     scale: float
     reverse: bool
     axes: MeshAxes
-    strategy: str = "correct"
 
     def run(self, problem: Problem):
         return self.impl.fn(problem, scale=self.scale, reverse=False)
@@ -326,9 +304,6 @@ def _dense_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
     passes = jnp.ones(plan.axes.shards, bool)
     incoming, last = fold_shards(problem.initial_state, finals, totals, passes)
     incoming = incoming[shard]
-    if plan.strategy == "rerun":
-        output, _ = plan.run(problem._replace(initial_state=incoming))
-        return output, last
     output = output.astype(incoming.dtype) + correction(problem.query, decays, incoming, plan.scale)
     return output.astype(problem.query.dtype), last
 
@@ -354,14 +329,10 @@ def _packed_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
     incoming, _ = fold_shards(jnp.zeros_like(carry_out), gathered, totals, every.passes)
     incoming = jnp.where(this.continues, incoming[shard], jnp.zeros_like(carry_out))
 
-    if plan.strategy == "rerun":
-        local = local._replace(initial_state=own_initial.at[this.head].add(incoming[0]))
-        output, finals = plan.run(local)
-    else:
-        reached = jnp.arange(length) <= this.head_end
-        output = output.astype(incoming.dtype) + correction(problem.query, decays, incoming, plan.scale, reached)
-        output = output.astype(problem.query.dtype)
-        finals = finals.at[this.head].add(decay_state(incoming, decays.at(this.head_end))[0])
+    reached = jnp.arange(length) <= this.head_end
+    output = output.astype(incoming.dtype) + correction(problem.query, decays, incoming, plan.scale, reached)
+    output = output.astype(problem.query.dtype)
+    finals = finals.at[this.head].add(decay_state(incoming, decays.at(this.head_end))[0])
     finals = jnp.where(ends_here[:, None, None, None], finals, jnp.zeros_like(finals))
     return output, jax.lax.psum(finals, plan.axes.sequence)
 
@@ -372,7 +343,7 @@ def _shard(plan: Plan, problem: Problem):
     index = jax.lax.axis_index(plan.axes.sequence)
     shard = P - 1 - index if plan.reverse else index
     if plan.reverse:
-        problem = _mirror(problem, P * problem.query.shape[1])
+        problem = problem.mirrored(P * problem.query.shape[1])
     body = _dense_shard if problem.cu_seqlens is None else _packed_shard
     output, final_state = body(plan, problem, shard)
     if plan.reverse:
@@ -426,6 +397,7 @@ def recurrent(
     batch_axis: str | None = None,
     head_axis: str | None = None,
     implementation: str | None = None,
+    allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
     """`recurrax.recurrent` with the token axis split over `sequence_axis` of a device mesh.
 
@@ -444,6 +416,9 @@ def recurrent(
       `cu_seqlens`, whose batch is 1) and the heads; their sizes must divide B and H.
     - `implementation`: the local algorithm, a registered name or `None` for the best one
       that supports a shard's part of the call.
+    - `allow_positive_gates`: as for `recurrax.recurrent`.
+
+    Called eagerly, it runs one compiled program cached per shape, mesh and option.
 
     **Returns:** `(output, final_state)` as `recurrax.recurrent`, laid out over the mesh:
     `output` split like the query, `final_state` split over `batch_axis` and `head_axis`.
@@ -451,41 +426,27 @@ def recurrent(
     **Raises:** `ValueError` for a mesh axis the mesh lacks, or a split axis that does not
     divide evenly, besides `recurrax.recurrent`'s own argument checks.
     """
-    arguments = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
-    return sharded_call(
-        arguments, mesh=mesh, sequence_axis=sequence_axis, batch_axis=batch_axis,
-        head_axis=head_axis, implementation=implementation,
-    )
-
-
-def sharded_call(
-    arguments: tuple,
-    *,
-    mesh: Any,
-    sequence_axis: str,
-    batch_axis: str | None = None,
-    head_axis: str | None = None,
-    implementation: str | None = None,
-    strategy: str = "correct",
-):
-    """`recurrent` with its positional arguments as one tuple and a choice of `strategy`.
-
-    **Arguments:**
-    - `arguments`: `(query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state,
-      reverse, cu_seqlens)`.
-    - `mesh` … `implementation`: as for `recurrent`.
-    - `strategy`: how a shard applies its incoming state: `"correct"` (the matmul
-      correction, what `recurrent` uses) or `"rerun"` (a second run of the local algorithm
-      from the incoming state; kept for the benchmark's comparison).
-    """
+    arrays = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
     axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    problem, config, layout = canonicalize(*arguments)
+    output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation,
+                      allow_positive_gates=allow_positive_gates)
+    gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
+    check_values(gates, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)  # eager values
+    return output
+
+
+@cached_when_eager(static_argnames=("softmax_scale", "reverse", "mesh", "axes", "implementation", "allow_positive_gates"))
+def _sharded(
+    query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, *,
+    mesh, axes: MeshAxes, implementation, allow_positive_gates,
+):
+    problem, config, layout = canonicalize(
+        query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
+    )
     _check_divisible(problem, mesh, axes)
-    local_request = dataclasses.replace(request_of(problem), seq_len=problem.query.shape[1] // axes.shards)
+    local_request = dataclasses.replace(Request.of(problem), seq_len=problem.query.shape[1] // axes.shards)
     impl = kernel_registry.get(implementation, local_request)
-    plan = Plan(impl, config.scale, config.reverse, axes, strategy)
+    plan = Plan(impl, config.scale, config.reverse, axes)
 
     in_specs, out_specs = _specs(problem, axes)
     sharded = _shard_map(lambda p: _shard(plan, p), mesh, (in_specs,), out_specs)

@@ -22,22 +22,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
 
-from ._inputs import Problem
-from .registry import Backend, Platform, Support, kernel_registry
+from .problem import Problem
+from .registry import ALL_GATES, FLOAT_DTYPES, Support
 from .varlen import Segments, segments, single_segment
 
-ALL_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
-
-
-def key_side_decay(problem: Problem) -> Float[Array, "B T H K"] | Float[Array, "B T H 1"] | None:
-    """The key-side log decay a_t, without materialising absent terms."""
-    head = None if problem.log_decay_head is None else problem.log_decay_head[..., None]
-    key = problem.log_decay_key
-    if head is None or key is None:
-        return head if key is None else key
-    return head + key
+SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True)
 
 
 def _row(q, k, v, a, b, init, seg: Segments, scale: float):
@@ -62,17 +52,10 @@ def _row(q, k, v, a, b, init, seg: Segments, scale: float):
     return o, finals
 
 
-@kernel_registry.register(
-    "reference",
-    Platform.XLA,
-    Backend.ANY,
-    priority=0,
-    supports=Support(dtypes=ALL_FLOATS, gates=frozenset({"head", "key", "value"}), varlen=True),
-)
-def reference(problem: Problem, *, scale: float, reverse: bool):
+def reference_recurrent(problem: Problem, *, scale: float, reverse: bool):
     """Token-by-token recurrence over the canonical `problem`; `(output, final_state)`."""
     B, T = problem.query.shape[:2]
-    a = key_side_decay(problem)
+    a = problem.key_side_decay()
     b = problem.log_decay_value
     flip = (lambda x: None if x is None else x[:, ::-1]) if reverse else (lambda x: x)
     q, k, v, a, b = map(flip, (problem.query, problem.key, problem.value, a, b))

@@ -1,7 +1,8 @@
 """The implementation registry: who can run a call, and who runs it.
 
 Each implementation registers with a platform (how it is written), a backend (where it
-runs), a priority and a `Support` declaration. Dispatch is fail-closed: a call goes only
+runs), a priority and a `Support` declaration; the library's own registrations are the
+table in `recurrax/implementations.py`. Dispatch is fail-closed: a call goes only
 to an implementation whose declaration covers it; with no name given, the highest
 priority among those wins; a forced name that cannot take the call raises `ValueError`
 saying why.
@@ -15,6 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+from .problem import Gate, Problem
 
 
 class Platform(str, enum.Enum):
@@ -35,8 +39,9 @@ class Backend(str, enum.Enum):
     ANY = "any"
 
 
-GATE_KINDS = frozenset({"head", "key", "value"})
-"""Decay kinds of the canonical form: per-head scalar, per key channel, per value channel."""
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+"""Every floating-point input dtype (what the XLA algorithms accept)."""
+ALL_GATES = frozenset(Gate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +50,33 @@ class Request:
 
     **Arguments:**
     - `dtype`: the query's dtype name (`"float32"`, `"bfloat16"`, ...).
-    - `gates`: which decay kinds are present (subset of `GATE_KINDS`).
+    - `gates`: which decay kinds (`Gate`) are present.
     - `varlen`: whether the call is packed with `cu_seqlens`.
     - `backend`: the JAX backend the call runs on (`"cpu"`, `"gpu"`, `"tpu"`).
     - `qk_head_dim`, `v_head_dim`, `seq_len`: sizes, for implementations with tiling limits.
     """
 
     dtype: str
-    gates: frozenset[str]
+    gates: frozenset[Gate]
     varlen: bool
     backend: str
     qk_head_dim: int
     v_head_dim: int
     seq_len: int
+
+    @classmethod
+    def of(cls, problem: Problem) -> Request:
+        """The static facts of a canonical problem on the current backend."""
+        _, T, _, K = problem.query.shape
+        return cls(
+            dtype=jnp.dtype(problem.query.dtype).name,
+            gates=problem.gates,
+            varlen=problem.cu_seqlens is not None,
+            backend=current_backend(),
+            qk_head_dim=K,
+            v_head_dim=problem.value.shape[-1],
+            seq_len=T,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +91,7 @@ class Support:
     """
 
     dtypes: frozenset[str]
-    gates: frozenset[str] = frozenset()
+    gates: frozenset[Gate] = frozenset()
     varlen: bool = False
     check: Callable[[Request], str | None] | None = None
 
@@ -82,7 +101,7 @@ class Support:
             return f"dtype {request.dtype} is not among {sorted(self.dtypes)}"
         missing = request.gates - self.gates
         if missing:
-            return f"gate kinds {sorted(missing)} are not supported"
+            return f"gate kinds {sorted(getattr(kind, 'value', kind) for kind in missing)} are not supported"
         if request.varlen and not self.varlen:
             return "packed variable-length input (cu_seqlens) is not supported"
         return self.check(request) if self.check is not None else None
@@ -104,6 +123,26 @@ class Implementation:
         if self.backend is not Backend.ANY and self.backend.value != request.backend:
             return f"it runs on {self.backend.value}, this call is on {request.backend}"
         return self.support.refusal(request)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which implementation a call gets, and what every registered one answered.
+
+    **Arguments:**
+    - `name`: the implementation dispatch picks (None when none can run the call).
+    - `answers`: `(name, refusal)` for every implementation, highest priority first;
+      `refusal` is None for those that can run the call.
+    """
+
+    name: str | None
+    answers: tuple[tuple[str, str | None], ...]
+
+    def __str__(self) -> str:
+        lines = [f"runs: {self.name}" if self.name else "no registered implementation can run this call"]
+        for name, refusal in self.answers:
+            lines.append(f"  {name}: {'can run it' if refusal is None else 'refuses: ' + refusal}")
+        return "\n".join(lines)
 
 
 class KernelRegistry:
@@ -151,6 +190,30 @@ class KernelRegistry:
                 return impl
             refusals.append(f"  {impl.name}: {reason}")
         raise ValueError("no registered implementation supports this call:\n" + "\n".join(refusals))
+
+    def select(self, *arguments, implementation: str | None = None, **keyword_arguments) -> Selection:
+        """Which implementation `recurrax.recurrent(*arguments, **keyword_arguments)` would run
+        on this backend, and why the others refuse: a `Selection` (print it for a summary).
+
+        Takes `recurrent`'s arguments (validated as `recurrent` validates them), or a single
+        `Request`.
+        """
+        if len(arguments) == 1 and isinstance(arguments[0], Request) and not keyword_arguments:
+            request = arguments[0]
+        else:
+            from .problem import Problem
+
+            names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state",
+                     "reverse", "cu_seqlens")
+            given = {**dict(zip(names, arguments)), **keyword_arguments}
+            given.pop("softmax_scale", None), given.pop("reverse", None)
+            request = Request.of(Problem.create(**given))
+        answers = tuple((impl.name, impl.refusal(request)) for impl in self.implementations())
+        if implementation is not None:
+            chosen = self._forced(implementation, request).name
+        else:
+            chosen = next((name for name, refusal in answers if refusal is None), None)
+        return Selection(chosen, answers)
 
     def _forced(self, name: str, request: Request) -> Implementation:
         if name not in self._implementations:

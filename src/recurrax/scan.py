@@ -6,8 +6,8 @@
 | H      | heads (grouped heads already expanded)                         |
 | K, V   | key/query and value head dimensions                            |
 | S      | packed sequences (varlen, B == 1); state rows are B or S       |
-| C      | block size: one state is kept every C tokens for the backward  |
-| N      | number of blocks, ceil(T / C); T is padded to N·C              |
+| C      | checkpoint interval: one state is kept every C tokens          |
+| N      | number of blocks of C tokens, ceil(T / C); T is padded to N·C  |
 | a_t    | key-side log decay [H, K] (or [H, 1] for a per-head decay)     |
 | b_t    | value-side log decay [H, V]                                    |
 | s      | the softmax scale                                              |
@@ -27,8 +27,8 @@ Backward, with G_t = ∂L/∂h_t (the total cotangent of state t) and P_t = ∂L
     dq_t = s · h_t do_t          dk_t = G_t v_t          dv_t = G_tᵀ k_t
     da_t[k] = Σ_v G_t[k, v] d_t[k, v]                    db_t[v] = Σ_k G_t[k, v] d_t[k, v]
 
-The gate gradients use the direct form (∂h_t/∂a_t[k] = d_t[k, :]), not DESIGN §2's
-reverse-cumsum identity: the backward recomputes d_t anyway, so the direct form costs one
+The gate gradients use the direct form (∂h_t/∂a_t[k] = d_t[k, :]), not the reverse-cumsum
+identity of `docs/design.md` §3 (gate gradients): the backward recomputes d_t anyway, so the direct form costs one
 product and two sums per token and never divides by or subtracts large decayed terms.
 Empty sequences pass their initial state straight to the final state, and its cotangent back.
 
@@ -47,13 +47,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._inputs import Problem
-from .reference import key_side_decay
-from .registry import Backend, Platform, Support, kernel_registry
+from .problem import Problem
+from .registry import ALL_GATES, FLOAT_DTYPES, Support
 from .varlen import segments
 
-ALL_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
-DEFAULT_BLOCK_SIZE = 64
+SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True)
+DEFAULT_CHECKPOINT_EVERY = 64
 
 
 class Tokens(NamedTuple):
@@ -62,8 +61,8 @@ class Tokens(NamedTuple):
     query: Float[Array, "N C B H K"]
     key: Float[Array, "N C B H K"]
     value: Float[Array, "N C B H V"]
-    log_decay_key: Float[Array, "N C B H K"] | Float[Array, "N C B H 1"] | None
-    log_decay_value: Float[Array, "N C B H V"] | None
+    key_side: Float[Array, "N C B H K"] | Float[Array, "N C B H 1"] | None
+    value_side: Float[Array, "N C B H V"] | None
 
 
 class Boundaries(NamedTuple):
@@ -181,8 +180,8 @@ def _backward_token(scale, dfinal, carry, token):
         query=(scale * jnp.einsum("bhkv,bhv->bhk", h_t, do_t)).astype(x.query.dtype),
         key=jnp.einsum("bhkv,bhv->bhk", G, v_t).astype(x.key.dtype),
         value=jnp.einsum("bhkv,bhk->bhv", G, k_t).astype(x.value.dtype),
-        log_decay_key=None if a_t is None else _sum_to(G_decayed.sum(-1), a_t).astype(a_t.dtype),
-        log_decay_value=None if b_t is None else G_decayed.sum(-2).astype(b_t.dtype),
+        key_side=None if a_t is None else _sum_to(G_decayed.sum(-1), a_t).astype(a_t.dtype),
+        value_side=None if b_t is None else G_decayed.sum(-2).astype(b_t.dtype),
     )
     P = _decay(G, a_t, b_t)
     if boundary is not None:
@@ -245,7 +244,7 @@ _recurrence.defvjp(_recurrence_fwd, _backward)
 # --------------------------------------------------------------------------- layout
 
 
-def _to_blocks(x: Array | None, block_size: int, reverse: bool) -> Array | None:
+def _to_blocks(x: Array | None, checkpoint_every: int, reverse: bool) -> Array | None:
     """[B, T, ...] in token order → [N, C, B, ...] in processing order.
 
     The padding is zeros: k = v = 0 and log decays 0 make a token that leaves the state as it is.
@@ -255,9 +254,9 @@ def _to_blocks(x: Array | None, block_size: int, reverse: bool) -> Array | None:
     x = x[:, ::-1] if reverse else x
     x = jnp.moveaxis(x, 1, 0)  # [T, B, ...]
     T = x.shape[0]
-    padded = -(-T // block_size) * block_size
+    padded = -(-T // checkpoint_every) * checkpoint_every
     x = jnp.pad(x, [(0, padded - T)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((padded // block_size, block_size) + x.shape[1:])
+    return x.reshape((padded // checkpoint_every, checkpoint_every) + x.shape[1:])
 
 
 def _from_blocks(x: Float[Array, "N C B ..."], num_tokens: int, reverse: bool) -> Float[Array, "B T ..."]:
@@ -266,48 +265,38 @@ def _from_blocks(x: Float[Array, "N C B ..."], num_tokens: int, reverse: bool) -
     return x[:, ::-1] if reverse else x
 
 
-def _boundaries(cu_seqlens, num_tokens: int, block_size: int, reverse: bool) -> Boundaries:
+def _boundaries(cu_seqlens, num_tokens: int, checkpoint_every: int, reverse: bool) -> Boundaries:
     seg = segments(cu_seqlens, num_tokens)
     seg = seg.reversed() if reverse else seg
-    return Boundaries(*(_to_blocks(x[None], block_size, False)[..., 0] for x in seg))
+    return Boundaries(*(_to_blocks(x[None], checkpoint_every, False)[..., 0] for x in seg))
 
 
-def scan_recurrent(problem: Problem, *, scale: float, reverse: bool, block_size: int = DEFAULT_BLOCK_SIZE):
+def scan_recurrent(
+    problem: Problem, *, scale: float, reverse: bool, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+):
     """Token-by-token recurrence over the canonical `problem` with a checkpointed backward.
 
     **Arguments:**
-    - `problem`: the canonical inputs (see `recurrax._inputs`).
+    - `problem`: the canonical inputs (`recurrax.Problem`).
     - `scale`: the softmax scale s.
     - `reverse`: process each row (each packed sequence) from its last token to its first.
-    - `block_size`: C, the backward keeps one state every C tokens (capped at T).
+    - `checkpoint_every`: C, the backward keeps one state every C tokens (capped at T).
 
     **Returns:** `(output [B, T, H, V]` in the query dtype, `final_state [R, H, K, V]` in the
     state dtype`)`.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size}")
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every}")
     T = problem.query.shape[1]
-    C = min(block_size, T)
+    C = min(checkpoint_every, T)
     blocks = lambda x: _to_blocks(x, C, reverse)  # noqa: E731
     tokens = Tokens(
         query=blocks(problem.query),
         key=blocks(problem.key),
         value=blocks(problem.value),
-        log_decay_key=blocks(key_side_decay(problem)),
-        log_decay_value=blocks(problem.log_decay_value),
+        key_side=blocks(problem.key_side_decay()),
+        value_side=blocks(problem.log_decay_value),
     )
     boundaries = None if problem.cu_seqlens is None else _boundaries(problem.cu_seqlens, T, C, reverse)
     o, final_state = _recurrence(float(scale), tokens, problem.initial_state, boundaries)
     return _from_blocks(o, T, reverse), final_state
-
-
-@kernel_registry.register(
-    "scan",
-    Platform.XLA,
-    Backend.ANY,
-    priority=10,
-    supports=Support(dtypes=ALL_FLOATS, gates=frozenset({"head", "key", "value"}), varlen=True),
-)
-def scan(problem: Problem, *, scale: float, reverse: bool):
-    """`scan_recurrent` with the default block size; `(output, final_state)`."""
-    return scan_recurrent(problem, scale=scale, reverse=reverse)

@@ -56,23 +56,38 @@ def single_segment(num_tokens: int) -> Segments:
 # tokens are split, so the layout has the static shape [M·C] even for a traced cu_seqlens.
 
 
+class ChunkOwners(NamedTuple):
+    """Which sequence owns each chunk of the aligned layout, and where it opens and closes.
+
+    **Arguments:**
+    - `seq`: [M] the sequence owning each chunk (unused trailing chunks: the last one).
+    - `first`, `last`: [M] whether the chunk is its sequence's first / last (in token order).
+    - `empty`: [S] whether the sequence has no tokens (it owns no chunk; its final state is
+      its initial state).
+    """
+
+    seq: Int[Array, " M"]
+    first: Bool[Array, " M"]
+    last: Bool[Array, " M"]
+    empty: Bool[Array, " S"]
+
+    def table(self) -> Int[Array, "3 M"]:
+        """`seq`, `first`, `last` stacked as one int32 table: the form kernels read."""
+        return jnp.stack([self.seq, self.first, self.last]).astype(jnp.int32)
+
+
 class ChunkLayout(NamedTuple):
     """Where packed tokens sit when every sequence starts on a chunk boundary.
 
     **Arguments:**
     - `token_slot`: [N] the slot (in the padded axis of M·C slots) of every packed token.
     - `slot_token`: [M·C] the packed token in every slot, or N for padding.
-    - `chunk_seq`: [M] the sequence owning each chunk (unused trailing chunks: the last one).
-    - `chunk_first`, `chunk_last`: [M] whether the chunk is its sequence's first / last.
-    - `seq_empty`: [S] whether the sequence has no tokens (it owns no chunk).
+    - `owners`: the `ChunkOwners` of the M chunks.
     """
 
     token_slot: Int[Array, " N"]
     slot_token: Int[Array, " M_times_C"]
-    chunk_seq: Int[Array, " M"]
-    chunk_first: Bool[Array, " M"]
-    chunk_last: Bool[Array, " M"]
-    seq_empty: Bool[Array, " S"]
+    owners: ChunkOwners
 
 
 def max_chunks(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
@@ -112,7 +127,7 @@ def chunk_layout(
     slot_token = jnp.full((num_chunks * chunk_size,), num_tokens, jnp.int32).at[token_slot].set(
         jnp.arange(num_tokens, dtype=jnp.int32)
     )
-    return ChunkLayout(token_slot, slot_token, chunk_seq, chunk_first, chunk_last, lengths == 0)
+    return ChunkLayout(token_slot, slot_token, ChunkOwners(chunk_seq, chunk_first, chunk_last, lengths == 0))
 
 
 def to_chunk_layout(x: Array, layout: ChunkLayout) -> Array:

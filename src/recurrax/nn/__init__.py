@@ -6,7 +6,11 @@ forward, and decodes with an explicit cache: `y, cache = layer(x, cache=cache)`,
 from `layer.init_cache(batch_size)`.
 """
 
-from ._mixers import (
+from .._extras import require
+
+require("flax.nnx", "nn", "recurrax.nn")
+
+from ._mixers import (  # noqa: E402
     FEATURE_MAPS,
     GatedLinearAttention,
     LightningAttention,
@@ -18,8 +22,8 @@ from ._mixers import (
     lightning_log_decays,
     retention_log_decays,
 )
-from ._conv import ShortConvolution
-from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer
+from ._conv import ShortConvolution  # noqa: E402
+from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
 
 __all__ = [
     "FEATURE_MAPS",

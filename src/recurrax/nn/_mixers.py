@@ -24,7 +24,7 @@ number of tokens in `x`, and the parallel forward equals decoding token by token
 
 from __future__ import annotations
 
-import math
+import inspect
 from typing import NamedTuple
 
 import jax
@@ -34,7 +34,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from .._recurrent import recurrent
+from ..decays import alibi_slopes, lightning_g_gamma, retention_g_gamma
 from ..decode import recurrent_step
+from ..registry import kernel_registry
 from ._conv import ShortConvolution
 
 GATES = {
@@ -81,6 +83,8 @@ class RecurrentMixer(nnx.Module):
     - `softmax_scale`: scale of `qᵀh`; default `qk_head_dim ** -0.5`.
     - `dtype`: computation dtype of projections and the recurrence inputs; `param_dtype`: of
       the parameters.
+    - `implementation`: the registered implementation of the parallel forward
+      (`recurrax.recurrent`'s `implementation`); None for the best one on this backend.
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
     """
 
@@ -97,11 +101,22 @@ class RecurrentMixer(nnx.Module):
         softmax_scale: float | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        implementation: str | None = None,
         rngs: nnx.Rngs,
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads}")
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads must divide num_heads={num_heads}, got {num_kv_heads}")
+        if (qk_head_dim is None or v_head_dim is None) and d_model % num_heads:
+            raise ValueError(
+                f"num_heads must divide d_model={d_model} when qk_head_dim or v_head_dim is not given "
+                f"(heads of d_model // num_heads), got num_heads={num_heads}"
+            )
+        if implementation is not None and implementation not in kernel_registry.names():
+            raise ValueError(f"implementation must be one of {kernel_registry.names()} or None, got {implementation!r}")
+        self.implementation = implementation
         if output_gate not in GATES:
             raise ValueError(f"output_gate must be one of {list(GATES)}, got {output_gate!r}")
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
@@ -165,13 +180,8 @@ class RecurrentMixer(nnx.Module):
         conv = None if self.conv is None else (rows, self.conv.kernel_size - 1, self.conv.channels)
         return MixerCache(state, conv)
 
-    def _check_input(self, x, cu_seqlens) -> Float[Array, "B T D"]:
-        expected = 2 if cu_seqlens is not None else None
-        if not hasattr(x, "ndim") or x.ndim not in (expected, 3) or x.shape[-1] != self.d_model:
-            words = f"[batch, seq_len, {self.d_model}]" + (
-                f" or [total_tokens, {self.d_model}] (packed)" if cu_seqlens is not None else ""
-            )
-            raise ValueError(f"x must be {words}, got {getattr(x, 'shape', type(x).__name__)}")
+    def _check_input(self, x, cu_seqlens, name: str = "x") -> Float[Array, "B T D"]:
+        check_width(name, x, self.d_model, cu_seqlens)
         return x[None] if x.ndim == 2 else x
 
     def _check_cache(self, cache, rows: int) -> None:
@@ -200,7 +210,8 @@ class RecurrentMixer(nnx.Module):
         """The recurrence: parallel from nothing, or continuing from `state` (decoding)."""
         scale = self.softmax_scale
         if state is None or cu_seqlens is not None:
-            return recurrent(q, k, v, **decays, softmax_scale=scale, initial_state=state, cu_seqlens=cu_seqlens)
+            return recurrent(q, k, v, **decays, softmax_scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
+                             implementation=self.implementation)
         return recurrent_step(q, k, v, state, **decays, softmax_scale=scale)
 
     def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
@@ -217,6 +228,36 @@ class RecurrentMixer(nnx.Module):
         return {}
 
 
+def check_width(name: str, x, d_model: int, cu_seqlens) -> None:
+    """`x` must be [batch, seq_len, d_model], or packed [total_tokens, d_model] with cu_seqlens."""
+    packed = cu_seqlens is not None
+    if hasattr(x, "ndim") and x.ndim in ((2, 3) if packed else (3,)) and x.shape[-1] == d_model:
+        return
+    words = f"[batch, seq_len, {d_model}]" + (f" or [total_tokens, {d_model}] (packed)" if packed else "")
+    hint = ""
+    if not packed and getattr(x, "ndim", None) == 2 and x.shape[-1] == d_model:
+        hint = f" (a 2-D [total_tokens, {d_model}] input is packed sequences: pass cu_seqlens)"
+    raise ValueError(f"{name} must be {words}, got {getattr(x, 'shape', type(x).__name__)}{hint}")
+
+
+def full_signature(cls: type) -> type:
+    """Show a layer's real signature in `help()` and `inspect.signature`: its own arguments
+    followed by those it passes on to its base (instead of `**options`; and instead of the
+    `(*args, **kwargs)` that `nnx.Module`'s metaclass shows)."""
+    own = inspect.signature(cls.__init__).parameters.values()
+    base = inspect.signature(RecurrentMixer.__init__).parameters
+    parameters = [p for p in own if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in parameters}
+    parameters += [p for name, p in base.items() if name not in names and p.kind is p.KEYWORD_ONLY]
+    rngs = [p for p in parameters if p.name == "rngs"]
+    parameters = [p for p in parameters if p.name != "rngs"] + rngs
+    cls.__signature__ = inspect.Signature(parameters[1:])  # without self
+    base_doc = RecurrentMixer.__doc__.split("**Arguments:**", 1)[1]
+    cls.__doc__ = cls.__doc__.rstrip() + "\n\n    Arguments of every `RecurrentMixer`:" + base_doc
+    return cls
+
+
+@full_signature
 class GatedLinearAttention(RecurrentMixer):
     """Gated linear attention (GLA): a data-dependent decay per key channel.
 
@@ -243,6 +284,7 @@ class GatedLinearAttention(RecurrentMixer):
         return {"g": gk.reshape(B, T, self.num_heads, self.qk_head_dim)}
 
 
+@full_signature
 class MultiScaleRetention(RecurrentMixer):
     """Retention (RetNet): a fixed decay per head, `log(1 − 2^(−5−h))` for head h.
 
@@ -255,32 +297,35 @@ class MultiScaleRetention(RecurrentMixer):
         return {"g_gamma": retention_log_decays(self.num_heads)}
 
 
+@full_signature
 class LightningAttention(RecurrentMixer):
-    """Lightning Attention (TransNormerLLM): fixed per-head slope decays that depend on depth.
+    """Lightning Attention: fixed per-head decays that depend on depth. q and k go through SiLU.
 
-    Head h of layer l decays by `exp(−s_h · (1 − l / (L − 1) + 1e-5))` per token, with `s_h` the
-    ALiBi slopes: the first layers forget fast, the last ones barely. q and k go through SiLU.
+    The decay form (`recurrax.decays.lightning_g_gamma`): `"alibi"` (MiniMax-01 /
+    TransNormerLLM: head h of layer l decays by `exp(−s_h · (1 − l / (L − 1) + 1e-5))`, s_h the
+    ALiBi slopes) or `"ejkernel"` (ejKernel's `lightning_attn`: `exp(−(8 / H) · (1 − l / L) · h)`).
 
     **Arguments:** those of `RecurrentMixer`, plus
     - `layer_idx`: this layer's index l (from 0); `num_layers`: L, the depth of the model.
     - `feature_map`: applied to q and k (default `"silu"`).
+    - `decay_form`: `"alibi"` (default) or `"ejkernel"`.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, layer_idx: int = 0, num_layers: int = 1,
-                 feature_map: str = "silu", rngs: nnx.Rngs, **options):
-        if not 0 <= layer_idx < num_layers:
-            raise ValueError(f"layer_idx must be in [0, num_layers={num_layers}), got {layer_idx}")
+                 feature_map: str = "silu", decay_form: str = "alibi", rngs: nnx.Rngs, **options):
+        lightning_g_gamma(num_heads, layer_idx, num_layers, decay_form)  # validates before building
         super().__init__(d_model, num_heads, rngs=rngs, **options)
-        self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.layer_idx, self.num_layers, self.decay_form = layer_idx, num_layers, decay_form
         self.feature_map = _feature_map_name(feature_map)
 
     def _features(self, x: Array) -> Array:
         return FEATURE_MAPS[self.feature_map](x)
 
     def _decays(self, x: Float[Array, "B T D"]) -> dict:
-        return {"g_gamma": lightning_log_decays(self.num_heads, self.layer_idx, self.num_layers)}
+        return {"g_gamma": lightning_g_gamma(self.num_heads, self.layer_idx, self.num_layers, self.decay_form)}
 
 
+@full_signature
 class LinearAttention(RecurrentMixer):
     """Linear attention without decay: `o_t = φ(q_t)ᵀ Σ_{s≤t} φ(k_s) v_sᵀ`, then per-head RMS norm.
 
@@ -301,21 +346,14 @@ class LinearAttention(RecurrentMixer):
 
 
 def retention_log_decays(num_heads: int) -> Float[Array, " H"]:
-    """RetNet's per-head log decays `log(1 − 2^(−5−h))`, h = 0 … H−1."""
-    return jnp.log1p(-(2.0 ** (-5.0 - jnp.arange(num_heads, dtype=jnp.float32))))
-
-
-def alibi_slopes(num_heads: int) -> list[float]:
-    """ALiBi's head slopes: a geometric sequence from 2^(−8/n) for the nearest power of two n."""
-    power = 2 ** math.floor(math.log2(num_heads))
-    geometric = lambda n: [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]  # noqa: E731
-    return geometric(power) + geometric(2 * power)[0::2][: num_heads - power]
+    """RetNet's per-head log decays `log(1 − 2^(−5−h))` (`recurrax.decays.retention_g_gamma`)."""
+    return retention_g_gamma(num_heads)
 
 
 def lightning_log_decays(num_heads: int, layer_idx: int, num_layers: int) -> Float[Array, " H"]:
-    """Lightning Attention's per-head log decays `−s_h · (1 − l / (L − 1) + 1e-5)`."""
-    depth = 1.0 - layer_idx / (num_layers - 1) if num_layers > 1 else 1.0
-    return -jnp.asarray(alibi_slopes(num_heads), jnp.float32) * (depth + 1e-5)
+    """Lightning Attention's ALiBi-slope log decays `−s_h · (1 − l / (L − 1) + 1e-5)`
+    (`recurrax.decays.lightning_g_gamma(..., form="alibi")`)."""
+    return lightning_g_gamma(num_heads, layer_idx, num_layers, form="alibi")
 
 
 def _feature_map_name(name: str) -> str:

@@ -91,21 +91,24 @@ class LanguageModel(nnx.Module):
     - `mixer`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
     - `mlp_ratio`: MLP width as a multiple of `d_model`.
     - `mixer_options`: extra keyword arguments of the mixer (e.g. `num_kv_heads`, `qk_head_dim`).
+    - `implementation`: the registered implementation every mixer's parallel forward uses
+      (None: the best one on this backend; `recurrax.kernel_registry.select` tells which).
     - `dtype`, `param_dtype`: computation and parameter dtypes.
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
     """
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
-                 mlp_ratio: int = 4, mixer_options: dict | None = None, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 mlp_ratio: int = 4, mixer_options: dict | None = None, implementation: str | None = None,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.vocab_size, self.mixer_name = vocab_size, mixer
         types = dict(dtype=dtype, param_dtype=param_dtype)
         init = nnx.initializers.normal(stddev=d_model**-0.5)
         self.embed = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs, **types)
         blocks = []
         for layer_idx in range(num_layers):
+            options = {"implementation": implementation, **(mixer_options or {})}
             mix = make_mixer(mixer, d_model, num_heads, layer_idx=layer_idx, num_layers=num_layers, rngs=rngs,
-                             **types, **(mixer_options or {}))
+                             **types, **options)
             blocks.append(Block(mix, d_model, mlp_ratio * d_model, rngs=rngs, **types))
         self.blocks = nnx.List(blocks)
         self.norm = nnx.RMSNorm(d_model, rngs=rngs, **types)
@@ -126,6 +129,7 @@ class LanguageModel(nnx.Module):
 
         **Returns:** `logits` `[..., vocab_size]`, or `(logits, new_cache)` with `cache`.
         """
+        _check_tokens(tokens, cu_seqlens)
         x = self.embed(tokens)
         caches = (None,) * len(self.blocks) if cache is None else cache
         if len(caches) != len(self.blocks):
@@ -144,3 +148,17 @@ class LanguageModel(nnx.Module):
         - `batch_size`: sequences to decode; `dtype`: the state dtype (float64 for float64 models).
         """
         return tuple(block.mixer.init_cache(batch_size, dtype) for block in self.blocks)
+
+
+def _check_tokens(tokens, cu_seqlens) -> None:
+    """`tokens` must be integer ids [batch, seq_len], or packed [total_tokens] with cu_seqlens."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        what = type(tokens).__name__ if shape is None else f"dtype {tokens.dtype}"
+        raise TypeError(f"tokens must be an integer array of token ids, got {what}")
+    packed = cu_seqlens is not None
+    if len(shape) == 2 or (packed and len(shape) == 1):
+        return
+    words = "[batch, seq_len]" + (" or packed [total_tokens]" if packed else "")
+    hint = " (a 1-D input is packed sequences: pass cu_seqlens)" if len(shape) == 1 else ""
+    raise ValueError(f"tokens must be {words} token ids, got shape {tuple(shape)}{hint}")

@@ -18,74 +18,58 @@ Everything a kernel sees is per (row b, head h, value block j): refs are 2-D `[T
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ...problem import Gate
+
 F32 = jnp.float32
 
 
-class Gate(str, enum.Enum):
-    """The key-side decay a kernel is specialised for (value-side decay is not supported)."""
-
-    NONE = "none"
-    HEAD = "head"  # a scalar per (token, head): the intra-chunk part stays a pure matmul
-    KEY = "key"  # a vector over K per (token, head): sub-blocks with an exact diagonal
-
-
-class Target(str, enum.Enum):
-    """Where a `pallas_call` is lowered."""
-
-    TRITON = "triton"  # Pallas's Triton lowering (NVIDIA / AMD GPUs)
-    INTERPRET = "interpret"  # Pallas interpret mode: any backend, for tests
-
-
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes of the chunk kernels.
+class TritonTiles:
+    """Tile sizes of the Triton-backend chunk kernels (defaults and the GPU choice: `_tiling.py`).
 
     **Arguments:**
     - `chunk`: C, tokens per step of the sequential loop over chunks.
     - `sub`: c, sub-block length for per-channel decays (must divide `chunk`).
     - `block_v`: BV, value columns per program (clipped to V; must divide V).
-    - `num_warps`, `num_stages`: Triton launch parameters (ignored elsewhere).
+    - `num_warps`, `num_stages`: Triton launch parameters (ignored in interpret mode).
     """
 
-    chunk: int = 64
-    sub: int = 16
-    block_v: int = 64
-    num_warps: int = 8
-    num_stages: int = 2
+    chunk: int
+    sub: int
+    block_v: int
+    num_warps: int
+    num_stages: int
 
     def __post_init__(self):
         if self.chunk % self.sub:
-            raise ValueError(f"BlockSizes.sub={self.sub} must divide chunk={self.chunk}")
+            raise ValueError(f"TritonTiles.sub={self.sub} must divide chunk={self.chunk}")
 
 
 @dataclasses.dataclass(frozen=True)
-class Static:
-    """Static configuration of one kernel call (hashable; the custom_vjp's nondiff argument)."""
+class TritonCall:
+    """Static configuration of one kernel call: the scale, the key-side decay form the kernel
+    is specialised for (`None`, `Gate.HEAD` or `Gate.KEY`), the tiles, and whether to run in
+    Pallas interpret mode."""
 
     scale: float
-    gate: Gate
-    blocks: BlockSizes
-    target: Target
-
-    @property
-    def interpret(self) -> bool:
-        return self.target is Target.INTERPRET
+    gate: Gate | None
+    tiles: TritonTiles
+    interpret: bool
 
     def compiler_params(self):
-        if self.target is Target.TRITON:
-            from jax.experimental.pallas import triton as plgpu
+        if self.interpret:
+            return None
+        from jax.experimental.pallas import triton as pltriton
 
-            return plgpu.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages)
-        return None
+        return pltriton.CompilerParams(num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
 
     def block_v(self, V: int) -> int:
-        return min(self.blocks.block_v, V)
+        return min(self.tiles.block_v, V)
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -156,13 +140,6 @@ def diagonal_column(q_s, a_s, k_ref, a_ref, start, j):
     return k_j, E_j, jnp.sum(q_s.astype(F32) * k_j * E_j, axis=1, keepdims=True)
 
 
-def chunk_local_cumsum(g, chunk: int):
-    """Inclusive cumulative sum of `g` [B, Tp, H(, K)] restarted at every chunk, in float32."""
-    B, Tp = g.shape[:2]
-    blocks = g.astype(F32).reshape(B, Tp // chunk, chunk, *g.shape[2:])
-    return jnp.cumsum(blocks, axis=2).reshape(g.shape)
-
-
 def specs_for(B: int, H: int, nV: int):
     """BlockSpec factories over the grid (b, h, j) for the [B, Tp, H, ...] layouts."""
 
@@ -206,7 +183,7 @@ def specs_for(B: int, H: int, nV: int):
     )
 
 
-def decay_spec(gate: Gate, Tp: int, K: int, specs: dict):
+def decay_spec(gate: Gate | None, Tp: int, K: int, specs: dict):
     """The BlockSpec of the cumulative decay A for this gate kind (None when absent)."""
     if gate is Gate.HEAD:
         return specs["tokens_head"](Tp)

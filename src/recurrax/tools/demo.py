@@ -1,6 +1,6 @@
 """`recurrax demo`: train a small recurrent-attention model on associative recall, on the CPU.
 
-Trains `recurrax.nn.LanguageModel` on multi-query associative recall (see `_mqar.py`),
+Trains `recurrax.nn.LanguageModel` on multi-query associative recall (see `mqar.py`),
 reports held-out query accuracy per mixer, decodes held-out sequences token by token with
 the state cache and checks them against the parallel forward, reports decode tokens/s,
 and writes a loss/accuracy plot.
@@ -21,9 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._mqar import HELD_OUT, TRAIN, MQARBatch, MQARConfig, mqar_batch, split_key
+from recurrax._extras import require
 
-MIXER_CHOICES = ("gla", "retnet", "lightning", "linear")
+from .mqar import HELD_OUT, TRAIN, MQARBatch, MQARConfig, mqar_batch, split_key
+
+
+
+def mixer_names() -> tuple[str, ...]:
+    """The token mixers the demo can train: `recurrax.nn.MIXERS` (needs the `demo` extra)."""
+    from recurrax.nn import MIXERS
+
+    return tuple(MIXERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +277,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Train a small recurrent-attention language model on multi-query associative recall "
         "(MQAR) on the CPU, check token-by-token decoding against the parallel forward, and plot the run.",
     )
-    parser.add_argument("--mixer", default="gla", choices=(*MIXER_CHOICES, "all"), help="token mixer (default gla)")
+    parser.add_argument("--mixer", default="gla", choices=(*mixer_names(), "all"), help="token mixer (default gla)")
     preset = lambda key, what: f"{what} (default {DEFAULTS[key]}, quick {QUICK[key]})"  # noqa: E731
     parser.add_argument("--steps", type=int, help=preset("steps", "training steps"))
     parser.add_argument("--seq-len", type=int, help=preset("seq_len", "tokens per sequence"))
@@ -291,7 +299,7 @@ def configs_from(args: argparse.Namespace) -> list[TrainConfig]:
     preset = QUICK if args.quick else DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     task = MQARConfig(vocab_size=args.vocab_size, seq_len=pick("seq_len"), num_pairs=pick("num_pairs"))
-    mixers = MIXER_CHOICES if args.mixer == "all" else (args.mixer,)
+    mixers = mixer_names() if args.mixer == "all" else (args.mixer,)
     return [
         TrainConfig(task=task, mixer=mixer, steps=pick("steps"), batch_size=args.batch_size, d_model=args.d_model,
                     conv_size=args.conv_size, learning_rate=pick("lr"), warmup=preset["warmup"], seed=args.seed)
@@ -301,6 +309,8 @@ def configs_from(args: argparse.Namespace) -> list[TrainConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0, or 1 when decoding does not match the parallel forward."""
+    for module in ("flax.nnx", "optax", "tqdm", "matplotlib"):
+        require(module, "demo", "recurrax demo")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         configs = configs_from(args)

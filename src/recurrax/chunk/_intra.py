@@ -43,7 +43,10 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-NONE, HEAD, CHANNEL = "none", "head", "channel"
+from ..problem import Gate
+
+CHANNEL_FORMS = (Gate.KEY, Gate.VALUE)
+"""The forms of a side's decay that vary over its channels (the ladder is needed)."""
 
 
 def dot(spec: str, x: Array, y: Array) -> Array:
@@ -254,13 +257,14 @@ class ChunkDecay:
     """One side's decay inside a chunk, with the factors every product needs.
 
     **Arguments:**
-    - `kind`: `"none"`, `"head"` (a scalar per token) or `"channel"` ([..., C, D]).
+    - `form`: `None` (no decay), `Gate.HEAD` (a scalar per token) or the side's channel
+      gate, `Gate.KEY` / `Gate.VALUE` ([..., C, D]).
     - `start`: e^{A_t} (decay from the chunk start through t), `end`: e^{A_{C−1} − A_t}
       (decay after t to the chunk end), `total`: e^{A_{C−1}}; all exponents ≤ 0.
     - `mask`: the [..., C, C] decay matrix (none/head), `lad`: the `Ladder` (channel).
     """
 
-    kind: str
+    form: Gate | None
     start: Array | None = None
     end: Array | None = None
     total: Array | None = None
@@ -268,18 +272,23 @@ class ChunkDecay:
     lad: Ladder | None = None
 
     @staticmethod
-    def build(log_decay: Array | None, channel: bool, leaf: int, size: int) -> ChunkDecay:
-        """From per-token log decays [..., C] (per head) or [..., C, D] (per channel) or None."""
+    def build(log_decay: Array | None, form: Gate | None, leaf: int, size: int) -> ChunkDecay:
+        """From per-token log decays [..., C] (form `HEAD`) or [..., C, D] (a channel form);
+        no decay when `log_decay` is None."""
         if log_decay is None:
-            return ChunkDecay(NONE, mask=_lower(size))
-        if channel:
+            return ChunkDecay(None, mask=_lower(size))
+        if form in CHANNEL_FORMS:
             lad, start, end = ladder(log_decay, leaf)
-            return ChunkDecay(CHANNEL, start, end, start[..., -1, :], lad=lad)
-        cum = chunk_cumsum(log_decay, channel)
+            return ChunkDecay(form, start, end, start[..., -1, :], lad=lad)
+        cum = chunk_cumsum(log_decay, False)
         last = cum[..., -1:]
         start, end, total = jnp.exp(cum), jnp.exp(last - cum), jnp.exp(last[..., 0])
         exponent = jnp.where(_lower(size), cum[..., :, None] - cum[..., None, :], -jnp.inf)
-        return ChunkDecay(HEAD, start, end, total, mask=jnp.exp(exponent))
+        return ChunkDecay(Gate.HEAD, start, end, total, mask=jnp.exp(exponent))
+
+    @property
+    def per_channel(self) -> bool:
+        return self.form in CHANNEL_FORMS
 
     # -- per-token rescalings ([..., C, D] arrays); identity without decay
     def from_start(self, x: Array) -> Array:
@@ -291,43 +300,43 @@ class ChunkDecay:
         return x if self.end is None else x * self._rows(self.end)
 
     def _rows(self, factor: Array) -> Array:
-        return factor[..., None] if self.kind == HEAD else factor
+        return factor[..., None] if self.form is Gate.HEAD else factor
 
     # -- the state's decay over the whole chunk ([..., K, V])
     def decay_rows(self, state: Array) -> Array:
         if self.total is None:
             return state
-        return state * (self.total[..., None, None] if self.kind == HEAD else self.total[..., :, None])
+        return state * (self.total[..., None, None] if self.form is Gate.HEAD else self.total[..., :, None])
 
     def decay_columns(self, state: Array) -> Array:
         if self.total is None:
             return state
-        return state * (self.total[..., None, None] if self.kind == HEAD else self.total[..., None, :])
+        return state * (self.total[..., None, None] if self.form is Gate.HEAD else self.total[..., None, :])
 
     # -- the three decayed causal products (module docstring)
     def scores(self, x: Array, y: Array) -> Array:
-        if self.kind == CHANNEL:
+        if self.per_channel:
             return ladder_scores(x, y, self.lad)
         return self._masked(dot("...td,...sd->...ts", x, y))
 
     def apply(self, M: Array, z: Array) -> Array:
         """M must be lower-triangular (every M here is some side's `scores`)."""
-        if self.kind == CHANNEL:
+        if self.per_channel:
             return ladder_apply(M, z, self.lad)
-        return dot("...ts,...sd->...td", M if self.kind == NONE else M * self.mask, z)
+        return dot("...ts,...sd->...td", M if self.form is None else M * self.mask, z)
 
     def apply_t(self, M: Array, z: Array) -> Array:
         """M must be lower-triangular (every M here is some side's `scores`)."""
-        if self.kind == CHANNEL:
+        if self.per_channel:
             return ladder_apply_t(M, z, self.lad)
-        return dot("...ts,...td->...sd", M if self.kind == NONE else M * self.mask, z)
+        return dot("...ts,...td->...sd", M if self.form is None else M * self.mask, z)
 
     def triple(self, x: Array, y: Array, M: Array) -> tuple[Array, Array, Array]:
         """(scores(x, y), apply(M, y), apply_t(M, x)), sharing work along a ladder."""
-        if self.kind == CHANNEL:
+        if self.per_channel:
             return ladder_triple(x, y, M, self.lad)
         return self.scores(x, y), self.apply(M, y), self.apply_t(M, x)
 
     def _masked(self, M: Array) -> Array:
         """The raw product masked to s ≤ t and decayed (none: mask only; head: the decay matrix)."""
-        return jnp.where(self.mask, M, 0) if self.kind == NONE else M * self.mask
+        return jnp.where(self.mask, M, 0) if self.form is None else M * self.mask

@@ -8,7 +8,7 @@
 | P      | chunks per scan step: one step handles P·C tokens                              |
 | R      | state rows: B, or S sequences when packed (then B = 1)                         |
 | S_n    | state entering chunk n (processing order);  E_n: state leaving it             |
-| A, Bv  | chunk-local cumulative key-side / value-side log decays (`_chunk_intra`)       |
+| A, Bv  | chunk-local cumulative key-side / value-side log decays (`_intra`)       |
 
 Forward, per chunk (q already carries the softmax scale; t, s index the chunk's tokens):
 
@@ -31,7 +31,7 @@ Backward, per chunk in reverse processing order, with Ē_n = ∂L/∂E_n:
 
 again with W_n batched and the Ē recurrence unrolled over a step's P chunks.
 
-Gate gradients need no states (DESIGN §2). With G_t = ∂L/∂h_t, ∂L/∂a_t = Σ_v G_t ⊙ (h_t − k_t v_tᵀ);
+Gate gradients need no states (`docs/design.md` §3). With G_t = ∂L/∂h_t, ∂L/∂a_t = Σ_v G_t ⊙ (h_t − k_t v_tᵀ);
 unrolling G_t = q_t do_tᵀ + e^{a_{t+1}} G_{t+1} e^{b_{t+1}} gives
 
     ∂L/∂a_t = Σ_{u ≥ t} (q_u ⊙ dq_u − k_u ⊙ dk_u)  +  Σ_v (∂L/∂h_final ⊙ h_final)
@@ -42,8 +42,9 @@ ends; the initial state's term is already inside q ⊙ dq). The suffix sum is a 
 reverse cumsum plus a carry from later chunks, reset to the final-state term at each
 sequence's last chunk. A per-head decay's gradient is the sum over its side's channels.
 
-Packed sequences (`ChunkMeta`): the state is reset to the sequence's initial state at its
-first chunk in processing order (`load`), the final state is taken after its last (`emit`),
+Packed sequences (`varlen.ChunkOwners`): the state is reset to the sequence's initial state
+at its first chunk in processing order (`load`: its first chunk, or its last when
+`reverse`), the final state is taken after its last in processing order (`emit`),
 and the backward resets its carries at the same places.
 """
 
@@ -57,20 +58,22 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._chunk_intra import CHANNEL, HEAD, NONE, ChunkDecay, chunk_cumsum, dot
+from ..problem import Gate
+from ..varlen import ChunkOwners
+from ._intra import ChunkDecay, chunk_cumsum, dot
 
 
-class Static(NamedTuple):
-    """Static configuration of one chunked call."""
+class ChunkCall(NamedTuple):
+    """Static configuration of one chunked call: the tiling, the scale and the direction."""
 
     chunk_size: int
-    block_size: int
+    leaf_size: int
     chunks_per_step: int
     scale: float
     reverse: bool
 
 
-class Gates(NamedTuple):
+class LogDecays(NamedTuple):
     """Per-token log decays of the canonical problem, [B, T, H] / [B, T, H, K] / [B, T, H, V]."""
 
     head: Array | None
@@ -78,26 +81,10 @@ class Gates(NamedTuple):
     value: Array | None
 
 
-class ChunkMeta(NamedTuple):
-    """Packed sequences in the chunk-aligned layout, in storage order of the chunks.
-
-    **Arguments:**
-    - `seq`: [N] the sequence owning each chunk.
-    - `load`: [N] the chunk its sequence is processed from first (state reset there).
-    - `emit`: [N] the chunk its sequence is processed from last (final state taken there).
-    - `empty`: [R] sequences without tokens (their final state is their initial state).
-    """
-
-    seq: Int[Array, " N"]
-    load: Bool[Array, " N"]
-    emit: Bool[Array, " N"]
-    empty: Bool[Array, " R"]
-
-
 # ----------------------------------------------------------------------------- chunk math
 
 
-def side_decays(gates: Gates, leaf: int, size: int) -> tuple[ChunkDecay, ChunkDecay, str | None]:
+def side_decays(gates: LogDecays, leaf: int, size: int) -> tuple[ChunkDecay, ChunkDecay, Gate | None]:
     """The key-side and value-side decays of chunks, and the side a per-head decay joined.
 
     A per-head decay multiplies the whole state, so it may ride on either side: it joins
@@ -107,13 +94,14 @@ def side_decays(gates: Gates, leaf: int, size: int) -> tuple[ChunkDecay, ChunkDe
     if head is None:
         head_on = None
     elif key is not None:
-        key, head_on = key + head[..., None], "key"
+        key, head_on = key + head[..., None], Gate.KEY
     elif value is not None:
-        value, head_on = value + head[..., None], "value"
+        value, head_on = value + head[..., None], Gate.VALUE
     else:
-        head_on = "head"
-    key_side = ChunkDecay.build(head if head_on == "head" else key, key is not None, leaf, size)
-    value_side = ChunkDecay.build(value, True, leaf, size)
+        head_on = Gate.HEAD
+    key_form = Gate.KEY if key is not None else Gate.HEAD
+    key_side = ChunkDecay.build(head if head_on is Gate.HEAD else key, key_form, leaf, size)
+    value_side = ChunkDecay.build(value, Gate.VALUE, leaf, size)
     return key_side, value_side, head_on
 
 
@@ -147,7 +135,7 @@ def _state_decay(key: ChunkDecay, value: ChunkDecay):
     """Per-chunk factor [..., P, K|1, V|1] of the state's decay over a chunk, or None."""
     factor = None
     if key.total is not None:
-        factor = key.total[..., None, None] if key.kind == HEAD else key.total[..., :, None]
+        factor = key.total[..., None, None] if key.form is Gate.HEAD else key.total[..., :, None]
     if value.total is not None:
         columns = value.total[..., None, :]
         factor = columns if factor is None else factor * columns
@@ -180,11 +168,12 @@ def _store(buffer: Array | None, piece: Array | None, start, reverse: bool):
     return lax.dynamic_update_slice_in_dim(buffer, piece, start, axis=1)
 
 
-def _step_meta(meta: ChunkMeta | None, first_chunk, count: int, reverse: bool):
+def _step_meta(meta: ChunkOwners | None, first_chunk, count: int, reverse: bool):
     """The P chunks' (seq, load, emit) of one step, in processing order."""
     if meta is None:
         return None
-    pieces = [lax.dynamic_slice_in_dim(x, first_chunk, count) for x in (meta.seq, meta.load, meta.emit)]
+    load, emit = (meta.last, meta.first) if reverse else (meta.first, meta.last)
+    pieces = [lax.dynamic_slice_in_dim(x, first_chunk, count) for x in (meta.seq, load, emit)]
     return [x[::-1] for x in pieces] if reverse else pieces
 
 
@@ -196,7 +185,7 @@ class _Step(NamedTuple):
     load: functools.partial
 
 
-def _step(static: Static, num_steps: int, step, dtype) -> _Step:
+def _step(static: ChunkCall, num_steps: int, step, dtype) -> _Step:
     P, C = static.chunks_per_step, static.chunk_size
     index = num_steps - 1 - step if static.reverse else step
     load = functools.partial(
@@ -224,7 +213,7 @@ def _chunk_starts(state, updates, factor, init, step_meta, P: int, finals=None):
 # ----------------------------------------------------------------------------- passes
 
 
-def forward(static: Static, q, k, v, gates: Gates, init, meta: ChunkMeta | None):
+def forward(static: ChunkCall, q, k, v, gates: LogDecays, init, meta: ChunkOwners | None):
     """(output [B, T, H, V], final states [R, H, K, V], chunk-entry states [steps, B, H, P, K, V])."""
     T = q.shape[1]
     P, C = static.chunks_per_step, static.chunk_size
@@ -235,7 +224,7 @@ def forward(static: Static, q, k, v, gates: Gates, init, meta: ChunkMeta | None)
         state, out, finals = carry
         where = _step(static, num_steps, step, dtype)
         step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
-        key, value, _ = side_decays(Gates(*(where.load(g) for g in gates)), static.block_size, C)
+        key, value, _ = side_decays(LogDecays(*(where.load(g) for g in gates)), static.leaf_size, C)
         qc, kc, vc = where.load(q) * static.scale, where.load(k), where.load(v)
         updates = chunk_updates(kc, vc, key, value)
         factor = _state_decay(key, value)
@@ -250,17 +239,18 @@ def forward(static: Static, q, k, v, gates: Gates, init, meta: ChunkMeta | None)
     return out, (last if meta is None else finals), entries
 
 
-def _final_terms(d_final: Array, final: Array, key_kind: str, value: bool):
+def _final_terms(d_final: Array, final: Array, key_form: Gate | None, value: bool):
     """Σ_v / Σ_k of ∂L/∂h_final ⊙ h_final: the suffix carries of the last chunk."""
     product = d_final * final  # [R, H, K, V]
-    key_term = {CHANNEL: product.sum(-1), HEAD: product.sum((-2, -1)), NONE: None}[key_kind]
+    key_term = {Gate.KEY: product.sum(-1), Gate.HEAD: product.sum((-2, -1)), None: None}[key_form]
     return key_term, (product.sum(-2) if value else None)
 
 
-def _key_kind(gates: Gates) -> str:
+def _key_form(gates: LogDecays) -> Gate | None:
+    """The form of the key side's decay as `side_decays` builds it."""
     if gates.key is not None:
-        return CHANNEL
-    return HEAD if gates.head is not None and gates.value is None else NONE
+        return Gate.KEY
+    return Gate.HEAD if gates.head is not None and gates.value is None else None
 
 
 def _suffix(per_token, carry, term, step_meta, channel: bool, P: int):
@@ -279,22 +269,22 @@ def _suffix(per_token, carry, term, step_meta, channel: bool, P: int):
     return within + (later[..., None, :] if channel else later[..., None]), carry
 
 
-def backward(static: Static, residuals, d_out, d_final):
-    """Gradients (dq, dk, dv, Gates of gradients, d_init) of the chunked pass."""
+def backward(static: ChunkCall, residuals, d_out, d_final):
+    """Gradients (dq, dk, dv, LogDecays of gradients, d_init) of the chunked pass."""
     q, k, v, gates, init, meta, states, finals = residuals
     T = q.shape[1]
     P, C = static.chunks_per_step, static.chunk_size
     num_steps = T // (P * C)
     dtype = init.dtype
-    key_kind, has_value = _key_kind(gates), gates.value is not None
-    key_term, value_term = _final_terms(d_final, finals, key_kind, has_value)
+    key_form, has_value = _key_form(gates), gates.value is not None
+    key_term, value_term = _final_terms(d_final, finals, key_form, has_value)
 
     def body(carry, xs):
         step, starts = xs
         d_end, key_carry, value_carry, buffers, d_init = carry
         where = _step(static, num_steps, step, dtype)
         step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
-        key, value, head_on = side_decays(Gates(*(where.load(g) for g in gates)), static.block_size, C)
+        key, value, head_on = side_decays(LogDecays(*(where.load(g) for g in gates)), static.leaf_size, C)
         qc, kc, vc, doc = where.load(q) * static.scale, where.load(k), where.load(v), where.load(d_out)
 
         factor = _state_decay(key, value)
@@ -315,15 +305,15 @@ def backward(static: Static, residuals, d_out, d_final):
         d_head = d_key = d_value = None
         if key_carry is not None:
             per_token = qc * dq - kc * dk
-            channel = key.kind == CHANNEL
+            channel = key.per_channel
             per_token = per_token if channel else per_token.sum(-1)
             d_a, key_carry = _suffix(per_token, key_carry, key_term, step_meta, channel, P)
             d_key = d_a if gates.key is not None else None
-            d_head = d_a.sum(-1) if head_on == "key" else (d_a if head_on == "head" else None)
+            d_head = d_a.sum(-1) if head_on is Gate.KEY else (d_a if head_on is Gate.HEAD else None)
         if value_carry is not None:
             d_b, value_carry = _suffix(out * doc - vc * dv, value_carry, value_term, step_meta, True, P)
             d_value = d_b
-            d_head = d_b.sum(-1) if head_on == "value" else d_head
+            d_head = d_b.sum(-1) if head_on is Gate.VALUE else d_head
 
         grads = (dq * static.scale, dk, dv, d_head, d_key, d_value)
         buffers = tuple(_store(b, g, where.start, static.reverse) for b, g in zip(buffers, grads))
@@ -341,7 +331,7 @@ def backward(static: Static, residuals, d_out, d_final):
     else:
         d_init = d_init + jnp.where(meta.empty[:, None, None, None], d_final, 0)
     dq, dk, dv, d_head, d_key, d_value = buffers
-    return dq, dk, dv, Gates(d_head, d_key, d_value), d_init.astype(init.dtype)
+    return dq, dk, dv, LogDecays(d_head, d_key, d_value), d_init.astype(init.dtype)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -349,13 +339,13 @@ def backward(static: Static, residuals, d_out, d_final):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunked(
-    static: Static,
+    static: ChunkCall,
     q: Float[Array, "B T H K"],
     k: Float[Array, "B T H K"],
     v: Float[Array, "B T H V"],
-    gates: Gates,
+    gates: LogDecays,
     init: Float[Array, "R H K V"],
-    meta: ChunkMeta | None,
+    meta: ChunkOwners | None,
 ):
     """(output [B, T, H, V], final state [R, H, K, V]); T a multiple of P·C, and the number
     of chunks in `meta` a multiple of P."""

@@ -1,4 +1,6 @@
-"""Random problems and comparison against the reference, for the tests and `recurrax check`.
+"""The one maker of test and benchmark inputs, and the comparison against the reference.
+
+Used by the tests, `recurrax check`, `recurrax bench` and every script in `benchmarks/`.
 
 `assert_matches(name, case)` compares forward outputs, final state and every gradient (via
 `jax.vjp` with random cotangents for both outputs) of an implementation against the
@@ -17,10 +19,23 @@ import numpy as np
 
 import recurrax
 
-from ._inputs import canonicalize
+from recurrax.problem import Gate, canonicalize
 
+GATE_ARGUMENTS = {
+    "g_head": Gate.HEAD,
+    "g_channel": Gate.KEY,
+    "g_gamma": Gate.HEAD,
+    "g_gamma_rows": Gate.HEAD,
+    "gk": Gate.KEY,
+    "gv": Gate.VALUE,
+}
+"""The public gate arguments a case can carry (`g` split by its shape, `g_gamma` as `[H]` or
+one row per batch row / packed sequence) and the canonical `Gate` each folds into."""
 GATES = ("g_head", "g_channel", "g_gamma", "gk", "gv")
 GATE_COMBOS = ((), ("g_head",), ("g_channel",), ("g_gamma",), ("gk",), ("gv",), GATES)
+GATE_PRESETS = {"none": (), "g": ("g_head",), "g_gamma": ("g_gamma",), "gk": ("gk",), "gk+gv": ("gk", "gv")}
+"""The named gate sets of the benchmarks: no decay, per-head g, constant g_gamma, per-channel
+gk, gk and gv."""
 DIFF_ARGS = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "initial_state")
 
 
@@ -41,8 +56,21 @@ class Case:
     packed_3d: bool = False
     dtype: str = "float64"
     gate_low: float = -1.0
-    """Gates (log decays) are drawn uniformly from [gate_low, 0]."""
+    """With `gate_law="uniform"`, gates (log decays) are drawn uniformly from [gate_low, 0]."""
     scale: float | None = None
+    gate_law: str = "uniform"
+    """`"uniform"`, or `"log_sigmoid"`: `log_sigmoid(normal) / 16` (mostly −0.01 … −0.2, as
+    GLA's gates; what the benchmarks use)."""
+
+    @classmethod
+    def benchmark(cls, B: int, T: int, H: int, K: int, V: int, gates: str = "none", **overrides) -> Case:
+        """A float32 benchmark case: `gates` one of `GATE_PRESETS`, realistic gates, no GQA,
+        no initial state."""
+        if gates not in GATE_PRESETS:
+            raise ValueError(f"gates must be one of {list(GATE_PRESETS)}, got {gates!r}")
+        fields = dict(B=B, T=T, H=H, Hkv=H, K=K, V=V, gates=GATE_PRESETS[gates], initial_state=False,
+                      dtype="float32", gate_law="log_sigmoid")
+        return cls(**{**fields, **overrides})
 
 
 def make_inputs(case: Case, seed: int = 0) -> dict:
@@ -54,6 +82,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
     normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
 
     def gate(*shape):
+        if case.gate_law == "log_sigmoid":
+            return -np.logaddexp(0.0, -rng.standard_normal(shape)) / 16
         return rng.uniform(case.gate_low, 0.0, size=shape)
 
     kwargs = dict(
@@ -67,13 +97,15 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
         kwargs["g"] = gate(*lead, case.H)
     if "g_channel" in case.gates:
         kwargs["g"] = gate(*lead, case.H, case.K)
+    rows = len(case.cu_seqlens) - 1 if case.cu_seqlens else B
     if "g_gamma" in case.gates:
         kwargs["g_gamma"] = gate(case.H)
+    if "g_gamma_rows" in case.gates:
+        kwargs["g_gamma"] = gate(rows, case.H)
     if "gk" in case.gates:
         kwargs["gk"] = gate(*lead, case.H, case.K)
     if "gv" in case.gates:
         kwargs["gv"] = gate(*lead, case.H, case.V)
-    rows = len(case.cu_seqlens) - 1 if case.cu_seqlens else B
     if case.initial_state:
         kwargs["initial_state"] = normal(rows, case.H, case.K, case.V)
     if case.cu_seqlens:
@@ -112,6 +144,17 @@ def call(implementation: str | Callable, **kwargs):
     return layout.restore(output), final_state
 
 
+def make_cotangents(case: Case, seed: int = 1) -> tuple:
+    """Random `(d_output, d_final_state)` for `case`'s outputs, in the output dtypes."""
+    rng = np.random.default_rng(seed)
+    B, T = (1, case.cu_seqlens[-1]) if case.cu_seqlens else (case.B, case.T)
+    lead = (T,) if case.packed_3d else (B, T)
+    rows = len(case.cu_seqlens) - 1 if case.cu_seqlens else B
+    state_dtype = jnp.promote_types(case.dtype, jnp.float32)
+    d_output = jnp.asarray(rng.standard_normal((*lead, case.H, case.V)), case.dtype)
+    return d_output, jnp.asarray(rng.standard_normal((rows, case.H, case.K, case.V)), state_dtype)
+
+
 def run_vjp(implementation: str | Callable, kwargs: dict, seed: int = 1):
     """Forward outputs and the gradients of every differentiable argument (one jitted call)."""
     diff, rest = split_args(kwargs)
@@ -127,10 +170,17 @@ def run_vjp(implementation: str | Callable, kwargs: dict, seed: int = 1):
     return jax.jit(forward_backward)(diff)
 
 
-def max_rel_error(x, y) -> float:
-    """max |x − y| / max(max |y|, 1e-30): a scale-aware error."""
+def max_rel_error(x, y, floor: float = 1e-30) -> float:
+    """max |x − y| / max(max |y|, floor): a scale-aware error."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) if y.size else 0.0
+    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), floor)) if y.size else 0.0
+
+
+ZERO_FLOOR = 1e-6
+"""An array whose exact value is (near) zero — a gate gradient with nothing to decay, e.g. one
+token and no initial state — is judged against `ZERO_FLOOR` times the largest reference
+array of the same call instead of its own vanishing scale: rounding of O(1) terms that
+cancel exactly is no error, while any real one still shows up as O(1) / 1e-6."""
 
 
 def _exact(kwargs: dict) -> dict:
@@ -145,11 +195,13 @@ def compare(implementation: str | Callable, case: Case, seed: int = 0, oracle: s
     kwargs = make_inputs(case, seed)
     o, state, grads = run_vjp(implementation, kwargs)
     o_ref, state_ref, grads_ref = run_vjp(oracle, _exact(kwargs))
-    errors = {"output": max_rel_error(o, o_ref), "final_state": max_rel_error(state, state_ref)}
+    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0.0)) for y in (o_ref, state_ref, *grads_ref.values()))
+    floor = max(ZERO_FLOOR * scale, 1e-30)
+    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
     for name, grad in grads.items():
         assert grad.dtype == kwargs[name].dtype, (name, grad.dtype)
         assert grad.shape == kwargs[name].shape, (name, grad.shape)
-        errors["d" + name] = max_rel_error(grad, grads_ref[name])
+        errors["d" + name] = max_rel_error(grad, grads_ref[name], floor)
     assert o.dtype == kwargs["query"].dtype
     return errors
 

@@ -7,9 +7,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "check": ("recurrax._check", "compare every implementation with the reference"),
-    "bench": ("recurrax._bench", "time and measure memory of the implementations"),
-    "demo": ("recurrax._demo", "train a small model on associative recall"),
+    "check": ("recurrax.tools.check", "compare every implementation with the reference"),
+    "bench": ("recurrax.tools.bench", "time and measure memory of the implementations"),
+    "demo": ("recurrax.tools.demo", "train a small model on associative recall"),
 }
 
 

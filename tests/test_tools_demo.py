@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from recurrax import _demo
-from recurrax._mqar import HELD_OUT, TRAIN, MQARConfig, mqar_batch, split_key
+from recurrax.tools import demo as _demo
+from recurrax.tools.mqar import HELD_OUT, TRAIN, MQARConfig, mqar_batch, split_key
 
 TASK = MQARConfig(vocab_size=32, seq_len=24, num_pairs=5)
 JIT_BATCH = jax.jit(mqar_batch, static_argnums=(1, 2))
@@ -55,7 +55,7 @@ def test_task_errors(options, match):
 def test_options_and_quick_preset():
     args = _demo.parse_args(["--mixer", "all", "--quick", "--steps", "7", "--seed", "3"])
     configs = _demo.configs_from(args)
-    assert [c.mixer for c in configs] == list(_demo.MIXER_CHOICES)
+    assert [c.mixer for c in configs] == list(_demo.mixer_names())
     assert all(c.steps == 7 and c.seed == 3 for c in configs)
     assert configs[0].task.seq_len == _demo.QUICK["seq_len"]
     default = _demo.configs_from(_demo.parse_args(["--seq-len", "40", "--num-pairs", "6"]))

@@ -34,11 +34,10 @@ anchor choices, each keeping both factors ≤ 0:
   dk and dv of that sub-block.
 
 Gate gradients are not computed here: they follow from dq and dk by the reverse-cumsum
-identity, cut at chunk boundaries (`_chunk.py`), for which the kernel writes, per chunk,
-the boundary term Σ_V S ⊙ dS of the state leaving it (S from the recomputed states, or
-h_T for the last chunk). Validated like the forward: interpret mode on CPU, Triton lowering
-and an offline sm_90 compile; not yet run on a GPU. Packed input: a sequence's last
-chunk starts from its final-state cotangent, its first chunk writes d(initial state).
+identity, cut at chunk boundaries (`kernels/_driver.py`), for which the kernel writes, per
+chunk, the boundary term Σ_V S ⊙ dS of the state leaving it (S from the recomputed states,
+or h_T for the last chunk). Packed input: a sequence's last chunk starts from its
+final-state cotangent, its first chunk writes d(initial state).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from jax.experimental import pallas as pl
 from ._common import (
     F32,
     Gate,
-    Static,
+    TritonCall,
     anchor_before,
     causal_mask,
     col_index,
@@ -152,15 +151,15 @@ def _key_sub_block_bwd(refs, base, p, S, dS, a_last, *, C: int, c: int, scale, d
     return dq, dk + dk_after, dv + dv_after
 
 
-def _backward_kernel(*refs, static: Static, varlen: bool):
+def _backward_kernel(*refs, static: TritonCall, varlen: bool):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
-    a_ref = rest.pop(0) if gate is not Gate.NONE else None
+    a_ref = rest.pop(0) if gate is not None else None
     meta_ref = rest.pop(0) if varlen else None
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref, *rest = rest
-    boundary_ref = rest.pop(0) if gate is not Gate.NONE else None
+    boundary_ref = rest.pop(0) if gate is not None else None
 
-    C, c = static.blocks.chunk, static.blocks.sub
+    C, c = static.tiles.chunk, static.tiles.sub
     Tp, K = q_ref.shape
     N = Tp // C
     dtype, scale = q_ref.dtype, static.scale
@@ -230,7 +229,7 @@ def _backward_kernel(*refs, static: Static, varlen: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Static):
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: TritonCall):
     """Run the backward kernel.
 
     **Arguments:**
@@ -248,7 +247,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Stat
     V = v.shape[-1]
     R = h_T.shape[0]
     BV = static.block_v(V)
-    nV, N = V // BV, Tp // static.blocks.chunk
+    nV, N = V // BV, Tp // static.tiles.chunk
     specs = specs_for(B, H, nV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
     state_spec = specs["state"](K, BV) if meta is None else specs["seq_states"](R, K, BV)

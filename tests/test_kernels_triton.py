@@ -1,10 +1,11 @@
-"""Pallas chunk kernels: interpret mode vs the reference, dispatch, and GPU lowering.
+"""The Triton-backend Pallas kernels: interpret mode vs the reference, dispatch, and GPU lowering.
 
 Interpret mode runs the very kernels the GPU runs, so these tests check their math on
 CPU; compilation dominates their time (a few seconds per distinct shape), hence tiny
 shapes (T ≤ 33, K, V ∈ {16, 32}, chunk 16 with sub-blocks of 8 unless stated).
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -15,10 +16,8 @@ import pytest
 from _cases import Case, assert_matches, canonical, compare, make_inputs, max_rel_error, run_vjp
 
 import recurrax
-import recurrax.pallas  # noqa: F401  (registers the Pallas implementations)
-from recurrax import Platform, kernel_registry
-from recurrax._inputs import canonicalize, request_of
-from recurrax.pallas import SUPPORT, pallas_chunk_recurrent
+from recurrax import Platform, Problem, Request, kernel_registry
+from recurrax.kernels.triton import SUPPORT, TritonTiles, gpu_tiles, triton_interpret, triton_recurrent
 
 F32_TOL = 2e-4
 BF16_TOL = 2e-2
@@ -87,9 +86,7 @@ def test_bfloat16_within_tolerance():
 
 def _tiles(chunk: int, sub: int, block_v: int = 64):
     """The interpret-mode algorithm with other tile sizes, for `assert_matches`."""
-    return functools.partial(
-        pallas_chunk_recurrent, chunk_size=chunk, sub_size=sub, block_v=block_v, interpret=True
-    )
+    return functools.partial(triton_interpret, tiles=TritonTiles(chunk, sub, block_v, num_warps=8, num_stages=2))
 
 
 @pytest.mark.parametrize(
@@ -124,7 +121,7 @@ def test_default_tiles_slow(case):
 def _request(**overrides):
     """The dispatch request of a small case with `overrides` applied."""
     problem, _, _ = canonical(make_inputs(dataclasses.replace(Case(T=8, **SMALL), **overrides)))
-    return request_of(problem)
+    return Request.of(problem)
 
 
 @pytest.mark.parametrize(
@@ -180,6 +177,16 @@ def test_forced_pallas_fails_clearly():
 # ----------------------------------------------------------------------------- GPU lowering
 
 
+def _abstract_gpu():
+    """The GPU to lower for without one: JAX ≥ 0.12 asks for an abstract device (an H100)
+    to pick the target; older JAX lowers for `cuda` without asking."""
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    explicit = (jax.sharding.AxisType.Explicit,)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), explicit, abstract_device=device))
+
+
 @pytest.mark.parametrize(
     ("gates", "cu_seqlens"), [((), None), (("g_head",), None), (("g_channel",), None), (("g_head",), (0, 50, 200))],
     ids=["none", "head", "channel", "head-packed"],
@@ -195,23 +202,19 @@ def test_triton_lowering_on_cpu(gates, cu_seqlens):
     diff = {k: kwargs[k] for k in ("query", "key", "value", "g", "initial_state") if k in kwargs}
 
     def loss(diff):
-        problem, config, _ = canonicalize(
-            diff["query"], diff["key"], diff["value"], diff.get("g"), None, None, None, None,
-            diff["initial_state"], False, kwargs.get("cu_seqlens"),
-        )
-        o, state = pallas_chunk_recurrent(problem, scale=config.scale, reverse=False, target="triton")
+        problem = Problem.create(**diff, cu_seqlens=kwargs.get("cu_seqlens"))
+        o, state = triton_recurrent(problem, scale=problem.default_scale, reverse=False)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
 
-    text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
+    with _abstract_gpu():
+        text = jax.jit(jax.value_and_grad(loss)).trace(diff).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3  # forward, state recomputation, backward
 
 
 def test_gpu_tiles_fill_the_gpu():
-    from recurrax.pallas import gpu_tiles
-
-    assert gpu_tiles(8, 32, 128, 128)["block_v"] == 32  # 256 heads: register-bound choice
-    assert gpu_tiles(4, 16, 64, 64)["block_v"] == 16  # 64 heads: 4 value blocks each, 256 programs
-    assert gpu_tiles(1, 8, 128, 128)["block_v"] == 16  # 8 heads: as many programs as allowed
+    assert gpu_tiles(8, 32, 128, 128).block_v == 32  # 256 heads: register-bound choice
+    assert gpu_tiles(4, 16, 64, 64).block_v == 16  # 64 heads: 4 value blocks each, 256 programs
+    assert gpu_tiles(1, 8, 128, 128).block_v == 16  # 8 heads: as many programs as allowed
 
 
 def test_vmap_and_grad():

@@ -7,7 +7,10 @@ import time
 
 import jax
 
-from ._testing import Case, compare, default_tolerance, make_inputs, run_vjp, split_args
+from recurrax import kernel_registry
+from recurrax.registry import Backend, Request, current_backend
+
+from .cases import Case, canonical, compare, default_tolerance, make_inputs, run_vjp, split_args
 
 SHAPE = dict(B=2, T=48, H=4, Hkv=4, K=16, V=16)
 CASES = {
@@ -21,13 +24,12 @@ CASES = {
     "strong decay (-20)": Case(**SHAPE, gates=("g_head", "gk"), gate_low=-20.0),
     "varlen": Case(**SHAPE, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 30, 31, 48), packed_3d=True),
     "varlen, reverse": Case(**SHAPE, gates=("g_head",), cu_seqlens=(0, 17, 40, 48), reverse=True),
+    "g_gamma per row": Case(**SHAPE, gates=("g_gamma_rows", "gk")),
+    "g_gamma per seq, varlen": Case(**SHAPE, gates=("g_gamma_rows",), cu_seqlens=(0, 9, 9, 48), packed_3d=True),
 }
 
 
 def _machine_implementations(names: list[str] | None) -> list[str]:
-    from . import kernel_registry
-    from .registry import Backend, current_backend
-
     backend = current_backend()
     runnable = [
         impl.name
@@ -49,18 +51,20 @@ def _fwd_bwd_seconds(name: str, case: Case) -> float:
 
 def _refusal(name: str, case: Case) -> str | None:
     """Why `name` declares it cannot run `case`, or None."""
-    from . import kernel_registry
-    from ._inputs import request_of
-    from ._testing import canonical
-
     problem, _, _ = canonical(make_inputs(case))
     impl = next(impl for impl in kernel_registry.implementations() if impl.name == name)
-    return impl.refusal(request_of(problem))
+    return impl.refusal(Request.of(problem))
 
 
 def _row(name: str, case_name: str, error: float, worst: str, seconds: float, ok: bool) -> str:
     status = "ok" if ok else "MISMATCH"
     return f"{name:<18} {case_name:<22} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
+
+
+def _eta(done: int, total: int, elapsed: float) -> str:
+    """`[done/total, ETA m:ss]`: the remaining rows at the mean time per row so far."""
+    left = elapsed / done * (total - done) if done else 0.0
+    return f"[{done}/{total}, ETA {int(left // 60)}:{int(left % 60):02d}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,18 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     names = _machine_implementations(args.implementations)
     print(f"backend {jax.default_backend()}, inputs {args.dtype}, oracle: reference in float64, tolerance {tolerance:.0e}")
     print(f"{'implementation':<18} {'case':<22} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
-    failures = 0
+    counts = {"matched": 0, "mismatched": 0, "unsupported": 0}
+    total, start = len(names) * len(CASES), time.perf_counter()
     for name in names:
         for case_name, case in CASES.items():
             case = Case(**{**case.__dict__, "dtype": args.dtype})
             refusal = _refusal(name, case)
-            if refusal is not None:
-                print(f"{name:<18} {case_name:<22} {'-':>11} declared unsupported: {refusal}")
-                continue
-            errors = compare(name, case)
-            worst = max(errors, key=errors.get)
-            ok = errors[worst] <= tolerance
-            failures += not ok
-            print(_row(name, case_name, errors[worst], worst, _fwd_bwd_seconds(name, case), ok), flush=True)
-    print(f"{len(names)} implementations x {len(CASES)} cases: {'all match' if not failures else f'{failures} MISMATCHES'}")
-    return 1 if failures else 0
+            if refusal is None:
+                errors = compare(name, case)
+                worst = max(errors, key=errors.get)
+                ok = errors[worst] <= tolerance
+                counts["matched" if ok else "mismatched"] += 1
+                line = _row(name, case_name, errors[worst], worst, _fwd_bwd_seconds(name, case), ok)
+            else:
+                counts["unsupported"] += 1
+                line = f"{name:<18} {case_name:<22} {'-':>11} declared unsupported: {refusal}"
+            done = sum(counts.values())
+            print(f"{line}  {_eta(done, total, time.perf_counter() - start)}", flush=True)
+    print(f"{len(names)} implementations x {len(CASES)} cases: {counts['matched']} matched, "
+          f"{counts['mismatched']} mismatched, {counts['unsupported']} declared unsupported (not run)")
+    return 1 if counts["mismatched"] else 0

@@ -45,13 +45,9 @@ With `emit_states` the kernel also writes S entering every chunk ([N, K, BV]): t
 backward recomputes them with `emit_output=False` instead of keeping them from the
 forward (residual memory stays O(T·(K + V)) per head).
 
-Validation so far: run on CPU in Pallas interpret mode against the reference (tests); the
-Triton lowering is checked on CPU (`lower(lowering_platforms=("cuda",))`, tests), and the
-Triton IR it produces was compiled for sm_90 without a GPU by Triton 3.6's compiler and
-ptxas (`benchmarks/gpu_bench.py offline`: registers, spills, shared memory). It has not
-run on a GPU yet; `benchmarks/gpu.sh` is the prepared run. Packed input adds a [3, N]
-int32 table (sequence, first, last per chunk): a sequence's first chunk starts from its
-initial state, its last chunk writes its final state.
+Packed input adds a [3, N] int32 table (`varlen.ChunkOwners.table()`: sequence, first,
+last per chunk): a sequence's first chunk starts from its initial state, its last chunk
+writes its final state.
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ from jax.experimental import pallas as pl
 from ._common import (
     F32,
     Gate,
-    Static,
+    TritonCall,
     anchor_before,
     causal_mask,
     col_index,
@@ -119,17 +115,17 @@ def _key_sub_block(refs, base, p, S, *, C: int, c: int, dtype):
     return o + mm(P, v_s, dtype)
 
 
-def _forward_kernel(*refs, static: Static, varlen: bool, emit_output: bool, emit_states: bool):
+def _forward_kernel(*refs, static: TritonCall, varlen: bool, emit_output: bool, emit_states: bool):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
-    a_ref = rest.pop(0) if gate is not Gate.NONE else None
+    a_ref = rest.pop(0) if gate is not None else None
     meta_ref = rest.pop(0) if varlen else None
     h0_ref, *outs = rest
     o_ref = outs.pop(0) if emit_output else None
     hT_ref = outs.pop(0)
     states_ref = outs.pop(0) if emit_states else None
 
-    C, c = static.blocks.chunk, static.blocks.sub
+    C, c = static.tiles.chunk, static.tiles.sub
     Tp, K = q_ref.shape
     dtype = q_ref.dtype
 
@@ -181,7 +177,7 @@ def _forward_kernel(*refs, static: Static, varlen: bool, emit_output: bool, emit
 
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
-def chunk_forward(q, k, v, a, h0, meta=None, *, static: Static, emit_output: bool = True, emit_states: bool = False):
+def chunk_forward(q, k, v, a, h0, meta=None, *, static: TritonCall, emit_output: bool = True, emit_states: bool = False):
     """Run the forward kernel.
 
     **Arguments:**
@@ -201,7 +197,7 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: Static, emit_output: boo
     V = v.shape[-1]
     R = h0.shape[0]
     BV = static.block_v(V)
-    N = Tp // static.blocks.chunk
+    N = Tp // static.tiles.chunk
     specs = specs_for(B, H, V // BV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
     state_spec = specs["state"](K, BV) if meta is None else specs["seq_states"](R, K, BV)

@@ -1,0 +1,87 @@
+"""Tile sizes of the XLA chunk algorithm, and the defaults per backend.
+
+| symbol | meaning                                                             |
+|--------|---------------------------------------------------------------------|
+| C      | chunk size: one K×V state is materialised per chunk                 |
+| c      | leaf size of the per-channel decay ladder                           |
+| P      | chunks per step of the state scan                                   |
+
+This is where the XLA chunk algorithm's tiling is changed. It applies wherever `chunk` runs
+(it is also the fallback when an accelerator kernel refuses a call); the Pallas kernels
+have their own tiles in `recurrax/kernels/*/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..registry import current_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static tile sizes of the chunk algorithm.
+
+    **Arguments:**
+    - `chunk_size`: tokens per chunk C; the state is materialised once per chunk.
+    - `leaf_size`: leaf block c of the per-channel decay ladder: diagonal blocks of c
+      tokens are evaluated element-wise (C / c must be a power of two).
+    - `chunks_per_step`: chunks P handled by one step of the state scan (their intra-chunk
+      work is batched; a larger P amortises per-operation overhead, a smaller P keeps a
+      step's working set in cache).
+    """
+
+    chunk_size: int
+    leaf_size: int
+    chunks_per_step: int
+
+    def check(self) -> None:
+        C, c = self.chunk_size, self.leaf_size
+        for name in ("chunk_size", "leaf_size", "chunks_per_step"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
+        ratio = C // c
+        if C % c or ratio & (ratio - 1):
+            raise ValueError(f"chunk_size must be leaf_size times a power of two, got chunk_size={C}, leaf_size={c}")
+
+    def fitted(self, seq_len: int) -> Tiling:
+        """Smaller tiles for a short sequence: halve C while it fits in half a chunk (C / c
+        stays a power of two), then fit the chunks per step to the chunk count."""
+        size = self.chunk_size
+        while size // 2 >= max(seq_len, self.leaf_size):
+            size //= 2
+        return Tiling(size, min(self.leaf_size, size), self.steps_for(-(-seq_len // size)))
+
+    def steps_for(self, num_chunks: int) -> int:
+        """Chunks per step for `num_chunks` chunks: the largest P' ≤ P whose padding of the
+        chunk count to a multiple of P' wastes at most an eighth (P' = 1 never pads)."""
+        for per_step in range(min(self.chunks_per_step, num_chunks), 0, -1):
+            padded = -(-num_chunks // per_step) * per_step
+            if 8 * (padded - num_chunks) <= padded:
+                return per_step
+        return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendTiling:
+    """A backend's default tilings: `scalar_decays` when no per-channel decay is present
+    (the intra-chunk product is a masked matmul), `channel_decays` otherwise (the ladder)."""
+
+    scalar_decays: Tiling
+    channel_decays: Tiling
+
+
+_SWEPT_ON_CPU = BackendTiling(scalar_decays=Tiling(64, 1, 8), channel_decays=Tiling(32, 1, 4))
+
+DEFAULT_TILING = {"cpu": _SWEPT_ON_CPU, "gpu": _SWEPT_ON_CPU, "tpu": _SWEPT_ON_CPU}
+"""Default tiling per backend. The CPU entries come from `benchmarks/chunk_sweep.py` (results
+and reasons in `benchmarks/results/chunk_sweep.md`); GPU and TPU have not been swept and reuse
+them."""
+
+
+def default_tiling(per_channel: bool, backend: str | None = None) -> Tiling:
+    """The default tiling for a problem with (or without) per-channel decays on `backend`
+    (default: the current one)."""
+    table = DEFAULT_TILING.get(backend or current_backend(), DEFAULT_TILING["cpu"])
+    return table.channel_decays if per_channel else table.scalar_decays

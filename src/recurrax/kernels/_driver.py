@@ -1,0 +1,214 @@
+"""The Pallas chunk algorithm as one differentiable function of the canonical `Problem`,
+for any backend's kernels (`ChunkKernels`: Triton today; Mosaic GPU and TPU beside it).
+
+| symbol | meaning                                                              |
+|--------|----------------------------------------------------------------------|
+| B, H   | batch rows, heads                                                    |
+| T, Tp  | tokens, tokens padded to a multiple of the chunk C                   |
+| K, V   | key/query and value head dimensions                                  |
+| g      | the key-side log decay the kernels see: [B, Tp, H] or [B, Tp, H, K]  |
+| B_t    | global cumulative log decay Σ_{s ≤ t} g_s (never materialised)       |
+
+Around the kernels (a backend's `forward` and `backward`), plain JAX does what autodiff handles
+well: folding the per-head decay into a per-channel one when both are present, reversing
+the token axis for `reverse=True`, zero-padding T to a multiple of C (padded tokens have
+q = k = v = 0 and g = 0, so they leave the state unchanged), and casting.
+
+**Gate gradients without stored states.** Write h_t = e^{B_t} ⊙ (h_{-1} + Σ_{j ≤ t}
+(k_j ⊙ e^{−B_j}) v_jᵀ) and o_t = scale · (q_t ⊙ e^{B_t})ᵀ (…). Treating every B_t as a free
+variable, B_t enters only through q̃_t = q_t ⊙ e^{B_t}, k̃_t = k_t ⊙ e^{−B_t} and, for the
+last token, through the final state h_T = e^{B_T} ⊙ (…). Since ∂L/∂q_t = e^{B_t} ⊙ ∂L/∂q̃_t
+and ∂L/∂k_t = e^{−B_t} ⊙ ∂L/∂k̃_t:
+
+    dB_t := ∂L/∂B_t = q_t ⊙ dq_t − k_t ⊙ dk_t  (+ Σ_V h_T ⊙ dh_T on the last token)   [K]
+
+and because B_s = Σ_{t ≤ s} g_t, dg_t = Σ_{s ≥ t} dB_s, a reverse cumulative sum.
+
+That sum, taken over the whole sequence, adds O(1) terms that cancel to a much smaller
+result, so the rounding of dq and dk (bf16 matmul operands) grows with T. It is cut at
+chunk boundaries instead: for t in chunk n, whose last token is m − 1,
+
+    dg_t = Σ_{t ≤ s < m} dB_s  +  Σ_V S_m ⊙ dS_m
+
+because Σ_{s ≥ m} dB_s is the derivative of shifting B_s by the same δ for every s ≥ m,
+which multiplies every pair (j < m ≤ i) and the initial state's contribution after m by
+e^δ, i.e. scales the state S_m leaving chunk n (as later tokens see it) by e^δ; its
+derivative is Σ_V S_m ⊙ dS_m with dS_m the gradient the backward kernel carries there
+(for the last chunk: h_T ⊙ dh_T, the final-state term). The kernel writes that
+"boundary" term per chunk; only sums of at most C terms are left to cancel. A per-head
+decay sums the K channels. Everything else (the gradient of g_gamma, of grouped heads,
+of the flip and the padding) is JAX's autodiff of the normalisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import varlen
+from ..problem import Gate, Problem
+
+F32 = jnp.float32
+
+
+class ChunkKernels(Protocol):
+    """What a Pallas backend provides: its forward and backward chunk kernels (hashable).
+
+    Both take token-major `[B, Tp, H, ·]` inputs with Tp a multiple of `chunk`, the
+    chunk-local cumulative key-side log decay `a` (float32 `[B, Tp, H]` for `Gate.HEAD`,
+    `[B, Tp, H, K]` for `Gate.KEY`, None without decay), and for packed input the `[3, M]`
+    int32 table of `varlen.ChunkOwners.table()` (else None).
+
+    - `forward(q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states)` returns a
+      list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V] float32, and
+      the states entering every chunk [B, H, N, K, V] float32 if `emit_states`.
+    - `backward(q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate)` returns
+      `(dq, dk, dv, dh0, boundary)`, float32: dq and dk with respect to q and k, and
+      `boundary` [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk (None without decay).
+    """
+
+    chunk: int
+
+    def forward(self, q, k, v, a, h0, table, *, scale: float, gate: Gate | None, emit_output: bool, emit_states: bool) -> list: ...
+
+    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale: float, gate: Gate | None) -> tuple: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """Static configuration of one call (the custom_vjp's non-differentiable argument)."""
+
+    scale: float
+    gate: Gate | None
+    kernels: Any  # a ChunkKernels
+
+    def forward(self, q, k, v, a, h0, table, **emit):
+        return self.kernels.forward(q, k, v, a, h0, table, scale=self.scale, gate=self.gate, **emit)
+
+    def backward(self, *args):
+        return self.kernels.backward(*args, scale=self.scale, gate=self.gate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk(call: KernelCall, q, k, v, g, h0, table, empty):
+    """(o [B, Tp, H, V], h_T [R, H, K, V]) for padded, forward-ordered inputs.
+
+    `table` ([3, M] int32) and `empty` ([R] bool) describe packed input in the chunk-aligned
+    layout (None when dense): sequences without tokens keep their initial state.
+    """
+    (o, h_T), _ = _chunk_fwd(call, q, k, v, g, h0, table, empty)
+    return o, h_T
+
+
+def _operands(q, k, v):
+    """k and v in q's dtype: grouped heads arrive expanded in float32 (`problem._expand_heads`),
+    the kernels read one operand dtype; their gradients still leave in k's and v's dtype."""
+    return q, k.astype(q.dtype), v.astype(q.dtype)
+
+
+def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
+    a = None if g is None else chunk_local_cumsum(g, call.kernels.chunk)
+    o, h_T = call.forward(*_operands(q, k, v), a, h0, table, emit_output=True, emit_states=False)
+    if empty is not None:
+        h_T = jnp.where(empty[:, None, None, None], h0, h_T)
+    return (o, h_T), (q, k, v, g, h0, h_T, table, empty)
+
+
+def _chunk_bwd(call: KernelCall, residuals, cotangents):
+    q, k, v, g, h0, h_T, table, empty = residuals
+    do, dh_T = cotangents
+    a = None if g is None else chunk_local_cumsum(g, call.kernels.chunk)
+    operands = _operands(q, k, v)
+    _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
+    dh_T = dh_T.astype(F32)
+    dq, dk, dv, dh0, boundary = call.backward(*operands, a, do.astype(q.dtype), states, h_T, dh_T, table)
+    if empty is not None:
+        dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
+    dg = None if g is None else gate_gradient(q, k, dq, dk, boundary, call).astype(g.dtype)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype))
+    return grads + (None, None)
+
+
+_chunk.defvjp(_chunk_fwd, _chunk_bwd)
+
+
+def chunk_local_cumsum(g, chunk: int):
+    """Inclusive cumulative sum of `g` [B, Tp, H(, K)] restarted at every chunk, in float32."""
+    B, Tp = g.shape[:2]
+    blocks = g.astype(F32).reshape(B, Tp // chunk, chunk, *g.shape[2:])
+    return jnp.cumsum(blocks, axis=2).reshape(g.shape)
+
+
+def gate_gradient(q, k, dq, dk, boundary, call: KernelCall):
+    """dg by the chunk-local reverse-cumsum identity (module docstring).
+
+    **Arguments:** `q`, `k` [B, Tp, H, K]; `dq`, `dk` their float32 gradients; `boundary`
+    [B, H, N, K] = Σ_V S_{n+1} ⊙ dS_{n+1} per chunk. **Returns** [B, Tp, H] (per-head
+    decay) or [B, Tp, H, K] (per channel), float32.
+    """
+    B, Tp, H, K = q.shape
+    C = call.kernels.chunk
+    dB = q.astype(F32) * dq - k.astype(F32) * dk  # [B, Tp, H, K]
+    within = lax.cumsum(dB.reshape(B, Tp // C, C, H, K), axis=2, reverse=True)  # Σ_{t ≤ s < chunk end}
+    dg = (within + jnp.transpose(boundary, (0, 2, 1, 3))[:, :, None]).reshape(B, Tp, H, K)
+    return dg.sum(-1) if call.gate is Gate.HEAD else dg
+
+
+def _key_side_gate(problem: Problem) -> tuple[Gate | None, jax.Array | None]:
+    """The key-side decay form and its log decay: [B, T, H] per head, [B, T, H, K] per channel."""
+    decay = problem.key_side_decay()
+    if decay is None:
+        return None, None
+    if problem.log_decay_key is None:
+        return Gate.HEAD, decay[..., 0]
+    return Gate.KEY, decay
+
+
+def _dense(call: KernelCall, q, k, v, g, h0):
+    """[B, T, ...] rows: pad T to a multiple of C (padding leaves the state unchanged)."""
+    T, C = q.shape[1], call.kernels.chunk
+    Tp = -(-T // C) * C
+    o, h_T = _chunk(call, *(varlen.pad_tokens(x, Tp) for x in (q, k, v, g)), h0, None, None)
+    return o[:, :T], h_T
+
+
+def _packed(call: KernelCall, q, k, v, g, h0, cu_seqlens):
+    """[1, N, ...] packed sequences: the chunk-aligned layout of `recurrax.varlen` (static
+    size for a traced `cu_seqlens`), with the owners table per chunk."""
+    layout = varlen.chunk_layout(cu_seqlens, q.shape[1], call.kernels.chunk)
+    to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
+    owners = layout.owners
+    o, h_T = _chunk(call, *(to_slots(x) for x in (q, k, v, g)), h0, owners.table(), owners.empty)
+    return varlen.from_chunk_layout(o[0], layout)[None], h_T
+
+
+def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, kernels: ChunkKernels):
+    """The chunk algorithm through a backend's Pallas kernels; `(output, final_state)`.
+
+    **Arguments:**
+    - `problem`: the canonical form, without value-side decay; packed input (`cu_seqlens`)
+      runs in the chunk-aligned layout of `recurrax.varlen` (every sequence starts a chunk).
+    - `scale`, `reverse`: static configuration of the call.
+    - `kernels`: the backend's `ChunkKernels` (with its tiles).
+    """
+    if problem.log_decay_value is not None:
+        raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
+    state_dtype = problem.initial_state.dtype
+    if reverse:  # the same recurrence on the flipped token axis (and sequence order)
+        problem = problem.mirrored()
+    gate, g = _key_side_gate(problem)
+    call = KernelCall(float(scale), gate, kernels)
+    q, k, v, h0 = problem.query, problem.key, problem.value, problem.initial_state.astype(F32)
+    g = None if g is None else g.astype(F32)
+    if problem.cu_seqlens is None:
+        o, h_T = _dense(call, q, k, v, g, h0)
+    else:
+        o, h_T = _packed(call, q, k, v, g, h0, problem.cu_seqlens)
+        h_T = h_T[::-1] if reverse else h_T
+    o = jnp.flip(o, axis=1) if reverse else o
+    return o.astype(problem.query.dtype), h_T.astype(state_dtype)

@@ -1,0 +1,83 @@
+"""Pallas kernels of the chunk algorithm on Pallas's Triton backend (Ampere-class GPUs).
+
+| module       | what it holds                                                     |
+|--------------|-------------------------------------------------------------------|
+| `_forward`   | the forward kernel: outputs, final state, chunk-entry states      |
+| `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms |
+| `_common`    | `TritonTiles`, `TritonCall` and tile-level helpers                |
+| `_tiling`    | the tiles used on a GPU and in interpret mode                     |
+
+What the kernels take (`SUPPORT`, fail-closed; anything else falls back to XLA `chunk`):
+float32 / bfloat16 / float16 inputs; no decay, per-head decay (`g` per head, `g_gamma`),
+per-key-channel decay (`g` per channel, `gk`) and their combinations; any T (padded to
+the chunk); packed variable-length input; any grouped-head layout; `reverse`; initial
+states. Refused: value-side decay (`gv`), float64, and head dims that are not powers of
+two in [16, 256] (Triton tiles are power-of-two shaped and its dots need ≥ 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...problem import Gate
+from ...registry import Request, Support
+from .._driver import kernel_recurrent
+from ._backward import chunk_backward
+from ._common import TritonCall, TritonTiles
+from ._forward import chunk_forward
+from ._tiling import INTERPRET_TILES, gpu_tiles
+
+__all__ = ["SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent"]
+
+_HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
+
+
+def _head_dims(request: Request) -> str | None:
+    for name, dim in (("qk_head_dim", request.qk_head_dim), ("v_head_dim", request.v_head_dim)):
+        if dim not in _HEAD_DIMS:
+            return f"{name}={dim} is not a power of two in [16, 256]"
+    return None
+
+
+SUPPORT = Support(
+    dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    gates=frozenset({Gate.HEAD, Gate.KEY}),
+    varlen=True,
+    check=_head_dims,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernels:
+    """The Triton-backend kernels with their tiles (a `kernels._driver.ChunkKernels`)."""
+
+    tiles: TritonTiles
+    interpret: bool = False
+
+    @property
+    def chunk(self) -> int:
+        return self.tiles.chunk
+
+    def _call(self, scale, gate) -> TritonCall:
+        return TritonCall(scale, gate, self.tiles, self.interpret)
+
+    def forward(self, q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states):
+        static = self._call(scale, gate)
+        return chunk_forward(q, k, v, a, h0, table, static=static, emit_output=emit_output, emit_states=emit_states)
+
+    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate):
+        return chunk_backward(q, k, v, a, do, states, h_T, dh_T, table, static=self._call(scale, gate))
+
+
+def triton_recurrent(problem, *, scale: float, reverse: bool, tiles: TritonTiles | None = None):
+    """The chunk kernels through Pallas's Triton lowering (NVIDIA/AMD GPUs); tiles default to
+    `gpu_tiles` for the call's shape."""
+    if tiles is None:
+        B, _, H, K = problem.query.shape
+        tiles = gpu_tiles(B, H, K, problem.value.shape[-1])
+    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TritonKernels(tiles))
+
+
+def triton_interpret(problem, *, scale: float, reverse: bool, tiles: TritonTiles = INTERPRET_TILES):
+    """The same kernels in Pallas interpret mode on any backend, small tiles (tests)."""
+    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TritonKernels(tiles, interpret=True))

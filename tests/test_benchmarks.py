@@ -1,0 +1,38 @@
+"""The scripts in `benchmarks/`: the chunk work item's targets and the committed run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+targets = pytest.importorskip("targets")  # benchmarks/targets.py (needs tqdm, the `bench` extra)
+run = pytest.importorskip("run")
+MiB = targets.MiB
+Target = targets.Target
+
+
+def test_target_verdicts():
+    assert Target("mfu", "chunk", 0.12, 0.10, True, "%").verdict == "pass"
+    assert Target("mfu", "chunk", 0.08, 0.10, True, "%").verdict == "FAIL"
+    assert Target("memory", "chunk", 300 * MiB, 256 * MiB, False, "MiB").verdict == "FAIL"
+    assert Target("speed-up", "chunk", None, 10.0, True, "×").verdict == "n/a"
+    assert Target("mfu", "chunk", 0.123, 0.10, True, "%").formatted(0.123) == "12.3%"
+
+
+def test_quick_run_with_targets(tmp_path):
+    pytest.importorskip("matplotlib")
+    argv = ["--quick", "--impls", "reference", "--gates", "gk", "--seq-lens", "32",
+            "--repeats", "1", "--matmul-size", "128", "--matmul-repeats", "1",
+            "--target-impl", "reference", "--out", str(tmp_path)]
+    assert run.main(argv) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert len(report["targets"]) == 5
+    assert {t["impl"] for t in report["targets"]} == {"reference"}
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Targets" in markdown and "matmul peak" in markdown
