@@ -67,3 +67,13 @@ def test_the_reference_is_registered_for_every_float_dtype_and_gate():
     impl = next(i for i in kernel_registry.implementations() if i.name == "reference")
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         assert impl.refusal(request(dtype=dtype, gates=frozenset({"head", "key", "value"}), varlen=True)) is None
+
+
+def test_an_unavailable_implementation_says_why_when_forced():
+    registry, request = KernelRegistry(), Request("float32", frozenset(), False, "gpu", 64, 64, 128)
+    registry.register("fallback", Platform.XLA, Backend.ANY, supports=Support(frozenset({"float32"})))(lambda p, **kw: 0)
+    registry.mark_unavailable("kernel", "this JAX has no such backend")
+    assert registry.names() == ["fallback"] and registry.get(None, request).name == "fallback"
+    with pytest.raises(ValueError, match="implementation='kernel' is not available here: this JAX has no such backend"):
+        registry.get("kernel", request)
+    assert ("kernel", "not available here: this JAX has no such backend") in registry.select(request).answers

@@ -3,25 +3,45 @@ priority (with no name given, dispatch takes the highest-priority implementation
 `Support` covers the call; see `registry.py`).
 
 A new algorithm or kernel is one more row here, with its function and the `Support` it
-declares beside its code.
+declares beside its code. A row whose `unavailable()` gives a reason (a JAX without the
+Pallas backend the kernels are written for) is not registered; the registry keeps the
+reason, so forcing that name says why.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from . import chunk, reference, scan
 from .kernels import triton
 from .registry import Backend, Platform, kernel_registry
 
+
+class Row(NamedTuple):
+    name: str
+    platform: Platform
+    backend: Backend
+    priority: int
+    function: object
+    support: object
+    unavailable: object = None  # () -> reason or None
+
+
 IMPLEMENTATIONS = (
-    # name               platform          backend      priority  function                     support
-    ("pallas_gpu",       Platform.PALLAS,  Backend.GPU,  30,      triton.triton_recurrent,     triton.SUPPORT),
-    ("chunk",            Platform.XLA,     Backend.ANY,  20,      chunk.chunk_recurrent,       chunk.SUPPORT),
-    ("scan",             Platform.XLA,     Backend.ANY,  10,      scan.scan_recurrent,         scan.SUPPORT),
-    ("reference",        Platform.XLA,     Backend.ANY,   0,      reference.reference_recurrent, reference.SUPPORT),
-    ("pallas_interpret", Platform.PALLAS,  Backend.CPU, -10,      triton.triton_interpret,     triton.SUPPORT),
+    Row("pallas_gpu",       Platform.PALLAS, Backend.GPU,  30, triton.triton_recurrent,       triton.SUPPORT, triton.unavailable),
+    Row("chunk",            Platform.XLA,    Backend.ANY,  20, chunk.chunk_recurrent,         chunk.SUPPORT),
+    Row("scan",             Platform.XLA,    Backend.ANY,  10, scan.scan_recurrent,           scan.SUPPORT),
+    Row("reference",        Platform.XLA,    Backend.ANY,   0, reference.reference_recurrent, reference.SUPPORT),
+    Row("pallas_interpret", Platform.PALLAS, Backend.CPU, -10, triton.triton_interpret,       triton.SUPPORT),
 )  # fmt: skip
 """`pallas_interpret` runs the Triton kernels in Pallas interpret mode; its priority is below
 the reference's, so dispatch never picks it (tests force it by name)."""
 
-for name, platform, backend, priority, function, support in IMPLEMENTATIONS:
-    kernel_registry.register(name, platform, backend, priority=priority, supports=support)(function)
+for row in IMPLEMENTATIONS:
+    reason = row.unavailable() if row.unavailable is not None else None
+    if reason is not None:
+        kernel_registry.mark_unavailable(row.name, reason)
+        continue
+    kernel_registry.register(row.name, row.platform, row.backend, priority=row.priority, supports=row.support)(
+        row.function
+    )

@@ -150,6 +150,13 @@ class KernelRegistry:
 
     def __init__(self) -> None:
         self._implementations: dict[str, Implementation] = {}
+        self.unavailable: dict[str, str] = {}
+        """Implementations this installation cannot offer at all (e.g. a JAX without the Pallas
+        backend they are written for), with the reason; forcing one raises it."""
+
+    def mark_unavailable(self, name: str, reason: str) -> None:
+        """Record that `name` exists but cannot be registered here, and why."""
+        self.unavailable[name] = reason
 
     def register(
         self,
@@ -209,6 +216,7 @@ class KernelRegistry:
             given.pop("softmax_scale", None), given.pop("reverse", None)
             request = Request.of(Problem.create(**given))
         answers = tuple((impl.name, impl.refusal(request)) for impl in self.implementations())
+        answers += tuple((name, f"not available here: {reason}") for name, reason in self.unavailable.items())
         if implementation is not None:
             chosen = self._forced(implementation, request).name
         else:
@@ -216,6 +224,8 @@ class KernelRegistry:
         return Selection(chosen, answers)
 
     def _forced(self, name: str, request: Request) -> Implementation:
+        if name in self.unavailable:
+            raise ValueError(f"implementation={name!r} is not available here: {self.unavailable[name]}")
         if name not in self._implementations:
             raise ValueError(f"implementation must be one of {self.names()} or None, got {name!r}")
         impl = self._implementations[name]

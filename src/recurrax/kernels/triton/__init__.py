@@ -27,7 +27,7 @@ from ._common import TritonCall, TritonTiles
 from ._forward import chunk_forward
 from ._tiling import INTERPRET_TILES, gpu_tiles
 
-__all__ = ["SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent"]
+__all__ = ["SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]
 
 _HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
 
@@ -81,3 +81,12 @@ def triton_recurrent(problem, *, scale: float, reverse: bool, tiles: TritonTiles
 def triton_interpret(problem, *, scale: float, reverse: bool, tiles: TritonTiles = INTERPRET_TILES):
     """The same kernels in Pallas interpret mode on any backend, small tiles (tests)."""
     return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TritonKernels(tiles, interpret=True))
+
+
+def unavailable() -> str | None:
+    """Why this JAX cannot run these kernels (its Pallas Triton backend is gone), or None."""
+    try:
+        import jax.experimental.pallas.triton  # noqa: F401
+    except ImportError:
+        return "this JAX has no Pallas Triton backend (jax.experimental.pallas.triton); GPUs use mosaic_gpu or chunk"
+    return None
