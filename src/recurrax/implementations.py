@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import chunk, reference, scan
-from .kernels import triton
+from .kernels import tpu, triton
 from .registry import Backend, Platform, kernel_registry
 
 
@@ -29,6 +29,7 @@ class Row(NamedTuple):
 
 IMPLEMENTATIONS = (
     Row("pallas_gpu",       Platform.PALLAS, Backend.GPU,  30, triton.triton_recurrent,       triton.SUPPORT, triton.unavailable),
+    Row("pallas_tpu",       Platform.PALLAS, Backend.TPU,  30, tpu.tpu_recurrent,             tpu.SUPPORT,    tpu.unavailable),
     Row("chunk",            Platform.XLA,    Backend.ANY,  20, chunk.chunk_recurrent,         chunk.SUPPORT),
     Row("scan",             Platform.XLA,    Backend.ANY,  10, scan.scan_recurrent,           scan.SUPPORT),
     Row("reference",        Platform.XLA,    Backend.ANY,   0, reference.reference_recurrent, reference.SUPPORT),

@@ -1,0 +1,218 @@
+"""Backward Pallas TPU kernel of the chunk algorithm: dq, dk, dv, d(initial state), boundary.
+
+| symbol  | meaning                                                                   |
+|---------|---------------------------------------------------------------------------|
+| C, c    | chunk length (one grid step), sub-block length (per-channel decays)       |
+| S       | [K, BV] state entering the chunk (recomputed by the forward kernel)       |
+| dS      | [K, BV] gradient of the state leaving the chunk, VMEM scratch, float32    |
+| S⁺      | [K, BV] state leaving the chunk (S of the chunk after it, or h_T)         |
+| A_i     | chunk-local inclusive cumulative log decay; A_L the chunk's last          |
+| dP_ij   | scale · do_i · v_j, the gradient of the intra-chunk score P_ij            |
+
+The grid walks the chunks of each (row, head, value block) from last to first, carrying
+dS (initialised with the final-state cotangent) and S⁺ in VMEM. Differentiating the
+forward's chunk equations (`_forward`), with ⊙ broadcasting a decay over its axis:
+
+    dq_i = scale · (S do_i) ⊙ e^{A_i}    +  Σ_{j ≤ i} dP_ij · k_j ⊙ e^{A_i − A_j}
+    dk_j = (dS v_j) ⊙ e^{A_L − A_j}       +  Σ_{i ≥ j} dP_ij · q_i ⊙ e^{A_i − A_j}
+    dv_j = (k_j ⊙ e^{A_L − A_j})ᵀ dS     +  Σ_{i ≥ j} P_ij do_i
+    dS  ← e^{A_L} ⊙ dS  +  scale · Σ_i (q_i ⊙ e^{A_i}) do_iᵀ          (gradient entering)
+
+and at a sequence's first chunk dS is d(initial state). dq and dk contract over V, so
+each value block writes a partial sum ([nV, B, H, Tp, K]) that the wrapper adds up. The
+kernel also writes, per chunk, the boundary term Σ_V S⁺ ⊙ dS of the gate gradient
+(`recurrax.kernels._driver.gate_gradient`), as a [K, 1] column (a lane reduction; no
+transpose).
+
+**Transposes avoided.** The sums over i ≥ j are computed directly in transposed form,
+Pᵀ = k̃ q̃ᵀ and dPᵀ = v doᵀ (`a @ bᵀ` matmuls), and Σ_i q̃_i do_iᵀ reads q in the [K, C]
+layout. **Stability** as the forward: per-head decays through the masked difference
+matrix; per-channel decays through sub-blocks [p, p + c) with anchors r = p − 1 (dq
+against keys j < p) and r = p + c − 1 (dk, dv against queries i > r), both factors of
+each split ≤ 0, and the diagonal block element-wise, one key column j at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...problem import Gate
+from ._tiles import TpuCall
+from . import _tiles as tiles
+from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
+
+
+def head_chunk_bwd(q, k, qT, v, do, a_col, a_row, S, dS, *, scale, dtype):
+    """No or per-head decay: `(dq, dk, dv, dS entering)` of one chunk, float32.
+    `a_col` [C, 1], `a_row` [1, C]; no decay is A = 0 (exact: every factor is 1)."""
+    C = q.shape[0]
+    if a_col is None:
+        a_col, a_row = jnp.zeros((C, 1), F32), jnp.zeros((1, C), F32)
+    decay = exp_where(iota((C, C), 0) >= iota((C, C), 1), a_col - a_row)  # [i, j] e^{A_i − A_j}, j ≤ i
+    decay_t = exp_where(iota((C, C), 0) <= iota((C, C), 1), a_row - a_col)  # [j, i], the same transposed
+    a_last = pick_col(a_row, C - 1)  # [1, 1]
+    from_start, to_end = jnp.exp(a_col), jnp.exp(a_last - a_col)  # [C, 1] e^{A_i}, e^{A_L − A_j}
+    dP = scale * mm_nt(do, v, dtype) * decay  # [i, j]
+    dP_t = scale * mm_nt(v, do, dtype) * decay_t  # [j, i]
+    P_t = scale * mm_nt(k, q, dtype) * decay_t  # [j, i]
+    dq = mm(dP, k, dtype) + scale * mm_nt(do, S, dtype) * from_start
+    dk = mm(dP_t, q, dtype) + mm_nt(v, dS, dtype) * to_end
+    dv = mm(P_t, do, dtype) + mm(k * to_end, dS, dtype)
+    dS_entering = jnp.exp(a_last) * dS + scale * mm(qT * jnp.exp(a_row), do, dtype)  # qT [K, C]
+    return dq, dk, dv, dS_entering
+
+
+def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale):
+    """Add the exact diagonal block of sub-block [p, p + c) to its (dq, dk, dv), one key
+    column j at a time; `dP_s` [c, C] = scale · do_s vᵀ for the sub-block's queries."""
+    c = q_s.shape[0]
+
+    def column(j, carry):
+        dq, dk, dv = carry
+        k_j, a_j = pick_row(k_s, j), pick_row(a_s, j)  # [1, K]
+        E_j = exp_where(iota(q_s.shape, 0) >= j, a_s - a_j)  # [c, K] e^{A_i − A_j}, i ≥ j
+        qE = q_s * E_j
+        P_j = scale * jnp.sum(qE * k_j, axis=1, keepdims=True)  # [c, 1] = P[:, j]
+        dP_j = pick_col(dP_s, p + j)  # [c, 1] = dP[:, j]
+        is_j = iota(dk.shape, 0) == j
+        dk = jnp.where(is_j, dk + jnp.sum(dP_j * qE, axis=0, keepdims=True), dk)
+        is_j = iota(dv.shape, 0) == j
+        dv = jnp.where(is_j, dv + jnp.sum(P_j * do_s, axis=0, keepdims=True), dv)
+        return dq + dP_j * k_j * E_j, dk, dv
+
+    return lax.fori_loop(jnp.int32(0), jnp.int32(c), column, (dq, dk, dv))  # int32 under x64 too
+
+
+def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, dtype):
+    """Per-channel decay: (dq, dk, dv) of rows [p, p + c), float32."""
+    C, K = q.shape
+    q_s, k_s, v_s, do_s, a_s = (x[p : p + c] for x in (q, k, v, do, a))
+    dP_s = scale * mm_nt(do_s, v, dtype)  # [c, C]
+    dq = scale * mm_nt(do_s, S, dtype) * jnp.exp(a_s)  # from the state entering the chunk
+    to_end = jnp.exp(a_last - a_s)  # [c, K]
+    dk = mm_nt(v_s, dS, dtype) * to_end  # from the state leaving the chunk
+    dv = mm(k_s * to_end, dS, dtype)
+    if p > 0:  # keys j < p, anchored at r = p − 1
+        a_r = pick_row(a, p - 1)
+        k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for j ≥ p
+        dq += mm(dP_s, k_anchor, dtype) * jnp.exp(a_s - a_r)
+    if p + c < C:  # queries i > r = p + c − 1, anchored at r
+        a_r = pick_row(a, p + c - 1)
+        q_hat = q * exp_where(iota((C, K), 0) > p + c - 1, a - a_r)  # [C, K]; 0 for i ≤ r
+        k_factor = jnp.exp(a_r - a_s)  # [c, K] e^{A_r − A_j}
+        P_t = scale * mm_nt(k_s * k_factor, q_hat, dtype)  # [c, C] = Pᵀ rows j
+        dP_t = scale * mm_nt(v_s, do, dtype)  # [c, C]
+        dk += k_factor * mm(dP_t, q_hat, dtype)
+        dv += mm(P_t, do, dtype)
+    return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale)
+
+
+def _backward_kernel(*refs, static: TpuCall, specs: tiles.Specs):
+    refs = list(refs)
+    meta_ref = refs.pop(0) if specs.varlen else None
+    q_ref, k_ref, qT_ref, v_ref = refs[:4]
+    del refs[:4]
+    has_decay = static.gate is not None
+    a_ref, aT_ref = [refs.pop(0) for _ in range(2)] if has_decay else (None, None)
+    do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = refs[:8]
+    del refs[:8]
+    boundary_ref = refs.pop(0) if has_decay else None
+    dS_ref, after_ref = refs
+
+    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    dtype, scale = tiles.matmul_dtype(q_ref.dtype), static.scale
+
+    @pl.when(step0)
+    def _():  # packed input: chunks owned by no sequence see zeros, not garbage
+        dS_ref[...] = jnp.zeros(dS_ref.shape, F32)
+        after_ref[...] = jnp.zeros(after_ref.shape, F32)
+
+    @pl.when(last)
+    def _():
+        dS_ref[...] = dhT_ref[...].astype(F32)
+        after_ref[...] = hT_ref[...].astype(F32)
+
+    S, dS = states_ref[...], dS_ref[...]
+    if boundary_ref is not None:
+        boundary_ref[...] = jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1]
+    q, k, qT, v, do = (tiles.f32(r) for r in (q_ref, k_ref, qT_ref, v_ref, do_ref))
+    a = None if a_ref is None else tiles.f32(a_ref)
+    aT = None if aT_ref is None else tiles.f32(aT_ref)
+    if static.gate is Gate.KEY:
+        C, c = q.shape[0], static.tiles.sub
+        a_last = pick_row(a, C - 1)  # [1, K]
+        for p in range(0, C, c):
+            dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype)
+            dq_ref[p : p + c, :] = dq
+            dk_ref[p : p + c, :] = dk
+            dv_ref[p : p + c, :] = dv
+        aT_last = pick_col(aT, C - 1)  # [K, 1]
+        dS_entering = jnp.exp(aT_last) * dS + scale * mm(qT * jnp.exp(aT), do, dtype)
+    else:
+        dq, dk, dv, dS_entering = head_chunk_bwd(q, k, qT, v, do, a, aT, S, dS, scale=scale, dtype=dtype)
+        dq_ref[...], dk_ref[...], dv_ref[...] = dq, dk, dv
+    dS_ref[...] = dS_entering
+    after_ref[...] = S
+
+    @pl.when(first)
+    def _():
+        dh0_ref[...] = dS_entering.astype(dh0_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: TpuCall):
+    """Run the backward kernel (same contract as the Triton kernels' `chunk_backward`; `kernels/_driver.py`).
+
+    **Arguments:**
+    - `q`, `k`, `v`, `a`, `meta`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
+    - `states`: [B, H, N, K, V] float32, the state entering every chunk.
+    - `h_T`, `dh_T`: [R, H, K, V] float32, the final states and their cotangents.
+
+    **Returns:** `(dq, dk, dv, dh0, boundary)`: dq and dk [B, Tp, H, K] float32 (summed
+    over value blocks), dv [B, Tp, H, V] float32, dh0 [R, H, K, V] float32 (packed: written
+    only for sequences that own a chunk), and (with a decay, else None) boundary
+    [B, H, N, K] float32: Σ_V S ⊙ dS for the state leaving each chunk.
+    """
+    kdt = tiles.kernel_dtype(q.dtype)
+    q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
+    s = tiles.shapes_of(q, v, static)
+    tiles.check_tiles(s, static, kdt)
+    specs = tiles.Specs(s, backward=True, varlen=meta is not None)
+    R = h_T.shape[0]
+    has_decay = static.gate is not None
+
+    inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(q), tiles.head_major(v)]
+    in_specs = [specs.rows(s.K), specs.rows(s.K), specs.cols(s.K), specs.rows_v()]
+    inputs += tiles.decay_layouts(a, static.gate)
+    in_specs += specs.decay(static.gate)
+    inputs += [tiles.head_major(do), states, h_T.astype(F32), dh_T.astype(F32)]
+    in_specs += [specs.rows_v(), specs.chunk_states(), specs.state(), specs.state()]
+
+    out_specs = [specs.partial_rows(), specs.partial_rows(), specs.rows_v(), specs.state()]
+    out_shape = [
+        jax.ShapeDtypeStruct((s.nV, s.B, s.H, s.Tp, s.K), F32),
+        jax.ShapeDtypeStruct((s.nV, s.B, s.H, s.Tp, s.K), F32),
+        jax.ShapeDtypeStruct((s.B, s.H, s.Tp, s.V), F32),
+        jax.ShapeDtypeStruct((R, s.H, s.K, s.V), F32),
+    ]
+    if has_decay:
+        out_specs.append(specs.partial_column())
+        out_shape.append(jax.ShapeDtypeStruct((s.nV, s.B, s.H, s.N, s.K, 1), F32))
+    scratch = [pltpu.VMEM((s.K, s.BV), F32), pltpu.VMEM((s.K, s.BV), F32)]  # dS, S⁺
+    dq, dk, dv, dh0, *boundary = pl.pallas_call(
+        functools.partial(_backward_kernel, static=static, specs=specs),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),
+        out_shape=out_shape,
+        compiler_params=tiles.compiler_params(static),
+        interpret=tiles.interpret_mode(static),
+        name="recurrax_tpu_chunk_bwd",
+    )(*(([meta] if meta is not None else []) + inputs))
+    dq, dk = (tiles.token_major(x.sum(0)) for x in (dq, dk))
+    boundary = boundary[0].sum(0)[..., 0] if boundary else None
+    return dq, dk, tiles.token_major(dv), dh0, boundary

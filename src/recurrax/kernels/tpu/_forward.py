@@ -1,0 +1,214 @@
+"""Forward Pallas TPU kernel of the chunk algorithm: outputs, final states, chunk states.
+
+| symbol  | meaning                                                                 |
+|---------|-------------------------------------------------------------------------|
+| C, c    | chunk length (one grid step), sub-block length (per-channel decays)     |
+| S       | [K, BV] float32 state entering the chunk, a VMEM scratch across steps   |
+| A_i     | chunk-local inclusive cumulative log decay Σ_{s ≤ i} a_s; A_L the last  |
+| p, r    | first row of a query sub-block and its anchor r = p − 1                 |
+
+One grid step is one chunk of one (row, head, value block). With ⊙ broadcasting a decay
+over the axis it belongs to (everything for a per-head scalar, K for per-channel):
+
+    o_i  = scale · [ (q_i ⊙ e^{A_i})ᵀ S  +  Σ_{j ≤ i} P_ij v_j ],  P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk}
+    S'   = e^{A_L} ⊙ S  +  Σ_j (k_j ⊙ e^{A_L − A_j}) v_jᵀ
+
+Every exponential that is evaluated has a non-positive exponent for gates ≤ 0:
+A_i, A_L − A_j (j ≤ L) and A_i − A_j (j ≤ i) are sums of gates.
+
+* Per-head decay: P = (q kᵀ) ⊙ D with D_ij = e^{A_i − A_j} masked to j ≤ i before the
+  exponential, formed from the column [C, 1] and row [1, C] copies of A.
+* Per-channel decay: the decay sits inside the contraction over k. For query rows
+  [p, p + c) and keys j < p it splits at r = p − 1, e^{A_i − A_j} = e^{A_i − A_r}·e^{A_r − A_j},
+  both factors ≤ 0 (i > r ≥ j); keys j ≥ p are zeroed before the exponential. The keys
+  j ∈ [p, p + c) have no safe anchor: their scores are computed element-wise, one key
+  column at a time, P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk} (masked to j ≤ i), and written
+  into the same [c, C] score tile, so one [c, C]·[C, BV] matmul takes all keys.
+
+The state update S' needs kᵀ v, a contraction over tokens: it reads k (and a per-channel
+A) in the transposed [K, C] layout, so every matmul is `a @ b` or `a @ bᵀ` (`_tiles`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...problem import Gate
+from ._tiles import TpuCall
+from . import _tiles as tiles
+from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
+
+
+def head_chunk(q, k, kT, v, a_col, a_row, S, *, scale, dtype, emit_output: bool = True):
+    """No or per-head decay: `(o [C, BV] or None, S' [K, BV])`, float32; `a_col` [C, 1],
+    `a_row` [1, C] (None without decay)."""
+    C = k.shape[0]
+    causal = iota((C, C), 0) >= iota((C, C), 1)
+    if a_col is None:
+        o = None
+        if emit_output:
+            scores = jnp.where(causal, mm_nt(q, k, dtype), 0.0)  # [C, C]
+            o = scale * (mm(q, S, dtype) + mm(scores, v, dtype))
+        return o, S + mm(kT, v, dtype)
+    a_last = pick_col(a_row, C - 1)  # [1, 1]
+    o = None
+    if emit_output:
+        decay = exp_where(causal, a_col - a_row)  # [C, C] e^{A_i − A_j}, j ≤ i
+        scores = mm_nt(q, k, dtype) * decay
+        o = scale * (mm(q * jnp.exp(a_col), S, dtype) + mm(scores, v, dtype))
+    kT_to_end = kT * jnp.exp(a_last - a_row)  # [K, C] k_j ⊙ e^{A_L − A_j}
+    return o, jnp.exp(a_last) * S + mm(kT_to_end, v, dtype)
+
+
+def diagonal_scores(q_s, k_s, a_s, scores, p: int):
+    """Write the exact scores of keys [p, p + c) against queries [p, p + c) into columns
+    p … p + c − 1 of the [c, C] `scores`, one key column j at a time:
+    P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk} for i ≥ j, 0 for i < j."""
+    c = q_s.shape[0]
+
+    def column(j, scores):
+        k_j, a_j = pick_row(k_s, j), pick_row(a_s, j)  # [1, K]
+        E_j = exp_where(iota(q_s.shape, 0) >= j, a_s - a_j)  # [c, K]
+        P_j = jnp.sum(q_s * k_j * E_j, axis=1, keepdims=True)  # [c, 1]
+        return jnp.where(iota(scores.shape, 1) == p + j, P_j, scores)
+
+    return lax.fori_loop(jnp.int32(0), jnp.int32(c), column, scores)  # int32 under x64 too
+
+
+def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype):
+    """Per-channel decay: unscaled outputs of query rows [p, p + c), [c, BV] float32."""
+    C, K = k.shape
+    q_s, a_s = q[p : p + c], a[p : p + c]
+    o = mm(q_s * jnp.exp(a_s), S, dtype)  # from the state entering the chunk
+    scores = jnp.zeros((c, C), F32)
+    if p > 0:  # keys j < p, anchored at r = p − 1
+        a_r = pick_row(a, p - 1)  # [1, K]
+        k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for j ≥ p
+        scores = mm_nt(q_s * jnp.exp(a_s - a_r), k_anchor, dtype)  # [c, C]
+    scores = diagonal_scores(q_s, k[p : p + c], a_s, scores, p)
+    return o + mm(scores, v, dtype)
+
+
+def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, scale, dtype):
+    """Per-channel decay: writes o (when `o_ref` is given) sub-block by sub-block; returns
+    S' [K, BV] float32."""
+    C = k.shape[0]
+    if o_ref is not None:
+        for p in range(0, C, c):
+            o_s = key_sub_block(q, k, v, a, S, p, c, dtype=dtype)
+            o_ref[p : p + c, :] = (scale * o_s).astype(o_ref.dtype)
+    a_last = pick_col(aT, C - 1)  # [K, 1]
+    return jnp.exp(a_last) * S + mm(kT * jnp.exp(a_last - aT), v, dtype)
+
+
+def _forward_kernel(*refs, static: TpuCall, specs: tiles.Specs, emit_output: bool, emit_states: bool):
+    refs = list(refs)
+    meta_ref = refs.pop(0) if specs.varlen else None
+    q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
+    k_ref, kT_ref, v_ref = refs[:3]
+    del refs[:3]
+    decay_refs = [refs.pop(0) for _ in range(2)] if static.gate is not None else [None, None]
+    h0_ref = refs.pop(0)
+    o_ref = refs.pop(0) if emit_output else None
+    hT_ref = refs.pop(0)
+    states_ref = refs.pop(0) if emit_states else None
+    (S_ref,) = refs
+
+    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    dtype = tiles.matmul_dtype(k_ref.dtype)
+
+    @pl.when(step0)
+    def _():  # packed input: chunks owned by no sequence start from zeros, not garbage
+        S_ref[...] = jnp.zeros(S_ref.shape, F32)
+
+    @pl.when(first)
+    def _():
+        S_ref[...] = h0_ref[...].astype(F32)
+
+    S = S_ref[...]
+    if emit_states:
+        states_ref[...] = S
+    q = None if q_ref is None else tiles.f32(q_ref)
+    k, kT, v = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref))
+    a_ref, aT_ref = decay_refs
+    a = None if a_ref is None else tiles.f32(a_ref)
+    aT = None if aT_ref is None else tiles.f32(aT_ref)
+    if static.gate is Gate.KEY:
+        c = static.tiles.sub
+        S_next = key_chunk(q, k, kT, v, a, aT, S, o_ref, c=c, scale=static.scale, dtype=dtype)
+    else:
+        o, S_next = head_chunk(q, k, kT, v, a, aT, S, scale=static.scale, dtype=dtype, emit_output=emit_output)
+        if emit_output:
+            o_ref[...] = o.astype(o_ref.dtype)
+    S_ref[...] = S_next
+
+    @pl.when(last)
+    def _():
+        hT_ref[...] = S_next.astype(hT_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
+def chunk_forward(q, k, v, a, h0, meta=None, *, static: TpuCall, emit_output: bool = True, emit_states: bool = False):
+    """Run the forward kernel (same contract as the Triton kernels' `chunk_forward`; `kernels/_driver.py`).
+
+    **Arguments:**
+    - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; Tp a multiple of the chunk.
+    - `a`: chunk-local cumulative log decay, float32 [B, Tp, H] (per head) or [B, Tp, H, K]
+      (per channel), or None, matching `static.gate`.
+    - `h0`: [R, H, K, V] float32 initial states: R = B, or S sequences when packed.
+    - `meta`: None, or for packed input (B = 1, chunk-aligned layout) int32 [3, N]: per
+      chunk its sequence, whether it is that sequence's first chunk, and its last.
+    - `emit_output`, `emit_states`: which outputs to produce.
+
+    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V]
+    float32 (packed: written only for sequences that own a chunk), and `states`
+    [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
+    """
+    out_dtype = q.dtype
+    kdt = tiles.kernel_dtype(q.dtype)
+    q, k, v = (x.astype(kdt) for x in (q, k, v))
+    s = tiles.shapes_of(q, v, static)
+    tiles.check_tiles(s, static, kdt)
+    specs = tiles.Specs(s, backward=False, varlen=meta is not None)
+    R = h0.shape[0]
+
+    inputs = [tiles.head_major(q)] if emit_output else []
+    in_specs = [specs.rows(s.K)] if emit_output else []
+    inputs += [tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v)]
+    in_specs += [specs.rows(s.K), specs.cols(s.K), specs.rows_v()]
+    inputs += tiles.decay_layouts(a, static.gate)
+    in_specs += specs.decay(static.gate)
+    inputs.append(h0.astype(F32))
+    in_specs.append(specs.state())
+
+    out_specs, out_shape = [], []
+    if emit_output:
+        out_specs.append(specs.rows_v())
+        out_shape.append(jax.ShapeDtypeStruct((s.B, s.H, s.Tp, s.V), kdt))
+    out_specs.append(specs.state())
+    out_shape.append(jax.ShapeDtypeStruct((R, s.H, s.K, s.V), F32))
+    if emit_states:
+        out_specs.append(specs.chunk_states())
+        out_shape.append(jax.ShapeDtypeStruct((s.B, s.H, s.N, s.K, s.V), F32))
+
+    kernel = functools.partial(
+        _forward_kernel, static=static, specs=specs, emit_output=emit_output, emit_states=emit_states
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        out_shape=out_shape,
+        compiler_params=tiles.compiler_params(static),
+        interpret=tiles.interpret_mode(static),
+        name="recurrax_tpu_chunk_fwd" if emit_output else "recurrax_tpu_chunk_states",
+    )(*(([meta] if meta is not None else []) + inputs))
+    outs = list(outs)
+    if emit_output:
+        outs[0] = tiles.token_major(outs[0]).astype(out_dtype)
+    return outs

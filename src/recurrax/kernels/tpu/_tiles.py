@@ -1,0 +1,316 @@
+"""Head-major layouts, Mosaic-legal BlockSpecs and tile maths shared by the TPU kernels.
+
+| symbol | meaning                                                               |
+|--------|-----------------------------------------------------------------------|
+| B, H   | batch rows, heads (grouped heads already expanded)                    |
+| Tp, N  | tokens padded to a multiple of C; chunks per row, N = Tp / C          |
+| K, V   | key/query and value head dimensions                                   |
+| C, c   | chunk length (one grid step), sub-block length (per-channel decays)   |
+| BV     | value columns of one program, V or a multiple of 128; nV = V / BV     |
+| A      | chunk-local inclusive cumulative log decay, float32                   |
+
+**Layout.** The driver's arrays are token-major, [B, Tp, H, D]. A block over one head of
+that layout has a squeezed head axis in the second-minor position, which Mosaic's (8, 128)
+tiling refuses. The wrappers therefore transpose once, outside the kernels, to head-major
+[B, H, Tp, D], whose [C, D] blocks are legal when C is a multiple of 8 (16 for 16-bit
+types) and D is the whole head dimension.
+
+**No transposed matmul operand, no unaligned slice inside a kernel.** Only `a @ b` and `a @ bᵀ` are used (the
+two forms JAX's own TPU attention kernels use). The chunk-state updates need `kᵀ v` and
+`qᵀ do`, contractions over the token axis, so k and q (and a per-channel decay) are also
+passed transposed, [B, H, D, Tp], as [D, C] blocks: legal when C is a multiple of 128 or
+the whole padded length. A per-head decay comes both as a column [B, H, Tp, 1] (scales
+rows) and a row [B, H, 1, Tp] (scales columns), so the [C, C] decay matrix is a plain
+broadcast difference. Products whose natural form has a transposed operand are computed
+transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or columns (an
+anchor, the chunk's last decay) are taken by masked sums (`pick_row`, `pick_col`), and
+sub-block slices start at multiples of c = 16, so no slice needs a sublane shift.
+
+**Grid.** (b, h, value block j, chunk n), the chunk axis last and sequential ("arbitrary"):
+the state lives in a VMEM scratch across it, so VMEM use does not grow with T. The
+backward walks the chunks backwards by its index maps. Packed input hands the [3, N]
+(sequence, first, last) table to the kernels as a scalar-prefetch operand in SMEM, which
+the index maps of the per-sequence states read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...problem import Gate
+
+F32 = jnp.float32
+LANES, SUBLANES = 128, 8
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTiles:
+    """Tile sizes of the TPU kernels: chunk C (a multiple of 128: transposed [K, C] blocks),
+    sub-block c for per-channel decays, value block BV (clipped to V)."""
+
+    chunk: int = 128
+    sub: int = 16
+    block_v: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuCall:
+    """Static configuration of one kernel call: the scale, the key-side decay form (`None`,
+    `Gate.HEAD` or `Gate.KEY`), the tiles, and whether to run in TPU interpret mode."""
+
+    scale: float
+    gate: Gate | None
+    tiles: TpuTiles
+    interpret: bool
+
+
+def interpret_mode(static: TpuCall):
+    """The `interpret=` argument of `pallas_call`: TPU interpret mode when `static.interpret`."""
+    return pltpu.InterpretParams() if static.interpret else False
+
+
+def compiler_params(static: TpuCall):
+    """Batch, head and value block independent; chunks sequential (the state is carried)."""
+    if static.interpret:
+        return None
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def matmul_dtype(dtype) -> jnp.dtype:
+    """MXU operand type: bf16 stays bf16; everything else (f32, f16 upcast) is float32."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(F32)
+
+
+def kernel_dtype(dtype) -> jnp.dtype:
+    """The dtype q, k, v, do are handed to the kernels in (float16 is upcast in the wrapper:
+    TPUs have no float16 matmul)."""
+    return matmul_dtype(dtype)
+
+
+def block_v(static: TpuCall, V: int) -> int:
+    """BV: the configured value block when it is a legal divisor of V, else all of V."""
+    bv = static.tiles.block_v
+    return bv if (bv < V and V % bv == 0 and bv % LANES == 0) else V
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The static sizes of one call."""
+
+    B: int
+    H: int
+    Tp: int
+    K: int
+    V: int
+    BV: int
+    C: int
+    c: int
+
+    @property
+    def N(self) -> int:
+        return self.Tp // self.C
+
+    @property
+    def nV(self) -> int:
+        return self.V // self.BV
+
+
+def shapes_of(q, v, static: TpuCall) -> Shapes:
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    return Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub)
+
+
+def mosaic_problems(s: Shapes, dtype) -> list[str]:
+    """Why these tiles are not legal Mosaic TPU blocks (empty when they are).
+
+    Blocks are [C, K], [C, BV], [K, C], [C, 1], [1, C], [K, BV], [K, 1]: the second-minor
+    block dim must be a multiple of 8 (16 for 16-bit inputs) or the full dimension, the
+    minor one a multiple of 128 or the full dimension.
+    """
+    sublane = 16 if jnp.dtype(dtype).itemsize == 2 else SUBLANES
+    problems = []
+    if s.C % sublane and s.C != s.Tp:
+        problems.append(f"chunk={s.C} must be a multiple of {sublane}")
+    if s.C % LANES and s.C != s.Tp:
+        problems.append(f"chunk={s.C} must be a multiple of {LANES} ([K, C] blocks of the transposed q, k)")
+    if s.c % sublane:
+        problems.append(f"sub={s.c} must be a multiple of {sublane} (sub-block rows of a tile)")
+    if s.BV != s.V and s.BV % LANES:
+        problems.append(f"block_v={s.BV} must be V={s.V} or a multiple of {LANES}")
+    return problems
+
+
+def check_tiles(s: Shapes, static: TpuCall, dtype) -> None:
+    """Refuse, at trace time, tiles Mosaic would refuse (interpret mode takes any)."""
+    if static.interpret:
+        return
+    problems = mosaic_problems(s, dtype)
+    if problems:
+        raise ValueError("TPU chunk kernels: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def head_major(x):
+    """[B, Tp, H, D] -> [B, H, Tp, D]."""
+    return jnp.transpose(x, (0, 2, 1, 3))
+
+
+def head_major_t(x):
+    """[B, Tp, H, D] -> [B, H, D, Tp] (for contractions over the token axis)."""
+    return jnp.transpose(x, (0, 2, 3, 1))
+
+
+def token_major(x):
+    """[..., B, H, Tp, D] -> [..., B, Tp, H, D]."""
+    return jnp.swapaxes(x, -3, -2)
+
+
+def decay_layouts(a, gate: Gate) -> tuple:
+    """The decay as the kernels read it: per head (column [B, H, Tp, 1], row [B, H, 1, Tp]);
+    per channel (head-major [B, H, Tp, K], transposed [B, H, K, Tp]); none: ()."""
+    if gate is Gate.HEAD:
+        a = jnp.transpose(a, (0, 2, 1))  # [B, H, Tp]
+        return a[..., None], a[:, :, None, :]
+    if gate is Gate.KEY:
+        return head_major(a), head_major_t(a)
+    return ()
+
+
+# ----------------------------------------------------------------------------- block specs
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """BlockSpec factories over the grid (b, h, j, n [, meta]).
+
+    `backward` walks the chunks from last to first; `varlen` reads each chunk's sequence
+    from the scalar-prefetched [3, N] table (then B = 1).
+    """
+
+    s: Shapes
+    backward: bool
+    varlen: bool
+
+    def chunk(self, n):
+        return self.s.N - 1 - n if self.backward else n
+
+    def seq(self, b, n, meta):
+        return meta[0, self.chunk(n)] if self.varlen else b
+
+    def rows(self, width: int):  # [B, H, Tp, width] -> [C, width], width the whole last dim
+        return pl.BlockSpec((None, None, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
+
+    def rows_v(self):  # [B, H, Tp, V] -> [C, BV]
+        return pl.BlockSpec((None, None, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
+
+    def cols(self, height: int):  # [B, H, height, Tp] -> [height, C]
+        return pl.BlockSpec((None, None, height, self.s.C), lambda b, h, j, n, *m: (b, h, 0, self.chunk(n)))
+
+    def state(self):  # [R, H, K, V] -> [K, BV] of this row or sequence
+        return pl.BlockSpec(
+            (None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (self.seq(b, n, m[0] if m else None), h, 0, j)
+        )
+
+    def chunk_states(self):  # [B, H, N, K, V] -> [K, BV] entering this chunk
+        return pl.BlockSpec(
+            (None, None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0, j)
+        )
+
+    def partial_rows(self):  # [nV, B, H, Tp, K] -> [C, K] of this value block
+        return pl.BlockSpec((None, None, None, self.s.C, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
+
+    def partial_column(self):  # [nV, B, H, N, K, 1] -> [K, 1] of this chunk and value block
+        return pl.BlockSpec(
+            (None, None, None, None, self.s.K, 1), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
+        )
+
+    def decay(self, gate: Gate) -> list:
+        if gate is Gate.HEAD:
+            return [self.rows(1), self.cols(1)]
+        if gate is Gate.KEY:
+            return [self.rows(self.s.K), self.cols(self.s.K)]
+        return []
+
+
+def grid_spec(specs: Specs, in_specs, out_specs, scratch_shapes):
+    s = specs.s
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1 if specs.varlen else 0,
+        grid=(s.B, s.H, s.nV, s.N),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=scratch_shapes,
+    )
+
+
+def chunk_flags(specs: Specs, meta_ref):
+    """(is this chunk its sequence's first, its last, the first grid step of the program),
+    as traced booleans; dense rows: first = chunk 0, last = chunk N − 1."""
+    n = pl.program_id(3)
+    chunk = specs.chunk(n)
+    if specs.varlen:
+        return meta_ref[1, chunk] > 0, meta_ref[2, chunk] > 0, n == 0
+    return chunk == 0, chunk == specs.s.N - 1, n == 0
+
+
+# ----------------------------------------------------------------------------- tile maths
+
+
+def _dot(a, b, contract: tuple[int, int], dtype):
+    return lax.dot_general(
+        a.astype(dtype),
+        b.astype(dtype),
+        (((contract[0],), (contract[1],)), ((), ())),
+        precision=_precision(dtype),
+        preferred_element_type=F32,
+    )
+
+
+def mm(a, b, dtype):
+    """a @ b, [M, D] x [D, N] -> [M, N], operands in `dtype`, float32 accumulation."""
+    return _dot(a, b, (1, 0), dtype)
+
+
+def mm_nt(a, b, dtype):
+    """a @ bᵀ, [M, D] x [N, D] -> [M, N] (the only other form: no transposed left operand)."""
+    return _dot(a, b, (1, 1), dtype)
+
+
+def _precision(dtype):
+    """float32 operands at full precision (the MXU's default for them is a bf16 pass)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+def exp_where(mask, exponent):
+    """exp(exponent) where `mask`, exactly 0 elsewhere (masked exponents may be positive)."""
+    return jnp.exp(jnp.where(mask, exponent, -jnp.inf))
+
+
+def iota(shape, axis: int):
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def pick_row(x, j):
+    """Row j of a [m, D] tile as [1, D], by a masked sublane sum: no dynamic or unaligned
+    slice for Mosaic to relayout (j may be traced, or a static row like the chunk's last)."""
+    return jnp.sum(jnp.where(iota(x.shape, 0) == j, x, 0.0), axis=0, keepdims=True)
+
+
+def pick_col(x, j):
+    """Column j of a [m, D] tile as [m, 1], by a masked lane sum (as `pick_row`)."""
+    return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1, keepdims=True)
+
+
+def f32(ref):
+    return ref[...].astype(F32)

@@ -1,0 +1,297 @@
+"""Pallas TPU chunk kernels: TPU interpret mode vs the float64 reference, and Mosaic lowering.
+
+(a) `tpu_interpret` runs the very kernels a TPU would run in Pallas's TPU interpret
+mode on CPU; every output and gradient is compared with the reference in float64, by the
+project's scale-relative `max_rel_error` and by the norm-relative ‖x − ref‖ / ‖ref‖.
+Compilation dominates (seconds per distinct shape), hence tiny shapes (K, V ∈ {16, 32},
+chunk 16, sub-blocks of 8: tiles Mosaic would refuse but interpret mode takes, chosen so
+that T ≤ 33 crosses chunk and sub-block boundaries) and XLA's fast compile.
+(b) `jax.export(..., platforms=["tpu"])` lowers forward and backward of every declared
+configuration (`recurrax.kernels.tpu.SUPPORT`, `TILES`) to Mosaic, which checks the block
+rules and the lowering of every primitive (not Mosaic's layout passes: those run in the
+TPU compiler only).
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cases import DIFF_ARGS, Case, canonical, make_inputs, max_rel_error, split_args
+
+from recurrax import Request
+from recurrax.kernels import tpu as tpu_kernels
+from recurrax.kernels.tpu import TpuTiles, tpu_interpret, tpu_recurrent
+from recurrax.tools.cases import call
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""Interpret-mode programs are large; XLA's optimisation level 0 halves their compile time."""
+
+F32_TOL = 5e-6
+"""float32 inputs, scale-relative: measured ≤ 9e-7 on the small cases and ≤ 1.9e-6 with the
+declared tiles (C = 128, T = 150, K = 64) on everything (outputs, final states, all
+gradients) but g_gamma's gradient, a sum over B·T(·K) of per-token gate gradients that
+cancel to a much smaller total, so its relative error grows with T·K: measured ≤ 5.2e-6
+at T ≤ 32, K = 16, and 3.7e-5 at T = 150, K = 64 (chunk 128); held to 1e-4."""
+G_GAMMA_F32_TOL = 1e-4
+
+BF16_TOL = 1e-2
+"""bfloat16 inputs, scale-relative, outputs, final states and q/k/v/initial-state gradients:
+measured 6e-4 to 6.7e-3 (norm-relative 5.6e-4 to 3.8e-3). They are stored in bf16 (unit
+roundoff 2⁻⁸ = 3.9e-3: the float64 answer rounded to bf16 is already 1.2e-3 to 3.3e-3
+off, norm-relative 1.4e-3 to 1.7e-3) and the MXU operands (decayed q, k, the state, the
+[C, C] scores) are rounded to bf16. With float32 MXU operands the outputs sit at that
+rounding floor (2.9e-3 / 1.7e-3 on the per-head case, against 4.2e-3 / 2.4e-3)."""
+BF16_GATE_TOL = 2e-2
+"""Per-token gate gradients in bf16 (dq, dk rounding shows relative to the cancelling sum
+q ⊙ dq − k ⊙ dk): measured 2.7e-3 to 1.1e-2 (norm-relative up to 1.3e-2)."""
+BF16_G_GAMMA_TOL = 0.15
+"""g_gamma's gradient in bf16: that sum further summed over B·T(·K); measured 8.9e-2
+(5.8e-3 with float32 MXU operands), as the Triton kernels (5.5e-3 to 8.9e-2)."""
+
+SMALL = dict(B=1, H=2, Hkv=1, K=16, V=16, dtype="float32")
+TPU_INTERPRET = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64))
+
+
+def norm_rel_error(x, y) -> float:
+    """‖x − y‖ / ‖y‖ over all elements."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)) if y.size else 0.0
+
+
+def _outputs_and_grads(implementation, kwargs: dict, seed: int = 1):
+    """(o, final state, gradients) under random cotangents, one fast-compiled program."""
+    diff, rest = split_args(kwargs)
+    rng = np.random.default_rng(seed)
+
+    def forward_backward(diff, do, dstate):
+        (o, state), pullback = jax.vjp(lambda diff: call(implementation, **diff, **rest), diff)
+        (grads,) = pullback((do.astype(o.dtype), dstate.astype(state.dtype)))
+        return o, state, grads
+
+    (o_shape, state_shape) = jax.eval_shape(lambda d: call("reference", **d, **rest), diff)
+    do = jnp.asarray(rng.standard_normal(o_shape.shape))
+    dstate = jnp.asarray(rng.standard_normal(state_shape.shape))
+    compiled = jax.jit(forward_backward).lower(diff, do, dstate).compile(compiler_options=FAST_COMPILE)
+    return compiled(diff, do, dstate)
+
+
+def errors(case: Case, implementation=TPU_INTERPRET, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """{output, final_state, d<argument>: (max_rel_error, norm_rel_error)} vs float64."""
+    kwargs = make_inputs(case, seed)
+    exact = {k: (v.astype(jnp.float64) if k in DIFF_ARGS else v) for k, v in kwargs.items()}
+    o, state, grads = _outputs_and_grads(implementation, kwargs)
+    o_ref, state_ref, grads_ref = _outputs_and_grads("reference", exact)
+    assert o.dtype == kwargs["query"].dtype
+    found = {"output": (o, o_ref), "final_state": (state, state_ref)}
+    for name, grad in grads.items():
+        assert grad.dtype == kwargs[name].dtype and grad.shape == kwargs[name].shape, name
+        found["d" + name] = (grad, grads_ref[name])
+    return {k: (max_rel_error(x, y), norm_rel_error(x, y)) for k, (x, y) in found.items()}
+
+
+def _assert_within(errs: dict, tol: float, gate_tol: float | None = None, g_gamma_tol: float | None = None):
+    """Every max_rel_error within `tol`; per-token gate gradients within `gate_tol`, g_gamma's
+    within `g_gamma_tol` (both default to `tol`)."""
+    limits = {"dg": gate_tol or tol, "dgk": gate_tol or tol, "dg_gamma": g_gamma_tol or gate_tol or tol}
+    bad = {k: v for k, v in errs.items() if not v[0] <= limits.get(k, tol)}
+    assert not bad, f"{bad} (tol {tol}, limits {limits})"
+
+
+# ----------------------------------------------------------------------------- (a) interpret mode
+
+CASES = [
+    Case(T=20, **SMALL),  # no decay, T not a multiple of the chunk, grouped heads, initial state
+    Case(T=20, gates=("g_head", "g_gamma"), reverse=True, **SMALL),
+    Case(T=32, gates=("g_channel",), **SMALL),
+    # packed input: empty sequences, a sequence across chunks, boundaries inside a chunk
+    Case(**SMALL, gates=("g_head", "gk"), cu_seqlens=(0, 3, 3, 4, 30), packed_3d=True),
+    Case(**SMALL, gates=("g_channel",), cu_seqlens=(0, 0, 17, 20), reverse=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tpu_interpret_matches_reference(case):
+    _assert_within(errors(case), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
+
+
+@pytest.mark.slow
+def test_tpu_interpret_all_key_side_gates_slow():
+    case = Case(**{**SMALL, "V": 32}, T=25, gates=("g_head", "g_gamma", "gk"), initial_state=False, scale=0.3)
+    _assert_within(errors(case), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
+
+
+@pytest.mark.parametrize("gates", [("g_head", "g_gamma"), ("g_channel",)], ids=str)
+def test_tpu_interpret_bfloat16(gates):
+    case = Case(T=20, gates=gates, **{**SMALL, "dtype": "bfloat16"})
+    _assert_within(errors(case), BF16_TOL, BF16_GATE_TOL, BF16_G_GAMMA_TOL)
+
+
+def test_tpu_interpret_extreme_decays_stay_finite():
+    """Gates down to −1e4 (docs/design.md §1): every exponent the kernels evaluate is ≤ 0, so all
+    results are finite and match. The true gate gradients are ~0 there (e^{−1e4}) and come
+    back as sums of O(1) terms that cancel, so they are held to an absolute bound."""
+    case = Case(T=20, gates=("g_head", "gk"), gate_low=-1e4, **SMALL)
+    kwargs = make_inputs(case)
+    exact = {k: (v.astype(jnp.float64) if k in DIFF_ARGS else v) for k, v in kwargs.items()}
+    got, want = _outputs_and_grads(TPU_INTERPRET, kwargs), _outputs_and_grads("reference", exact)
+    (o, state, grads), (o_ref, state_ref, grads_ref) = got, want
+    for x in jax.tree.leaves(got):
+        assert np.isfinite(np.asarray(x, np.float64)).all()
+    assert max_rel_error(o, o_ref) <= F32_TOL and max_rel_error(state, state_ref) <= F32_TOL
+    for name in ("query", "key", "value", "initial_state"):
+        assert max_rel_error(grads[name], grads_ref[name]) <= F32_TOL, name
+    for name in ("g", "gk"):
+        assert np.max(np.abs(np.asarray(grads[name], np.float64) - np.asarray(grads_ref[name]))) < 1e-4, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(B=1, T=150, H=2, Hkv=1, K=64, V=64, gates=("g_channel", "g_gamma"), reverse=True, dtype="float32"),
+        Case(B=1, T=150, H=2, Hkv=1, K=64, V=128, gates=("g_head",), dtype="bfloat16"),
+    ],
+    ids=str,
+)
+def test_tpu_interpret_declared_tiles_slow(case):
+    """The declared tiles (C = 128, c = 16), interpret mode, two chunks."""
+    implementation = tpu_interpret  # the declared tiles
+    if case.dtype == "float32":
+        _assert_within(errors(case, implementation), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
+    else:
+        _assert_within(errors(case, implementation), BF16_TOL, BF16_GATE_TOL, BF16_G_GAMMA_TOL)
+
+
+# ----------------------------------------------------------------------------- (b) Mosaic lowering
+
+GATE_SETS = {"none": (), "head": ("g_head", "g_gamma"), "channel": ("g_channel",), "both": ("g_head", "gk")}
+DTYPES = ("bfloat16", "float32", "float16")
+DIMS = tuple((K, V) for K in tpu_kernels.HEAD_DIMS for V in tpu_kernels.HEAD_DIMS)
+T_EXPORT = 200  # two chunks of 128, the second partial
+CU_SEQLENS = (0, 50, 50, 200)  # an empty sequence, a boundary inside a chunk
+
+
+def export_tpu(gate_set: str, dtype: str, K: int, V: int, varlen: bool, reverse: bool, tiles=None):
+    """Lower value_and_grad of a loss through the TPU kernels for platforms=["tpu"]; the
+    StableHLO text of the exported module."""
+    case = Case(
+        B=1 if varlen else 2, T=T_EXPORT, H=2, Hkv=1, K=K, V=V, gates=GATE_SETS[gate_set], dtype=dtype,
+        reverse=reverse, cu_seqlens=CU_SEQLENS if varlen else None,
+    )
+    kwargs = make_inputs(case)
+    diff, rest = split_args(kwargs)
+    tiles = tpu_kernels.TILES if tiles is None else tiles
+
+    def loss(diff):
+        problem, config, _ = canonical({**rest, **diff})
+        o, state = tpu_recurrent(problem, scale=config.scale, reverse=config.reverse, tiles=tiles)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    exported = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["tpu"])(diff)
+    return exported.mlir_module()
+
+
+def _assert_lowered(text: str):
+    assert text.count("tpu_custom_call") == 3  # forward, chunk states recomputed, backward
+
+
+GATES_X_DTYPES = list(itertools.product(GATE_SETS, DTYPES))
+
+
+@pytest.mark.parametrize(("gate_set", "dtype"), GATES_X_DTYPES, ids=["-".join(p) for p in GATES_X_DTYPES])
+def test_export_gates_and_dtypes(gate_set, dtype):
+    _assert_lowered(export_tpu(gate_set, dtype, 128, 128, varlen=False, reverse=False))
+
+
+FAST_DIMS = ((64, 64), (128, 256), (256, 128))
+
+
+@pytest.mark.parametrize(("K", "V"), FAST_DIMS, ids=[f"K{K}-V{V}" for K, V in FAST_DIMS])
+@pytest.mark.parametrize("gate_set", ["head", "channel"])
+def test_export_head_dims(gate_set, K, V):
+    """Representative head-dim pairs; every pair of the declaration lowers in the slow product below."""
+    _assert_lowered(export_tpu(gate_set, "bfloat16", K, V, varlen=False, reverse=False))
+
+
+@pytest.mark.parametrize(
+    ("varlen", "reverse"), [(True, False), (False, True), (True, True)], ids=["varlen", "reverse", "varlen-reverse"]
+)
+@pytest.mark.parametrize("gate_set", list(GATE_SETS))
+def test_export_varlen_and_reverse(gate_set, varlen, reverse):
+    _assert_lowered(export_tpu(gate_set, "bfloat16", 64, 128, varlen=varlen, reverse=reverse))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("gate_set", "dtype", "dims", "varlen", "reverse"),
+    list(itertools.product(GATE_SETS, DTYPES, DIMS, (False, True), (False, True))),
+    ids=str,
+)
+def test_export_every_declared_configuration(gate_set, dtype, dims, varlen, reverse):
+    _assert_lowered(export_tpu(gate_set, dtype, *dims, varlen=varlen, reverse=reverse))
+
+
+def _vmapped_value_and_grad(implementation, kwargs):
+    """vmap over a leading axis of queries of value_and_grad of a scalar loss."""
+
+    def one(query):
+        o, state = call(implementation, **{**kwargs, "query": query})
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state)
+
+    return jax.vmap(jax.value_and_grad(one))
+
+
+def test_export_under_vmap():
+    """vmap adds a grid axis in front of (b, h, j, n); the batched kernels still lower."""
+    kwargs = make_inputs(Case(B=1, T=T_EXPORT, H=2, Hkv=1, K=128, V=128, gates=("g_channel",), dtype="bfloat16"))
+    queries = jnp.stack([kwargs["query"], -kwargs["query"]])
+    implementation = tpu_recurrent
+    exported = jax.export.export(jax.jit(_vmapped_value_and_grad(implementation, kwargs)), platforms=["tpu"])
+    _assert_lowered(exported(queries).mlir_module())
+
+
+@pytest.mark.slow
+def test_tpu_interpret_vmap_slow():
+    kwargs = make_inputs(Case(T=20, gates=("g_head",), **SMALL))
+    queries = jnp.stack([kwargs["query"], -2 * kwargs["query"]])
+    got = _vmapped_value_and_grad(TPU_INTERPRET, kwargs)(queries)
+    want = _vmapped_value_and_grad("reference", kwargs)(queries)
+    for x, y in zip(got, want):
+        assert max_rel_error(x, y) <= F32_TOL
+
+
+def test_illegal_tiles_are_refused_before_mosaic():
+    """chunk 64 gives [K, 64] blocks of the transposed q, k: refused at trace time with the
+    reason, and Mosaic's own block check refuses them too (shown by skipping ours)."""
+    bad = TpuTiles(chunk=64, sub=16, block_v=128)
+    with pytest.raises(ValueError, match="chunk=64 must be a multiple of 128"):
+        export_tpu("head", "bfloat16", 128, 128, False, False, tiles=bad)
+    problems = tpu_kernels.mosaic_problems(
+        tpu_kernels._tiles.Shapes(B=1, H=1, Tp=256, K=128, V=128, BV=64, C=64, c=8), jnp.bfloat16
+    )
+    assert len(problems) == 3, problems  # chunk (lanes), sub (bf16 sublanes), block_v
+    from recurrax.kernels.tpu import _tiles
+
+    original = _tiles.check_tiles
+    _tiles.check_tiles = lambda *args: None
+    try:
+        with pytest.raises(Exception, match="divisible by 8 and 128"):
+            export_tpu("head", "bfloat16", 128, 128, False, False, tiles=bad)
+    finally:
+        _tiles.check_tiles = original
+
+
+def test_declared_support():
+    def request(**overrides):
+        case = dataclasses.replace(Case(T=8, **{**SMALL, "K": 64, "V": 128}), **overrides)
+        problem, _, _ = canonical(make_inputs(case))
+        return Request.of(problem)
+
+    assert tpu_kernels.SUPPORT.refusal(request(gates=("g_head", "gk"), dtype="bfloat16")) is None
+    assert tpu_kernels.SUPPORT.refusal(request(cu_seqlens=(0, 3, 8))) is None
+    assert "gate kinds" in tpu_kernels.SUPPORT.refusal(request(gates=("gv",)))
+    assert "qk_head_dim=16" in tpu_kernels.SUPPORT.refusal(request(K=16))
