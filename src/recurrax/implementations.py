@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import chunk, reference, scan
-from .kernels import tpu, triton
+from .kernels import mosaic_gpu, tpu, triton
 from .registry import Backend, Platform, kernel_registry
 
 
@@ -28,6 +28,7 @@ class Row(NamedTuple):
 
 
 IMPLEMENTATIONS = (
+    Row("mosaic_gpu",       Platform.PALLAS, Backend.GPU,  40, mosaic_gpu.mosaic_gpu_recurrent, mosaic_gpu.SUPPORT, mosaic_gpu.unavailable),
     Row("pallas_gpu",       Platform.PALLAS, Backend.GPU,  30, triton.triton_recurrent,       triton.SUPPORT, triton.unavailable),
     Row("pallas_tpu",       Platform.PALLAS, Backend.TPU,  30, tpu.tpu_recurrent,             tpu.SUPPORT,    tpu.unavailable),
     Row("chunk",            Platform.XLA,    Backend.ANY,  20, chunk.chunk_recurrent,         chunk.SUPPORT),

@@ -1,0 +1,104 @@
+"""Pallas Mosaic GPU kernels of the chunk algorithm (Hopper and newer, compute capability ≥ 9.0).
+
+| module       | what it holds                                                                 |
+|--------------|-------------------------------------------------------------------------------|
+| `_tiles`     | swizzled SMEM tiles, the wgmma helper (f32 accumulator), decay masks, interpret settings |
+| `_layout`    | `MosaicCall`; driver arrays to TMA-friendly ones; the SMEM budget (slots)    |
+| `_forward`   | the forward kernel: outputs, final state, chunk-entry states                  |
+| `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms             |
+
+One warpgroup per (row, head, 64 value columns); chunks of 64 tokens (the wgmma M). Every
+product is a `wgmma` with SMEM operands and a float32 accumulator; input tiles come by TMA
+straight from the `[B, T, H, D]` layout, double-buffered (chunk n + 1 loads while n
+computes) where two slots fit in 227 KiB of SMEM; outputs and states leave by TMA stores.
+The state is `[K, 64]` float32 in registers.
+
+**Declared support** (`SUPPORT`, fail-closed): bfloat16 and float16 inputs (wgmma needs
+16-bit operands); no decay or a per-head decay (`g` per head, `g_gamma`) — per key channel
+is not implemented and is refused; packed `cu_seqlens`, `reverse`, initial states, any T;
+K ∈ {64, 128} and V a multiple of 64 (K = 256: the backward's tiles exceed SMEM); compute
+capability ≥ 9.0. Tested on a CPU in Mosaic GPU interpret mode (JAX ≥ 0.12) with race
+detection on; never run on a GPU from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...problem import Gate
+from ...registry import Request, Support
+from .._driver import kernel_recurrent
+from ._backward import chunk_backward
+from ._forward import chunk_forward
+from ._layout import MosaicCall
+from ._tiles import CHUNK, has_interpret_mode
+
+__all__ = ["SUPPORT", "MosaicKernels", "has_interpret_mode", "mosaic_gpu_interpret", "mosaic_gpu_recurrent",
+           "unavailable"]
+
+QK_HEAD_DIMS = (64, 128)
+
+
+def _shapes_and_device(request: Request) -> str | None:
+    if request.qk_head_dim not in QK_HEAD_DIMS:
+        return f"qk_head_dim={request.qk_head_dim} is not one of {QK_HEAD_DIMS}"
+    if request.v_head_dim % 64:
+        return f"v_head_dim={request.v_head_dim} is not a multiple of 64"
+    return _compute_capability_refusal()
+
+
+def _compute_capability_refusal() -> str | None:
+    import jax
+
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:
+        return f"the GPU's compute capability {capability!r} is unknown (Mosaic GPU needs ≥ 9.0)"
+    return None if major >= 9 else f"compute capability {capability} < 9.0 (Mosaic GPU needs Hopper or newer)"
+
+
+SUPPORT = Support(
+    dtypes=frozenset({"bfloat16", "float16"}),
+    gates=frozenset({Gate.HEAD}),
+    varlen=True,
+    check=_shapes_and_device,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicKernels:
+    """The Mosaic GPU kernels (a `kernels._driver.ChunkKernels`); chunk fixed at 64."""
+
+    interpret: bool = False
+
+    @property
+    def chunk(self) -> int:
+        return CHUNK
+
+    def forward(self, q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states):
+        static = MosaicCall(scale, gate, self.interpret)
+        return chunk_forward(q, k, v, a, h0, table, static=static, emit_output=emit_output, emit_states=emit_states)
+
+    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate):
+        return chunk_backward(q, k, v, a, do, states, h_T, dh_T, table, static=MosaicCall(scale, gate, self.interpret))
+
+
+def mosaic_gpu_recurrent(problem, *, scale: float, reverse: bool):
+    """The chunk kernels compiled by Mosaic GPU (Hopper)."""
+    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=MosaicKernels())
+
+
+def mosaic_gpu_interpret(problem, *, scale: float, reverse: bool):
+    """The same kernels in Mosaic GPU interpret mode on a CPU, races detected (tests; JAX ≥ 0.12)."""
+    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=MosaicKernels(interpret=True))
+
+
+def unavailable() -> str | None:
+    """Why this JAX cannot run these kernels, or None."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:
+        return "this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)"
+    missing = [name for name in ("kernel", "wgmma", "copy_gmem_to_smem", "Barrier") if not hasattr(plgpu, name)]
+    return f"this JAX's Mosaic GPU lacks {missing}" if missing else None

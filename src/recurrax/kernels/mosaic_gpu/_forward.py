@@ -1,0 +1,220 @@
+"""Forward Mosaic GPU kernel of the chunk algorithm: outputs, final state, chunk states.
+
+| symbol  | meaning                                                                    |
+|---------|----------------------------------------------------------------------------|
+| C       | chunk length, 64 (the wgmma M); token i of chunk n is global token n·C + i  |
+| S       | [K, BV] float32 state entering chunk n, carried in registers (WGMMA layout) |
+| A_i     | chunk-local inclusive cumulative log decay (per head: a scalar per token)  |
+| A_L     | A of the chunk's last token                                                |
+| D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
+
+One program (one warpgroup, grid (B, H, V / BV)) walks the N chunks in order. Per chunk:
+
+    o   = scale · [ e^{A} ⊙_rows (q S)  +  ((q kᵀ) ⊙ D) v ]        [C, BV]
+    S'  = e^{A_L} S  +  kᵀ (e^{A_L − A} ⊙_rows v)                   [K, BV]
+
+(for no decay A ≡ 0). Every exponent is a sum of non-positive gates: A_i, A_i − A_j (j ≤ i,
+masked to −inf before `exp` elsewhere) and A_L − A_j, so nothing overflows however strong
+the decay. The four products are wgmma's: q kᵀ (q tile, kᵀ a transposed SMEM view),
+q S (S rounded to the input dtype and written to SMEM), P v and kᵀ v_dec (kᵀ a
+transposed SMEM left operand, M = K). P and v_dec are computed in registers and written
+to SMEM before their wgmma: Mosaic GPU interpret mode (JAX 0.12) takes only SMEM operands,
+so the kernels never use wgmma's register left operand (a cost of being testable on CPU).
+
+Inputs of chunk n + 1 are fetched by TMA into the second of two SMEM slots while chunk n
+computes (when both slots fit in shared memory, `smem_bytes`; else one slot, loaded then
+used); outputs leave through SMEM staging tiles by TMA stores.
+
+Packed input (`meta`, [3, N] int32 per chunk: sequence, is-first, is-last, the
+chunk-aligned layout) resets S from the sequence's initial state on its first chunk and
+writes its final state after its last chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, swizzled
+from ._layout import check_shapes, head_major_decay, kernel_params, padded_meta, slots_that_fit
+
+
+def smem_bytes(K: int, dtype, slots: int) -> int:
+    """Shared memory the forward kernel allocates (without the 16-column meta table)."""
+    C, BV, isz = CHUNK, BLOCK_V, jnp.dtype(dtype).itemsize
+    per_slot = 2 * C * K * isz + C * BV * isz + 2 * C * 4
+    fixed = K * BV * isz + 2 * C * BV * isz + C * C * isz + K * BV * 4
+    return slots * per_slot + fixed
+
+
+def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: bool, emit_states: bool, shape, slots):
+    B, Tp, H, K, V, N = shape
+    C, BV = CHUNK, BLOCK_V
+    refs = list(refs)
+    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    a_ref = refs.pop(0) if gate != "none" else None
+    meta_ref = refs.pop(0) if varlen else None
+    h0_ref = refs.pop(0)
+    o_ref = refs.pop(0) if emit_output else None
+    hT_ref = refs.pop(0)
+    states_ref = refs.pop(0) if emit_states else None
+    (q_s, k_s, v_s, a_s, a_cols_s, S_lo, v_dec_s, P_s, o_stage, state_s, meta_s, in_bar, state_bar, meta_bar) = refs
+    dtype = q_s.dtype
+    b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
+    cols = pl.ds(j * BV, BV)
+
+    def fetch(n, slot):
+        """TMA of chunk n's tiles into `slot` (one barrier counts every copy)."""
+        rows, bar = pl.ds(n * C, C), in_bar.at[slot]
+        plgpu.commit_smem()  # register reads of `slot` (chunk n − 2) come before the TMA writes
+        if emit_output:
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s.at[slot], bar)
+        if a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
+            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], a_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], a_cols_s.at[slot], bar)
+
+    def load_state(row):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a TMA store may still read state_s
+        plgpu.commit_smem()  # and register reads of it come before the TMA write
+        plgpu.copy_gmem_to_smem(h0_ref.at[row, h, :, cols], state_s, state_bar)
+        plgpu.barrier_wait(state_bar)
+        return plgpu.load(state_s, layout=WGMMA)
+
+    def store_state(dst):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        state_s[...] = dst[0]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state_s, dst[1])
+
+    def chunk_step(n, slot, S):
+        """Outputs of chunk n (stored) and the state leaving it."""
+        rows = pl.ds(n * C, C)
+        if emit_states:
+            store_state((S, states_ref.at[b, h, n, :, cols]))
+        if a_ref is None:
+            a_rows = a_last = None
+        else:
+            a_rows, a_last = plgpu.load(a_s.at[slot], layout=ROWS), a_s[slot, C - 1]
+        S_lo[...] = S.astype(dtype)
+        v = plgpu.load(v_s.at[slot], layout=WGMMA).astype(F32)  # [C, BV]
+        v_dec = v if a_ref is None else v * along_rows(jnp.exp(a_last - a_rows), (C, BV))
+        v_dec_s[...] = v_dec.astype(dtype)
+        plgpu.commit_smem()  # register writes -> visible to wgmma
+        if emit_output:
+            a_cols = None if a_ref is None else plgpu.load(a_cols_s.at[slot], layout=COLS)
+            scores = matmul(q_s.at[slot], k_s.at[slot].T, (C, C))  # q kᵀ
+            P_s[...] = (scores * causal_decay(a_rows, a_cols, C)).astype(dtype)
+            plgpu.commit_smem()
+            inter = matmul(q_s.at[slot], S_lo, (C, BV))  # q S
+            if a_ref is not None:
+                inter = inter * along_rows(jnp.exp(a_rows), (C, BV))
+            o = scale * matmul(P_s, v_s.at[slot], (C, BV), init=inter)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o left o_stage
+            o_stage[...] = o.astype(o_stage.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, rows, h, cols])
+        decayed = S if a_ref is None else S * jnp.exp(a_last)
+        return matmul(k_s.at[slot].T, v_dec_s, (K, BV), init=decayed)  # S' = e^{A_L} S + kᵀ v_dec
+
+    def dense_step(n, S):
+        slot = lax.rem(n, slots)
+        if slots == 1:
+            fetch(n, 0)
+        plgpu.barrier_wait(in_bar.at[slot])
+        if slots == 2:
+
+            @pl.when(n + 1 < N)
+            def _():
+                fetch(n + 1, 1 - slot)
+
+        return chunk_step(n, slot, S)
+
+    def packed_step(n, S):
+        seq, first, last = meta_s[0, n], meta_s[1, n], meta_s[2, n]
+
+        S = lax.cond(first > 0, lambda: load_state(seq), lambda: S)
+        S_next = dense_step(n, S)
+
+        @pl.when(last > 0)
+        def _():
+            store_state((S_next, hT_ref.at[seq, h, :, cols]))
+
+        return S_next
+
+    if slots == 2:
+        fetch(0, 0)
+    if varlen:
+        plgpu.copy_gmem_to_smem(meta_ref, meta_s, meta_bar)
+        plgpu.barrier_wait(meta_bar)
+        zeros = plgpu.layout_cast(jnp.zeros((K, BV), F32), WGMMA)
+        lax.fori_loop(0, N, packed_step, zeros)
+    else:
+        S = lax.fori_loop(0, N, dense_step, load_state(b))
+        store_state((S, hT_ref.at[b, h, :, cols]))
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
+def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True, emit_states: bool = False):
+    """Run the forward kernel (the driver's `ChunkKernels.forward` contract, `kernels/_driver.py`).
+
+    **Arguments:**
+    - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; bf16/f16; Tp a multiple of C = 64.
+    - `a`: chunk-local cumulative log decay, float32 [B, Tp, H] (per head), or None.
+    - `h0`: [R, H, K, V] float32 initial states: R = B, or S sequences when packed.
+    - `meta`: None, or for packed input (B = 1) int32 [3, N]: per chunk its sequence,
+      whether it is that sequence's first chunk, and its last.
+    - `static`: `MosaicCall` (scale, gate form, interpret); `emit_output`, `emit_states`.
+
+    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V]
+    float32 (packed: written only for sequences that own a chunk), and `states`
+    [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
+    """
+    B, Tp, H, K = q.shape
+    V, R = v.shape[-1], h0.shape[0]
+    gate = check_shapes(q, v, a, static)
+    N = Tp // CHUNK
+    dtype = q.dtype
+    out_type = []
+    if emit_output:
+        out_type.append(jax.ShapeDtypeStruct((B, Tp, H, V), dtype))
+    out_type.append(jax.ShapeDtypeStruct((R, H, K, V), F32))
+    if emit_states:
+        out_type.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
+    meta = None if meta is None else padded_meta(meta)
+    C, BV = CHUNK, BLOCK_V
+    slots = slots_that_fit(lambda s: smem_bytes(K, dtype, s), f"forward at K={K}")
+    scratch = [
+        swizzled((slots, C, K), dtype),  # q slots
+        swizzled((slots, C, K), dtype),  # k slots
+        swizzled((slots, C, BV), dtype),  # v slots
+        plgpu.SMEM((slots, C), F32),  # A slots, loaded in the ROWS layout
+        plgpu.SMEM((slots, C), F32),  # the same A, loaded in the COLS layout
+        swizzled((K, BV), dtype),  # S in the input dtype (wgmma operand)
+        swizzled((C, BV), dtype),  # e^{A_L − A} ⊙ v
+        swizzled((C, C), dtype),  # P = (q kᵀ) ⊙ D
+        swizzled((C, BV), dtype),  # o staging
+        plgpu.SMEM((K, BV), F32),  # state in/out staging
+        plgpu.SMEM((3, 16 if meta is None else meta.shape[1]), jnp.int32),
+        plgpu.Barrier(num_arrivals=2 + emit_output + 2 * (gate != "none"), num_barriers=slots),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+    ]
+    body = functools.partial(
+        _forward_body, gate=gate, scale=static.scale, varlen=meta is not None,
+        emit_output=emit_output, emit_states=emit_states, shape=(B, Tp, H, K, V, N), slots=slots,
+    )
+    args = [q, k, v] + ([head_major_decay(a)] if gate != "none" else []) + ([meta] if meta is not None else []) + [h0]
+    kernel = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // BV), grid_names=("b", "h", "j"),
+        kernel_name="recurrax_mgpu_chunk_fwd" if emit_output else "recurrax_mgpu_chunk_states",
+        **kernel_params(static),
+    )
+    return list(kernel(*args))

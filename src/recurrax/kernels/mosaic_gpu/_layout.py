@@ -1,0 +1,75 @@
+"""How the driver's arrays meet the Mosaic GPU kernels: checks, TMA-friendly layouts, launch.
+
+| array   | driver layout            | kernel layout                     | why                                   |
+|---------|--------------------------|-----------------------------------|---------------------------------------|
+| q, k    | [B, Tp, H, K]            | same; TMA tile `ref.at[b, rows, h]`| a [C, K] tile, rows strided by H·K     |
+| v, do   | [B, Tp, H, V]            | same; tile `ref.at[b, rows, h, cols]` |                                    |
+| a       | [B, Tp, H] float32       | [B, H, Tp]                        | TMA needs a contiguous minor dim       |
+| meta    | [3, N] int32             | [3, N16], N rounded up to 16      | TMA rows of whole 64-byte multiples    |
+| h0, h_T | [R, H, K, V] float32     | same; tile `ref.at[r, h, :, cols]`|                                       |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ...problem import Gate
+from ._tiles import BLOCK_V, interpret_params
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicCall:
+    """Static configuration of one kernel call: the scale, the key-side decay form (`None` or
+    `Gate.HEAD`; per key channel is not implemented), and whether to run in Mosaic GPU
+    interpret mode (CPU, race detection on)."""
+
+    scale: float
+    gate: Gate | None
+    interpret: bool
+
+
+def check_shapes(q, v, a, static: MosaicCall) -> str:
+    """The gate kind (`"none"` or `"head"`) after checking what these kernels support."""
+    K, V = q.shape[-1], v.shape[-1]
+    gate = "none" if static.gate is None else static.gate.value
+    if gate not in ("none", "head"):
+        raise NotImplementedError(f"Mosaic GPU chunk kernels: gate kind {gate!r} is not implemented")
+    if K % 64 or V % BLOCK_V or K > 256:
+        raise ValueError(f"Mosaic GPU chunk kernels need K and V multiples of 64, K ≤ 256; got K={K}, V={V}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"Mosaic GPU chunk kernels take bfloat16/float16 inputs (wgmma operands), got {q.dtype}")
+    if (a is None) != (gate == "none"):
+        raise ValueError(f"decay {None if a is None else a.shape} does not match gate kind {gate!r}")
+    return gate
+
+
+def head_major_decay(a):
+    """[B, Tp, H] -> [B, H, Tp]: one chunk's decays become a contiguous TMA row."""
+    return jnp.swapaxes(a, 1, 2)
+
+
+def padded_meta(meta):
+    """[3, N] -> [3, N16] int32 (zero columns appended): a TMA copy of whole 64-byte rows."""
+    N = meta.shape[1]
+    return jnp.pad(meta.astype(jnp.int32), ((0, 0), (0, -N % 16)))
+
+
+SMEM_LIMIT = 227 * 1024
+"""Dynamic shared memory one block may use on H100/H200 (sm_90)."""
+
+
+def slots_that_fit(smem_bytes, what: str) -> int:
+    """2 (double-buffered inputs: chunk n + 1 loads while n computes) if `smem_bytes(2)` fits
+    in `SMEM_LIMIT`, else 1 (each chunk's inputs are loaded, then used); a ValueError if
+    not even one slot fits (the kernel could not launch on a Hopper GPU)."""
+    if smem_bytes(1) > SMEM_LIMIT:
+        needed = smem_bytes(1)
+        raise ValueError(f"Mosaic GPU chunk kernel ({what}) needs {needed} bytes of shared memory, over {SMEM_LIMIT}")
+    return 2 if smem_bytes(2) <= SMEM_LIMIT else 1
+
+
+def kernel_params(static) -> dict:
+    """`plgpu.kernel` keyword arguments for the static target (compiled, or CPU interpret)."""
+    return {"interpret": interpret_params() if static.interpret else None}
