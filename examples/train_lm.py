@@ -1,0 +1,85 @@
+"""Train a small `recurrax.nn.LanguageModel` with optax on a toy task and print the loss.
+
+The task: each sequence counts upwards from a random start with a random stride, modulo
+the vocabulary (`s, s + d, s + 2d, ...`), so every token after the second is determined by
+the two before it. The default two-block GLA model gets the loss from about 4 to below 0.1
+within 20 steps and to about 0.003 by step 200 (35 s on a 2-core CPU).
+
+    pip install 'recurrax[examples]'        # flax and optax
+    python examples/train_lm.py              # 200 steps
+    python examples/train_lm.py --steps 5 --batch-size 4 --seq-len 16   # a smoke run
+
+It prints `step N loss X` every `--log-every` steps and, at the end, `first loss` (an
+untrained model's, about 4 with the defaults) and `final loss`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from recurrax.nn import LanguageModel
+
+
+def make_batch(key: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> jax.Array:
+    """Arithmetic progressions modulo `vocab_size`: [batch_size, seq_len + 1] token ids."""
+    start_key, stride_key = jax.random.split(key)
+    start = jax.random.randint(start_key, (batch_size, 1), 0, vocab_size)
+    stride = jax.random.randint(stride_key, (batch_size, 1), 1, 4)
+    return (start + stride * jnp.arange(seq_len + 1)) % vocab_size
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=2)
+    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"])
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    model = LanguageModel(args.vocab_size, args.d_model, args.num_layers, args.num_heads, mixer=args.mixer,
+                          mixer_options=dict(conv_size=2), rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model)          # a pure function of `params` from here on
+    optimizer = optax.adamw(args.learning_rate, weight_decay=0.01)
+    opt_state = optimizer.init(params)
+
+    def loss_fn(params, tokens):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])            # [B, T, vocab]
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return losses[:, 2:].mean()                                      # the first two are guesses
+
+    @jax.jit
+    def train_step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    key = jax.random.key(args.seed)
+    losses, started = [], time.perf_counter()
+    for step in range(args.steps):
+        key, batch_key = jax.random.split(key)
+        tokens = make_batch(batch_key, args.batch_size, args.seq_len, args.vocab_size)
+        params, opt_state, loss = train_step(params, opt_state, tokens)
+        losses.append(float(loss))
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print(f"step {step:4d} loss {losses[-1]:.4f}", flush=True)
+    print(f"trained {args.steps} steps in {time.perf_counter() - started:.1f} s")
+    print(f"first loss {losses[0]:.4f}")
+    print(f"final loss {losses[-1]:.4f}")
+    return losses
+
+
+if __name__ == "__main__":
+    main()

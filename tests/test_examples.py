@@ -1,0 +1,115 @@
+"""The scripts in examples/ run, and what they print holds: errors under their bounds, a loss
+that falls. Each runs in its own process (they configure JAX devices and precision
+themselves) at tiny sizes through the scripts' own flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NEEDS_FLAX = pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax (pip install '.[nn]')")
+NEEDS_OPTAX = pytest.mark.skipif(importlib.util.find_spec("optax") is None, reason="needs optax (pip install '.[examples]')")
+NEEDS_SCRIPTS = pytest.mark.skipif(not EXAMPLES.is_dir(), reason="examples/ is not in this checkout")
+
+
+def run_example(name: str, *flags: str, timeout: float = 240.0) -> str:
+    """Run examples/<name> with `flags`; its stdout and stderr, after asserting exit status 0."""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # A session of its own, so that a timeout kills the script and any processes it started.
+    process = subprocess.Popen([sys.executable, str(EXAMPLES / name), *flags], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env, cwd=EXAMPLES.parent,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{name} ran past {timeout:.0f} s:\n{output[-4000:]}")
+    assert process.returncode == 0, f"{name} exited {process.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def max_errors(output: str) -> list[tuple[str, float]]:
+    """(what, value) of every `max error, WHAT: VALUE` line the examples print."""
+    return [(name, float(value)) for name, value in re.findall(r"max error,? ([^:\n]+): ([-+.\deE]+)", output)]
+
+
+def assert_errors(output: str, expected: set[str], bound: float) -> None:
+    errors = max_errors(output)
+    missing = {name for name in expected if not any(name in found for found, _ in errors)}
+    assert not missing, f"no error line for {missing} in:\n{output[-3000:]}"
+    assert all(value <= bound for _, value in errors), errors
+
+
+@NEEDS_SCRIPTS
+def test_packed_batches():
+    output = run_example("packed_batches.py", "--lengths", "5,0,11", "--heads", "2", "--head-dim", "8",
+                         *(() if importlib.util.find_spec("flax") else ("--no-layer",)))
+    assert_errors(output, {"recurrent output", "recurrent final state", "recurrent gradients"}, 1e-5)
+    if importlib.util.find_spec("flax"):
+        assert_errors(output, {"GatedLinearAttention output"}, 1e-5)
+    assert "packed == per sequence" in output
+
+
+@NEEDS_SCRIPTS
+def test_sequence_parallel():
+    output = run_example("sequence_parallel.py", "--devices", "4", "--seq-len", "32", "--heads", "2",
+                         "--head-dim", "8")
+    assert "4 cpu devices" in output
+    assert_errors(output, {"forward output", "reverse final state", "gradients", "packed final states",
+                           "2-D mesh output"}, 1e-5)
+
+
+@NEEDS_SCRIPTS
+def test_multiprocess():
+    """Two processes joined by jax.distributed on 127.0.0.1, one device each."""
+    output = run_example("multiprocess.py", "--seq-len", "16", "--heads", "2", "--head-dim", "8",
+                         "--local-devices", "1", "--timeout", "200", timeout=240.0)
+    for process in (0, 1):
+        assert f"[process {process}/2]" in output
+    errors = max_errors(output)
+    assert len(errors) == 6, output[-3000:]                  # output, final state, gradients × 2 processes
+    assert all(value <= 1e-5 for _, value in errors), errors
+    assert "all processes agree with one process" in output
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+def test_generate():
+    output = run_example("generate.py", "--new-tokens", "4", "--prompt-len", "8", "--batch-size", "2",
+                         "--num-layers", "1", "--d-model", "32", "--num-heads", "2")
+    difference = float(re.search(r"max abs logit difference \(decode vs parallel\) ([-+.\deE]+)", output).group(1))
+    assert difference <= 1e-4
+    assert output.count("-> generated") == 2
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+@NEEDS_OPTAX
+@pytest.mark.slow
+def test_train_lm():
+    output = run_example("train_lm.py", "--steps", "8", "--batch-size", "4", "--seq-len", "16", "--num-layers", "1",
+                         "--d-model", "32", "--learning-rate", "1e-2", "--log-every", "1")
+    losses = [float(x) for x in re.findall(r"^step +\d+ loss ([-+.\deE]+)$", output, re.M)]
+    assert len(losses) == 8
+    assert losses[0] > 2.5                       # about log(32) = 3.47 before training
+    assert min(losses[-3:]) < losses[0] - 0.2    # and it learns
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+@pytest.mark.slow
+def test_linen_wrapper():
+    output = run_example("linen_wrapper.py", "--seq-len", "8", "--d-model", "16")
+    assert_errors(output, {"linen-wrapped vs NNX layer"}, 1e-6)
+    norm = float(re.search(r"gradient norm of the wrapped layer's parameters ([-+.\deE]+)", output).group(1))
+    assert norm > 0
