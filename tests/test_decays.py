@@ -31,7 +31,8 @@ def test_ejkernel_form_reproduces_ejkernels_lightning(layer_idx):
     q, k, v = (rng.standard_normal((2, 9, 4, 8)) for _ in range(3))
     g_gamma = lightning_g_gamma(4, layer_idx, 12, form="ejkernel").astype(jnp.float64)
     o, _ = recurrax.recurrent(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), g_gamma=g_gamma)
-    np.testing.assert_allclose(np.asarray(o), _ejkernel_lightning(q, k, v, layer_idx, 12), rtol=1e-10, atol=1e-10)
+    # the helper returns float32 decays (as ejKernel's `arange(..., "f4")`): ~1e-7 relative each
+    np.testing.assert_allclose(np.asarray(o), _ejkernel_lightning(q, k, v, layer_idx, 12), rtol=2e-6, atol=2e-6)
 
 
 def test_formulas():

@@ -171,11 +171,11 @@ def test_the_default_path_adds_no_check():
 
 
 def test_select_says_which_implementation_runs_and_why_others_refuse():
-    x = jnp.ones((2, 5, 3, 4))
-    selection = kernel_registry.select(x, x, x, gv=-jnp.ones((2, 5, 3, 4)))
+    x = jnp.ones((2, 5, 3, 16), jnp.float32)
+    selection = kernel_registry.select(x, x, x, gv=-jnp.ones((2, 5, 3, 16), jnp.float32))
     answers = dict(selection.answers)
     assert selection.name == kernel_registry.get(None, recurrax.Request.of(recurrax.Problem.create(
-        query=x, key=x, value=x, gv=-jnp.ones((2, 5, 3, 4))))).name
+        query=x, key=x, value=x, gv=-jnp.ones((2, 5, 3, 16), jnp.float32)))).name
     assert "runs on gpu" in answers["pallas_gpu"] and "gate kinds ['value']" in answers["pallas_interpret"]
     assert f"runs: {selection.name}" in str(selection)
     assert kernel_registry.select(x, x, x, implementation="scan").name == "scan"
