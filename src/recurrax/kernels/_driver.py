@@ -137,6 +137,14 @@ def _chunk_bwd(call: KernelCall, residuals, cotangents):
 _chunk.defvjp(_chunk_fwd, _chunk_bwd)
 
 
+def head_dims_refusal(request, allowed, words: str) -> str | None:
+    """Why a kernel refuses the call's head dims (`allowed`, described by `words`), or None."""
+    for name, dim in (("qk_head_dim", request.qk_head_dim), ("v_head_dim", request.v_head_dim)):
+        if dim not in allowed:
+            return f"{name}={dim} is not {words}"
+    return None
+
+
 def chunk_local_cumsum(g, chunk: int):
     """Inclusive cumulative sum of `g` [B, Tp, H(, K)] restarted at every chunk, in float32."""
     B, Tp = g.shape[:2]

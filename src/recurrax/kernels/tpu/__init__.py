@@ -30,7 +30,7 @@ import dataclasses
 
 from ...problem import Gate
 from ...registry import Request, Support
-from .._driver import kernel_recurrent
+from .._driver import head_dims_refusal, kernel_recurrent
 from ._backward import chunk_backward
 from ._forward import chunk_forward
 from ._tiles import TpuCall, TpuTiles, mosaic_problems
@@ -44,10 +44,7 @@ TILES = TpuTiles(chunk=128, sub=16, block_v=128)
 
 
 def _head_dims(request: Request) -> str | None:
-    for name, dim in (("qk_head_dim", request.qk_head_dim), ("v_head_dim", request.v_head_dim)):
-        if dim not in HEAD_DIMS:
-            return f"{name}={dim} is not one of {HEAD_DIMS}"
-    return None
+    return head_dims_refusal(request, HEAD_DIMS, f"one of {HEAD_DIMS}")
 
 
 SUPPORT = Support(

@@ -21,7 +21,7 @@ import dataclasses
 
 from ...problem import Gate
 from ...registry import Request, Support
-from .._driver import kernel_recurrent
+from .._driver import head_dims_refusal, kernel_recurrent
 from ._backward import chunk_backward
 from ._common import TritonCall, TritonTiles
 from ._forward import chunk_forward
@@ -29,14 +29,11 @@ from ._tiling import INTERPRET_TILES, gpu_tiles
 
 __all__ = ["SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]
 
-_HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
+HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
 
 
 def _head_dims(request: Request) -> str | None:
-    for name, dim in (("qk_head_dim", request.qk_head_dim), ("v_head_dim", request.v_head_dim)):
-        if dim not in _HEAD_DIMS:
-            return f"{name}={dim} is not a power of two in [16, 256]"
-    return None
+    return head_dims_refusal(request, HEAD_DIMS, "a power of two in [16, 256]")
 
 
 SUPPORT = Support(
