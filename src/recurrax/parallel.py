@@ -1,5 +1,8 @@
 """Sequence parallelism: the token axis split over a device mesh, exact forward and backward.
 
+(One file of ~460 lines on purpose: the derivation below, the shard bodies that implement it
+and the mesh plumbing are one algorithm and are read together.)
+
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
 | P       | sequence shards: the size of `sequence_axis`                              |

@@ -1,5 +1,8 @@
 """The canonical form of a call: validation, the gate vocabulary, the public constructor.
 
+(One file of ~440 lines on purpose: every check of the public arguments — shapes, dtypes,
+gate signs, `cu_seqlens` — sits beside the folding it guards, so the contract reads in one place.)
+
 Everything a user can get wrong is caught here, at trace time, with a `ValueError` or
 `TypeError` naming the argument, the expected shape in words and what came. What leaves
 this module is a `Problem` that every algorithm takes as it is:
