@@ -113,3 +113,12 @@ def test_linen_wrapper():
     assert_errors(output, {"linen-wrapped vs NNX layer"}, 1e-6)
     norm = float(re.search(r"gradient norm of the wrapped layer's parameters ([-+.\deE]+)", output).group(1))
     assert norm > 0
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+def test_pretrained():
+    pytest.importorskip("safetensors")
+    output = run_example("pretrained.py", "--prompts", "3", "--prompt-len", "9", "--new-tokens", "4")
+    assert re.search(r"prefill: 27 tokens in [\d.]+ ms = [\d,]+ tokens/s", output), output
+    assert re.search(r"generate \(prefill \+ decode, batch 3\): 12 new tokens", output), output

@@ -1,0 +1,46 @@
+"""fla (flash-linear-attention) checkpoints in recurrax: layers, models, loading, generation.
+
+    model = from_pretrained("path/to/fla-checkpoint")          # config.json + model.safetensors
+    logits = model(tokens)                                      # [B, T, vocab]
+    outputs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=20)
+    save_pretrained(model, "out/")                              # readable by fla's from_pretrained
+
+Supported `model_type`s: gla, retnet, hgrn2, linear_attn, lightnet, each optionally hybrid
+with fla's softmax attention (config `attn`). Needs `flax` and, for checkpoints,
+`safetensors` (`pip install 'recurrax[pretrained]'`).
+"""
+
+from ._attention import Attention, KVCache
+from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
+from ._config import SUPPORTED
+from ._conv import CausalConv1d
+from ._generate import generate
+from ._gla import GatedLinearAttention
+from ._hgrn2 import HGRN2Attention
+from ._lightnet import LightNetAttention
+from ._linear_attn import LinearAttention
+from ._mixer import RecurrentCache
+from ._model import CausalLM, ModelCache
+from ._norm import RMSNorm
+from ._retnet import MultiScaleRetention
+
+__all__ = [
+    "SUPPORTED",
+    "Attention",
+    "CausalConv1d",
+    "CausalLM",
+    "GatedLinearAttention",
+    "HGRN2Attention",
+    "KVCache",
+    "LightNetAttention",
+    "LinearAttention",
+    "ModelCache",
+    "MultiScaleRetention",
+    "RMSNorm",
+    "RecurrentCache",
+    "from_pretrained",
+    "generate",
+    "load_weights",
+    "save_pretrained",
+    "state_dict",
+]

@@ -1,0 +1,194 @@
+"""Reading and writing fla checkpoints: HF layout (config.json + safetensors), fla's names.
+
+A parameter's fla name is its path in the module tree (which mirrors fla's) plus fla's
+parameter name; only the layout of some parameters differs:
+
+| module here     | parameter      | fla (PyTorch)                 | conversion            |
+|-----------------|----------------|-------------------------------|-----------------------|
+| nnx.Linear      | kernel [in, out], bias | `weight [out, in]`, `bias` | transpose            |
+| nnx.Embed       | embedding [V, D] | `weight [V, D]`             | rename                |
+| RMSNorm         | weight [D]     | `weight [D]`                  | none                  |
+| CausalConv1d    | kernel [W, C], bias | `weight [C, 1, W]`, `bias` | transpose, add axis  |
+| Backbone        | lower_bounds   | `lower_bounds`                | none                  |
+
+`nnx.Sequential` children are numbered like PyTorch's (`gk_proj.0`, `gk_proj.1`). A
+LinearAttention whose q and k share one feature map (`tie_feature_map_qk`) holds it as
+`feature_map_q`; PyTorch names the shared tensors under `feature_map_k` too, so those names
+are accepted (either spelling suffices) and written as aliases. With
+`tie_word_embeddings` the head is the embedding and `lm_head.weight` is neither written nor
+required (and ignored when present), as in Hugging Face's checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ._conv import CausalConv1d
+from ._linear_attn import LinearAttention
+from ._model import Backbone, CausalLM
+from ._norm import RMSNorm
+
+INSTALL_HINT = "reading and writing fla checkpoints needs safetensors: pip install 'recurrax[pretrained]'"
+TIED_HEAD = "lm_head.weight"
+
+
+class Tensor(NamedTuple):
+    """One checkpoint tensor: the parameter it fills and the layout changes both ways."""
+
+    variable: nnx.Variable
+    to_fla: Callable[[np.ndarray], np.ndarray]
+    from_fla: Callable[[np.ndarray], np.ndarray]
+    alias: bool = False  # a second name of a shared tensor: optional when loading
+
+
+def _same(a):
+    return a
+
+
+def _module_tensors(module: nnx.Module) -> dict[str, Tensor]:
+    """The checkpoint tensors a module owns directly, by fla's parameter name."""
+    if isinstance(module, nnx.Linear):
+        found = {"weight": Tensor(module.kernel, np.transpose, np.transpose)}
+        if module.bias is not None:
+            found["bias"] = Tensor(module.bias, _same, _same)
+        return found
+    if isinstance(module, nnx.Embed):
+        return {"weight": Tensor(module.embedding, _same, _same)}
+    if isinstance(module, RMSNorm):
+        return {} if module.weight is None else {"weight": Tensor(module.weight, _same, _same)}
+    if isinstance(module, CausalConv1d):
+        to_fla, from_fla = lambda k: np.transpose(k)[:, None, :], lambda w: np.transpose(w[:, 0])  # noqa: E731
+        found = {"weight": Tensor(module.kernel, to_fla, from_fla)}
+        if module.bias is not None:
+            found["bias"] = Tensor(module.bias, _same, _same)
+        return found
+    if isinstance(module, Backbone) and module.lower_bounds is not None:
+        return {"lower_bounds": Tensor(module.lower_bounds, _same, _same)}
+    return {}
+
+
+def _children(module: nnx.Module):
+    """(name, child) pairs in PyTorch's naming: Sequential and List children are numbered."""
+    if isinstance(module, nnx.Sequential):
+        yield from ((str(i), layer) for i, layer in enumerate(module.layers))
+        return
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, nnx.List):
+            yield from ((f"{name}.{i}", item) for i, item in enumerate(value) if isinstance(item, nnx.Module))
+        elif isinstance(value, nnx.Module):
+            yield name, value
+
+
+def tensors(model: nnx.Module, prefix: str = "") -> dict[str, Tensor]:
+    """Every checkpoint tensor of `model` by its full fla name (e.g. `model.layers.0.attn.q_proj.weight`)."""
+    found = {prefix + name: tensor for name, tensor in _module_tensors(model).items()}
+    for name, child in _children(model):
+        found.update(tensors(child, f"{prefix}{name}."))
+    if isinstance(model, LinearAttention) and model.tie_feature_map_qk:
+        shared = tensors(model.feature_map_q, f"{prefix}feature_map_k.")
+        found.update({name: tensor._replace(alias=True) for name, tensor in shared.items()})
+    return found
+
+
+def state_dict(model: CausalLM) -> dict[str, np.ndarray]:
+    """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes."""
+    return {name: np.ascontiguousarray(t.to_fla(np.asarray(t.variable.get_value())))
+            for name, t in tensors(model).items()}
+
+
+def load_weights(model: CausalLM, weights: dict[str, np.ndarray]) -> CausalLM:
+    """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`).
+
+    Raises a `ValueError` listing missing and unexpected names, or naming a parameter whose
+    shape differs (with both shapes); then nothing is changed. Values are cast to each
+    parameter's dtype. `model` may be abstract (`nnx.eval_shape`): every parameter is set.
+    """
+    expected = tensors(model)
+    given = dict(weights)
+    if model.tie_word_embeddings:
+        given.pop(TIED_HEAD, None)
+    for name, tensor in expected.items():  # a shared tensor may come under its alias only
+        primary = next(n for n, t in expected.items() if t.variable is tensor.variable and not t.alias)
+        if tensor.alias and primary not in given and name in given:
+            given[primary] = given[name]
+    unexpected = sorted(set(given) - set(expected))
+    expected = {name: tensor for name, tensor in expected.items() if not tensor.alias}
+    missing = sorted(set(expected) - set(given))
+    if missing or unexpected:
+        lines = []
+        if missing:
+            lines.append(f"missing weights ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"unexpected weights ({len(unexpected)}): {', '.join(unexpected)}")
+        raise ValueError("checkpoint does not match the model built from its config:\n" + "\n".join(lines))
+    for name, tensor in tensors(model).items():
+        if name not in given:
+            continue
+        want = tuple(tensor.to_fla(np.zeros(tensor.variable.get_value().shape, np.int8)).shape)
+        got = tuple(np.shape(given[name]))
+        if want != got:
+            raise ValueError(f"shape mismatch for {name}: the model expects {list(want)}, "
+                             f"the checkpoint has {list(got)}")
+    for name, tensor in expected.items():
+        value = tensor.from_fla(np.asarray(given[name]))
+        tensor.variable.set_value(jnp.asarray(value, dtype=tensor.variable.get_value().dtype))
+    return model
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> CausalLM:
+    """Load an fla checkpoint directory (Hugging Face layout) into a `CausalLM`. Nothing is downloaded.
+
+    **Arguments:**
+    - `path`: a local directory with `config.json` and `model.safetensors`, or sharded
+      `model.safetensors.index.json` + its shards.
+    - `dtype`: parameter and computation dtype of the model (weights are cast to it).
+    """
+    load_file = _safetensors().load_file
+    path = os.fspath(path)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in {path!r} (from_pretrained reads local directories only)")
+    with open(config_path) as f:
+        config = json.load(f)
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        weights = load_file(single)
+    elif os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        weights = {}
+        for shard in shards:
+            weights.update(load_file(os.path.join(path, shard)))
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+    model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
+    return load_weights(model, weights)
+
+
+def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
+    """Write `model` as an fla checkpoint: config.json (the config it was built from) and
+    model.safetensors (fla's names, PyTorch layouts, the parameters' dtypes), which fla's own
+    `from_pretrained` reads back."""
+    save_file = _safetensors().save_file
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file(state_dict(model), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy as st
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(INSTALL_HINT) from error
+    return st

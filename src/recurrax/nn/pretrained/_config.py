@@ -1,0 +1,116 @@
+"""fla's config.json, read the way fla's config classes and blocks read it.
+
+Each supported `model_type` has its config class's defaults (for keys a config.json leaves
+out) and a builder of its native mixer with the arguments fla's block passes (options fla's
+block does not pass, such as GLA's `gate_logit_normalizer`, keep the layer's defaults here
+too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the listed layers.
+"""
+
+from __future__ import annotations
+
+from ._gla import GatedLinearAttention
+from ._hgrn2 import HGRN2Attention
+from ._lightnet import LightNetAttention
+from ._linear_attn import LinearAttention
+from ._retnet import MultiScaleRetention
+
+COMMON_DEFAULTS = dict(
+    vocab_size=32000, hidden_size=2048, num_hidden_layers=24, hidden_ratio=4, intermediate_size=None,
+    hidden_act="swish", max_position_embeddings=2048, elementwise_affine=True, norm_eps=1e-6, attn=None,
+    tie_word_embeddings=False, fuse_norm=True, attnres_block_size=None,
+)
+
+FAMILY_DEFAULTS = {
+    "gla": dict(expand_k=0.5, expand_v=1.0, num_heads=4, num_kv_heads=None, feature_map=None,
+                use_short_conv=False, conv_size=4, use_output_gate=True, clamp_min=None),
+    "retnet": dict(expand_k=1.0, expand_v=2.0, hidden_ratio=2, num_heads=8, num_kv_heads=None, feature_map=None,
+                   use_output_gate=True),
+    "hgrn2": dict(num_heads=None, expand_ratio=128, use_short_conv=False, conv_size=4, use_lower_bound=True),
+    "linear_attn": dict(expand_k=1.0, expand_v=1.0, num_heads=4, num_kv_heads=None,
+                        feature_map="elementwise_product", tie_feature_map_qk=False, norm_q=False, norm_k=False,
+                        norm_feature_map=False),
+    "lightnet": dict(num_heads=None, expand_ratio=128, use_short_conv=False, conv_size=4, gate_low_rank_dim=128),
+}
+"""Defaults of fla 0.6.0's config classes, per `model_type`."""
+
+ARCHITECTURES = {
+    "gla": "GLAForCausalLM",
+    "retnet": "RetNetForCausalLM",
+    "hgrn2": "HGRN2ForCausalLM",
+    "linear_attn": "LinearAttentionForCausalLM",
+    "lightnet": "LightNetForCausalLM",
+}
+SUPPORTED = tuple(FAMILY_DEFAULTS)
+
+
+def resolve(config: dict) -> dict:
+    """config.json with fla's defaults filled in; rejects what this port does not implement."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILY_DEFAULTS:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
+    full = {**COMMON_DEFAULTS, **FAMILY_DEFAULTS[model_type], **config}
+    if full["attnres_block_size"] is not None:
+        raise NotImplementedError("attention residuals (attnres_block_size) are not supported")
+    if full["hidden_act"] != "swish":
+        raise NotImplementedError(f"only hidden_act='swish' (SwiGLU MLP) is supported, got {full['hidden_act']!r}")
+    if model_type == "hgrn2" and full["expand_ratio"] is None:
+        full["expand_ratio"] = full["hidden_size"] // full["num_heads"]
+    return full
+
+
+def attention_spec(config: dict, layer_idx: int) -> dict | None:
+    """The `attn` entry that covers `layer_idx`, with fla's defaults, or `None`."""
+    specs = config["attn"]
+    if specs is None:
+        return None
+    for spec in [specs] if isinstance(specs, dict) else specs:
+        if layer_idx in spec["layers"]:
+            num_kv_heads = spec.get("num_kv_heads") or spec["num_heads"]
+            rope_theta = 10000.0 if config["model_type"] == "lightnet" else spec.get("rope_theta", 10000.0)
+            return dict(num_heads=spec["num_heads"], num_kv_heads=num_kv_heads, qkv_bias=spec.get("qkv_bias", False),
+                        window_size=spec.get("window_size"), rope_theta=rope_theta)
+    return None
+
+
+def native_mixer(config: dict, layer_idx: int, *, dtype, rngs):
+    """The family's own layer for `layer_idx`, built with the arguments fla's block passes."""
+    c, common = config, dict(dtype=dtype, rngs=rngs)
+    model_type = c["model_type"]
+    if model_type == "gla":
+        return GatedLinearAttention(
+            c["hidden_size"], expand_k=c["expand_k"], expand_v=c["expand_v"], num_heads=c["num_heads"],
+            num_kv_heads=c["num_kv_heads"], feature_map=c["feature_map"], use_short_conv=c["use_short_conv"],
+            conv_size=c["conv_size"], use_output_gate=c["use_output_gate"], gate_fn=c["hidden_act"],
+            elementwise_affine=c["elementwise_affine"], norm_eps=c["norm_eps"], clamp_min=c["clamp_min"],
+            fuse_norm=c["fuse_norm"], **common)
+    if model_type == "retnet":
+        return MultiScaleRetention(
+            c["hidden_size"], expand_k=c["expand_k"], expand_v=c["expand_v"], num_heads=c["num_heads"],
+            num_kv_heads=c["num_kv_heads"], feature_map=c["feature_map"], use_output_gate=c["use_output_gate"],
+            gate_fn=c["hidden_act"], elementwise_affine=c["elementwise_affine"], norm_eps=c["norm_eps"],
+            fuse_norm=c["fuse_norm"], **common)
+    if model_type == "hgrn2":
+        return HGRN2Attention(
+            c["hidden_size"], num_heads=c["num_heads"], expand_ratio=c["expand_ratio"],
+            use_short_conv=c["use_short_conv"], conv_size=c["conv_size"], elementwise_affine=c["elementwise_affine"],
+            norm_eps=c["norm_eps"], layer_idx=layer_idx, **common)
+    if model_type == "linear_attn":
+        return LinearAttention(
+            c["hidden_size"], expand_k=c["expand_k"], expand_v=c["expand_v"], num_heads=c["num_heads"],
+            num_kv_heads=c["num_kv_heads"], feature_map=c["feature_map"], tie_feature_map_qk=c["tie_feature_map_qk"],
+            norm_q=c["norm_q"], norm_k=c["norm_k"], do_feature_map_norm=c["norm_feature_map"],
+            elementwise_affine=c["elementwise_affine"], norm_eps=c["norm_eps"], **common)
+    return LightNetAttention(
+        c["hidden_size"], num_heads=c["num_heads"], expand_ratio=c["expand_ratio"],
+        use_short_conv=c["use_short_conv"], conv_size=c["conv_size"], gate_low_rank_dim=c["gate_low_rank_dim"],
+        elementwise_affine=c["elementwise_affine"], norm_eps=c["norm_eps"], **common)
+
+
+def intermediate_size(config: dict) -> int:
+    """fla's GatedMLP width: `intermediate_size`, else 2/3 · hidden · ratio rounded up to 256."""
+    if config["intermediate_size"] is not None:
+        return config["intermediate_size"]
+    ratio = 4 if config["hidden_ratio"] is None else config["hidden_ratio"]
+    width = int(config["hidden_size"] * ratio * 2 / 3)
+    return 256 * ((width + 255) // 256)
+

@@ -1,0 +1,184 @@
+"""Generation with continuous batching: ragged prompts prefilled as one packed batch, decoding
+from a pool of cache slots, a finished slot taking the next queued prompt.
+
+| symbol | meaning                                                          |
+|--------|------------------------------------------------------------------|
+| P      | cache slots (sequences decoded together)                         |
+| N      | tokens of one packed prefill, padded up to a power of two ≥ 64   |
+| L      | attention capacity: longest prompt + max_new_tokens              |
+
+    loop:
+      admit: up to (free slots) queued prompts → one packed prefill (cu_seqlens) → their
+             caches go into free slots, their first new tokens are sampled
+      step:  all P slots advance one token (finished or empty slots compute and are ignored)
+      a sequence ends at a stop token or after max_new_tokens; its slot is free again
+
+Every compiled function has a fixed shape: the prefill takes P sequences (the unused ones
+empty) plus one padding sequence that absorbs the padding tokens, and the decode step always
+runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed), i), j)`,
+so results do not depend on the number of slots or on scheduling.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def sample_tokens(logits, keys, *, temperature, top_k, top_p):
+    """One token per row of `logits [P, vocab]`: greedy at temperature 0, else sampled from
+    `softmax(logits / temperature)` restricted to the top-k tokens and the top-p nucleus.
+
+    The three settings may be traced (one compiled decoder serves them all): `top_k=None` is
+    the whole vocabulary, `top_p=None` is 1 (no nucleus cut).
+    """
+    vocab = logits.shape[-1]
+    top_k = vocab if top_k is None else top_k
+    top_p = 1.0 if top_p is None else top_p
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    order = jnp.argsort(-scaled, axis=-1)  # best first
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)  # [P, vocab], descending
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
+    rank = jnp.arange(vocab)
+    keep_ranked = (rank < top_k) & ((before < top_p) | (rank == 0) | (top_p >= 1.0))
+    keep = jnp.zeros_like(keep_ranked).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_ranked)
+    sampled = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def _keys(seed, prompt_ids, counts):
+    base = jax.random.key(seed)
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_ids, counts)
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    num_slots: int | None = None,
+) -> list[list[int]]:
+    """Continue every prompt by up to `max_new_tokens` tokens.
+
+    **Arguments:**
+    - `model`: a `CausalLM` (e.g. from `from_pretrained`).
+    - `prompts`: token-id lists, of any (non-zero) lengths.
+    - `max_new_tokens`: most tokens generated per prompt.
+    - `temperature`: 0 for greedy decoding, else the sampling temperature.
+    - `top_k`, `top_p`: keep the k most likely tokens / the smallest set with mass ≥ p.
+    - `seed`: sampling randomness.
+    - `stop_tokens`: ids that end a sequence (the stop token is included in its output).
+    - `num_slots`: sequences decoded at once (default: all prompts, at most 8); more prompts
+      wait in a queue and take slots as sequences finish.
+
+    **Returns:** the new tokens of each prompt, in the order of `prompts`.
+    """
+    prompts = [list(map(int, p)) for p in prompts]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"need temperature ≥ 0, top_k ≥ 1, 0 < top_p ≤ 1; got {temperature}, {top_k}, {top_p}")
+    outputs = [[] for _ in prompts]
+    if max_new_tokens <= 0 or not prompts:
+        return outputs
+    P = num_slots or min(len(prompts), 8)
+    capacity = _capacity(model, max(map(len, prompts)) + max_new_tokens)
+    stops = set(int(t) for t in stop_tokens)
+    graphdef, params = nnx.split(model)
+    static = dict(graphdef=graphdef, slots=P, capacity=capacity)
+    sampling = (jnp.float32(temperature), jnp.int32(top_k or model.vocab_size), jnp.float32(top_p or 1.0))
+    pool = model.init_cache(P, capacity)
+    queue = deque(range(len(prompts)))
+    slot_prompt, next_tokens = [-1] * P, np.zeros(P, np.int32)
+
+    def record(slot: int, token: int) -> None:
+        i = slot_prompt[slot]
+        outputs[i].append(token)
+        next_tokens[slot] = token
+        if token in stops or len(outputs[i]) >= max_new_tokens:
+            slot_prompt[slot] = -1
+
+    while queue or any(i >= 0 for i in slot_prompt):
+        free = [s for s in range(P) if slot_prompt[s] < 0]
+        if queue and free:
+            admitted = [(slot, queue.popleft()) for slot in free[: len(queue)]]
+            tokens, cu_seqlens, slots, ids = _pack([prompts[i] for _, i in admitted], [s for s, _ in admitted], P)
+            ids[: len(admitted)] = [i for _, i in admitted]
+            first, pool = _admit(params, pool, tokens, cu_seqlens, slots, ids, seed, sampling, **static)
+            first = np.asarray(first)
+            for row, (slot, i) in enumerate(admitted):
+                slot_prompt[slot] = i
+                record(slot, int(first[row]))
+        active = [s for s in range(P) if slot_prompt[s] >= 0]
+        if not active:
+            continue
+        ids = np.array([max(i, 0) for i in slot_prompt], np.int32)
+        counts = np.array([len(outputs[i]) if i >= 0 else 0 for i in slot_prompt], np.int32)
+        sampled, pool = _step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(counts), seed,
+                              sampling, **static)
+        sampled = np.asarray(sampled)
+        for slot in active:
+            record(slot, int(sampled[slot]))
+    return outputs
+
+
+STATIC = ("graphdef", "slots", "capacity")
+
+
+@partial(jax.jit, static_argnames=STATIC)
+def _admit(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, *, graphdef, slots, capacity):
+    """Prefill the packed prompts, put their caches into their target slots, sample their first tokens."""
+    net = nnx.merge(graphdef, params)
+    logits, fresh = net(tokens, net.init_cache(slots + 1, capacity), cu_seqlens=cu_seqlens)
+    last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
+    pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
+    return _sample(last, _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids)), sampling), pool
+
+
+@partial(jax.jit, static_argnames=STATIC)
+def _step(params, tokens, pool, prompt_ids, counts, seed, sampling, *, graphdef, slots, capacity):
+    """Advance every slot by its pending token; sample the next ones."""
+    logits, pool = nnx.merge(graphdef, params)(tokens[:, None], pool)
+    return _sample(logits[:, 0], _keys(seed, prompt_ids, counts), sampling), pool
+
+
+def _sample(logits, keys, sampling):
+    temperature, top_k, top_p = sampling
+    return sample_tokens(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def _capacity(model, needed: int) -> int:
+    """Attention-cache capacity: `needed` rounded up to a power of two (fewer recompilations),
+    or 1 for models without softmax-attention layers (their caches do not depend on it)."""
+    from ._attention import Attention
+
+    if not any(isinstance(block.attn, Attention) for block in model.model.layers):
+        return 1
+    return max(16, 1 << (needed - 1).bit_length())
+
+
+def _pack(prompts: list[list[int]], slots: list[int], P: int):
+    """Packed tokens `[N]` (N a power of two ≥ 64), `cu_seqlens [P + 2]` (prompts, empty
+    sequences, one padding sequence), target slots `[P]` (P = dropped) and prompt ids `[P]`."""
+    lengths = [len(p) for p in prompts] + [0] * (P - len(prompts))
+    total = sum(lengths)
+    N = max(64, 1 << (total - 1).bit_length())
+    tokens = np.zeros(N, np.int32)
+    tokens[:total] = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths), [N]]).astype(np.int32)
+    target = np.full(P, P, np.int32)
+    target[: len(slots)] = slots
+    return jnp.asarray(tokens), jnp.asarray(cu_seqlens), jnp.asarray(target), np.zeros(P, np.int32)

@@ -1,0 +1,190 @@
+"""fla's `...ForCausalLM` models: embedding, pre-norm blocks (mixer + SwiGLU MLP), norm, head.
+
+| symbol | meaning                                                      |
+|--------|--------------------------------------------------------------|
+| B, T   | batch rows, tokens per row (packed: one row of N tokens)     |
+| R      | cache rows (B, or S packed sequences)                        |
+| D, F   | `hidden_size`, the MLP width (`intermediate_size`)           |
+
+    h = E[tokens]
+    for each block l:  h = h + mixer_l(RMSNorm(h));  h = h + W_down(silu(h' W_gate) ⊙ h' W_up), h' = RMSNorm(h)
+    logits = RMSNorm(h) W_head            (W_head = Eᵀ with tie_word_embeddings)
+
+The module tree mirrors fla's names (`model.embeddings`, `model.layers[l].attn`,
+`model.layers[l].mlp.gate_proj`, `model.norm`, `lm_head`, HGRN2's `model.lower_bounds`),
+so a checkpoint converts by renaming and transposing. The mixer of layer l is the family's
+own layer, or fla's softmax `Attention` where the config's `attn` lists l.
+
+Decoding: `model.init_cache(rows, capacity)` and `logits, cache = model(tokens, cache)`; the
+cache holds each layer's cache and every row's position (tokens seen so far).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from ...varlen import segments
+from ._attention import Attention
+from ._config import attention_spec, intermediate_size, native_mixer, resolve
+from ._mixer import linear
+from ._norm import RMSNorm
+
+
+class ModelCache(NamedTuple):
+    """A model's decode cache: one cache per layer and the positions `[R]` (tokens seen per row)."""
+
+    layers: tuple
+    positions: Int[Array, " R"]
+
+
+class GatedMLP(nnx.Module):
+    """fla's `GatedMLP` with SwiGLU: `W_down(silu(x W_gate) ⊙ x W_up)`, no biases."""
+
+    def __init__(self, hidden_size: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.gate_proj = linear(hidden_size, width, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden_size, width, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """fla's block: `h + attn(attn_norm(h))`, then `h + mlp(mlp_norm(h))`."""
+
+    def __init__(self, config: dict, layer_idx: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, eps = config["hidden_size"], config["norm_eps"]
+        self.attn_norm = RMSNorm(D, eps=eps, dtype=dtype)
+        spec = attention_spec(config, layer_idx)
+        if spec is None:
+            self.attn = native_mixer(config, layer_idx, dtype=dtype, rngs=rngs)
+        else:
+            self.attn = Attention(D, **spec, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(D, eps=eps, dtype=dtype)
+        self.mlp = GatedMLP(D, intermediate_size(config), dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, cache=None, **context):
+        mixed = self.attn(self.attn_norm(h), cache, **context)
+        mixed, new_cache = mixed if cache is not None else (mixed, None)
+        h = h + mixed
+        return h + self.mlp(self.mlp_norm(h)), new_cache
+
+
+class Backbone(nnx.Module):
+    """fla's `...Model`: embeddings, blocks, final norm (and HGRN2's lower bounds)."""
+
+    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D = config["hidden_size"]
+        self.embeddings = nnx.Embed(config["vocab_size"], D, embedding_init=nnx.initializers.normal(0.02),
+                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Block(config, l, dtype=dtype, rngs=rngs) for l in range(config["num_hidden_layers"])])
+        self.norm = RMSNorm(D, eps=config["norm_eps"], dtype=dtype)
+        has_bounds = config["model_type"] == "hgrn2" and config["use_lower_bound"]
+        self.lower_bounds = nnx.Param(jnp.zeros((config["num_hidden_layers"], D), dtype)) if has_bounds else None
+
+    def layer_lower_bounds(self):
+        """HGRN2's per-layer lower bounds `cumsum(softmax(β, layers)) − first`, or `None`s."""
+        if self.lower_bounds is None:
+            return [None] * len(self.layers)
+        probs = jax.nn.softmax(self.lower_bounds[...].astype(jnp.float32), axis=0)
+        bounds = jnp.cumsum(probs, axis=0) - probs[0]
+        return [bounds[l] for l in range(len(self.layers))]
+
+
+class CausalLM(nnx.Module):
+    """An fla `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet; hybrids via `attn`).
+
+    **Arguments:**
+    - `config`: fla's config.json as a dict (its `model_type` chooses the family).
+    - `dtype`: parameter and computation dtype (default float32).
+    - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
+    """
+
+    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        full = resolve(config)
+        self.config_json = json.dumps(config, sort_keys=True)  # as given: save_pretrained writes it back
+        self.model_type, self.dtype = full["model_type"], dtype
+        self.vocab_size, self.tie_word_embeddings = full["vocab_size"], bool(full["tie_word_embeddings"])
+        self.max_position_embeddings = full["max_position_embeddings"]
+        self.model = Backbone(full, dtype=dtype, rngs=rngs)
+        self.lm_head = None if self.tie_word_embeddings else linear(full["hidden_size"], full["vocab_size"],
+                                                                    dtype=dtype, rngs=rngs)
+
+    @property
+    def config(self) -> dict:
+        """The config.json dict this model was built from."""
+        return json.loads(self.config_json)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"] | Int[Array, " N"],
+        cache: ModelCache | None = None,
+        *,
+        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
+    ):
+        """Next-token logits for every token; with `cache`, continue from it and return it too.
+
+        **Arguments:**
+        - `tokens`: `[B, T]` ids, or packed `[N]` with `cu_seqlens`.
+        - `cache`: a `ModelCache` (`init_cache(rows, capacity)`), rows = B or S; `None` for a
+          parallel pass from an empty history.
+        - `cu_seqlens`: `[S + 1]` boundaries of packed sequences.
+
+        **Returns:** `logits` `[B, T, vocab]` (packed: `[N, vocab]`), float32, or
+        `(logits, new_cache)`.
+        """
+        packed = cu_seqlens is not None
+        if packed and tokens.ndim != 1:
+            raise ValueError(f"packed tokens must be [total_tokens], got shape {tokens.shape}")
+        if not packed and tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq_len] (or packed [total_tokens] with cu_seqlens), "
+                             f"got shape {tokens.shape}")
+        h = self.model.embeddings(tokens[None] if packed else tokens)  # [B, T, D]
+        positions = self._positions(h, cache, cu_seqlens)
+        layer_caches = (None,) * len(self.model.layers) if cache is None else cache.layers
+        if len(layer_caches) != len(self.model.layers):
+            raise ValueError(f"cache must hold {len(self.model.layers)} layer caches, got {len(layer_caches)}")
+        new_caches = []
+        for block, layer_cache, bound in zip(self.model.layers, layer_caches, self.model.layer_lower_bounds()):
+            h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, lower_bound=bound)
+            new_caches.append(new_cache)
+        logits = self._head(self.model.norm(h))
+        logits = logits[0] if packed else logits
+        if cache is None:
+            return logits
+        seen = tokens.shape[1] if not packed else cu_seqlens[1:] - cu_seqlens[:-1]
+        return logits, ModelCache(tuple(new_caches), cache.positions + seen)
+
+    def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
+        """An empty cache for `rows` sequences; softmax-attention layers hold `capacity` tokens
+        per row (default `max_position_embeddings`)."""
+        capacity = self.max_position_embeddings if capacity is None else capacity
+        layers = tuple(
+            block.attn.init_cache(rows, capacity) if isinstance(block.attn, Attention) else block.attn.init_cache(rows)
+            for block in self.model.layers
+        )
+        return ModelCache(layers, jnp.zeros((rows,), jnp.int32))
+
+    def _head(self, h):
+        if self.lm_head is not None:
+            return self.lm_head(h).astype(jnp.float32)
+        return self.model.embeddings.attend(h).astype(jnp.float32)
+
+    @staticmethod
+    def _positions(h, cache, cu_seqlens):
+        """Every token's position in its sequence `[B, T]`, counting the cached tokens."""
+        B, T = h.shape[:2]
+        offsets = jnp.zeros((B if cu_seqlens is None else cu_seqlens.shape[0] - 1,), jnp.int32)
+        if cache is not None:
+            offsets = cache.positions
+        if cu_seqlens is None:
+            return offsets[:, None] + jnp.arange(T)[None]
+        seq = segments(cu_seqlens, T).seq_id  # [N]
+        return (offsets[seq] + jnp.arange(T) - cu_seqlens[seq])[None]

@@ -1,0 +1,311 @@
+"""recurrax.nn.pretrained against flash-linear-attention (fla) itself.
+
+The fixtures in tests/fixtures/fla/<name>/ were made by fla 0.6.0 in PyTorch (see
+make_fixtures.py there): fla's config.json + model.safetensors and fla's own float32 outputs
+(expected.npz), the independent reference here. The default tier runs every check on one
+fixture per family (FAST, about 2 minutes on this 2-core box: compiling dominates); `-m ""`
+runs them on all fixtures. Self-made checks (windowed attention, sampling, checkpoint
+errors and formats) use tiny layers and a tiny model built from a config dict.
+
+Error metric: max |ours − fla| / max |fla| over all compared logits (float32 throughout).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", reason="recurrax.nn.pretrained needs flax")
+pytest.importorskip("safetensors", reason="fla checkpoints need safetensors (pip install 'recurrax[pretrained]')")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+from recurrax.nn import pretrained  # noqa: E402
+from recurrax.nn.pretrained import CausalLM, from_pretrained, generate, save_pretrained  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "fla"
+NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists()) if FIXTURES.is_dir() else []
+FAST = {"gla_gqa_conv_clamp", "gla_hybrid_attn", "retnet_gqa_nogate", "hgrn2_conv_nolb", "linear_attn_t2r_norm",
+        "lightnet_basic"}
+TOLERANCE = 1e-4
+
+
+def _by_tier(names, fast):
+    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in names]
+
+
+def relative_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+class Loaded:
+    """A fixture's model, fla's outputs, and the model's compiled functions (built once)."""
+
+    def __init__(self, name: str):
+        self.folder = FIXTURES / name
+        self.model = from_pretrained(self.folder)
+        self.expected = dict(np.load(self.folder / "expected.npz"))
+        graphdef, self.params = nnx.split(self.model)
+        self.forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+        self.packed = jax.jit(lambda params, tokens, cu: nnx.merge(graphdef, params)(tokens, cu_seqlens=cu))
+        self.step = jax.jit(lambda params, tokens, cache: nnx.merge(graphdef, params)(tokens, cache))
+
+    def prompts(self):
+        return [self.expected["prompt_0"], self.expected["prompt_1"]]
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(name: str) -> Loaded:
+    return Loaded(name)
+
+
+@pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
+@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+def test_logits_match_fla(name):
+    """Full forward (fla's fused_recurrent range, and 72 tokens: its chunk kernels) and a packed
+    forward of two ragged prompts (cu_seqlens) equal fla's logits within 1e-4 relative."""
+    fix = loaded(name)
+    exp = fix.expected
+    errors = {
+        "logits": relative_error(fix.forward(fix.params, jnp.asarray(exp["input_ids"])), exp["logits"]),
+        "long_logits": relative_error(fix.forward(fix.params, jnp.asarray(exp["long_input_ids"])), exp["long_logits"]),
+    }
+    prompts = fix.prompts()
+    cu_seqlens = jnp.asarray(np.cumsum([0] + [len(p) for p in prompts]), jnp.int32)
+    packed = np.asarray(fix.packed(fix.params, jnp.asarray(np.concatenate(prompts)), cu_seqlens))
+    width = exp["padded_prompts"].shape[1]
+    fla_rows = [exp["padded_logits"][row, width - len(p):] for row, p in enumerate(prompts)]
+    errors["packed_vs_fla_padded"] = relative_error(packed, np.concatenate(fla_rows))
+    print(name, {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) < TOLERANCE, errors
+
+
+@pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
+@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+def test_cached_decode_matches_parallel_and_fla(name):
+    """Feeding input_ids one token at a time through the cache gives the parallel logits, and
+    fla's own cached-decode logits."""
+    fix = loaded(name)
+    tokens = jnp.asarray(fix.expected["input_ids"])
+    cache = fix.model.init_cache(tokens.shape[0], tokens.shape[1])
+    steps = []
+    for t in range(tokens.shape[1]):
+        logits, cache = fix.step(fix.params, tokens[:, t:t + 1], cache)
+        steps.append(logits)
+    steps = np.concatenate(steps, axis=1)
+    vs_parallel = relative_error(steps, fix.forward(fix.params, tokens))
+    vs_fla = relative_error(steps, fix.expected["decode_logits"])
+    print(name, f"decode vs parallel {vs_parallel:.1e}, vs fla decode {vs_fla:.1e}")
+    assert vs_parallel < 1e-5 and vs_fla < TOLERANCE
+
+
+@pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
+@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+def test_generation_matches_fla(name):
+    """generate (one packed prefill, batched cached decoding) reproduces fla's greedy tokens,
+    also with more prompts than slots (continuous batching) and with a stop token; sampling
+    does not depend on the scheduling (one compiled decoder serves all of these)."""
+    fix = loaded(name)
+    want = [list(fix.expected["greedy_0"]), list(fix.expected["greedy_1"])]
+    n = len(want[0])
+    assert generate(fix.model, fix.prompts(), n) == want
+    queued = generate(fix.model, fix.prompts()[::-1] + fix.prompts(), n, num_slots=2)  # 4 prompts, 2 slots
+    assert queued == want[::-1] + want
+    stop = want[1][2]
+    cut = [w[: w.index(stop) + 1] if stop in w else w for w in want]
+    assert generate(fix.model, fix.prompts(), n, stop_tokens=[stop]) == cut
+    options = dict(temperature=1.3, top_k=20, top_p=0.95, seed=5, num_slots=2)
+    sampled = generate(fix.model, fix.prompts() + fix.prompts(), n, **options)  # prompts 2, 3 waited
+    alone = generate(fix.model, [[1], [1], list(fix.prompts()[0])], n, **options)[2]  # prompt id 2 again
+    assert sampled[2] == alone and all(0 <= t < fix.model.vocab_size for seq in sampled for t in seq)
+
+
+@pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
+@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+def test_save_pretrained_round_trip(name, tmp_path):
+    """save_pretrained writes fla's tensors back bit for bit (names, shapes, dtypes) and the
+    same config; loading that again gives the same parameters."""
+    fix = loaded(name)
+    save_pretrained(fix.model, tmp_path)
+    original, written = load_file(fix.folder / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert set(written) <= set(original) and set(original) - set(written) <= {"lm_head.weight"}
+    for key, value in written.items():
+        assert value.dtype == original[key].dtype and value.shape == original[key].shape, key
+        np.testing.assert_array_equal(value, original[key], err_msg=key)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((fix.folder / "config.json").read_text())
+    again = pretrained.state_dict(from_pretrained(tmp_path))
+    for key, value in pretrained.state_dict(fix.model).items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+
+
+# ------------------------------------------------------------------------------------------
+# Self-made checks on a tiny model (no fixture needed)
+# ------------------------------------------------------------------------------------------
+
+TINY = dict(model_type="gla", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_heads=2, hidden_ratio=2,
+            use_short_conv=True, attn=dict(layers=[1], num_heads=2, num_kv_heads=1, window_size=4))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model() -> CausalLM:
+    """The TINY model with every parameter random (norm weights and biases included)."""
+    model = nnx.eval_shape(lambda: CausalLM(TINY, rngs=nnx.Rngs(3)))
+    rng = np.random.default_rng(3)
+    weights = {name: rng.normal(0, 0.3, t.to_fla(np.zeros(t.variable.get_value().shape)).shape).astype(np.float32)
+               for name, t in pretrained._checkpoint.tensors(model).items()}
+    return pretrained.load_weights(model, weights)
+
+
+def test_sample_tokens_top_k_top_p_temperature():
+    """Sampling restricted to the top-k / top-p set; greedy at temperature 0 (against numpy)."""
+    from recurrax.nn.pretrained._generate import sample_tokens
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 10)) * 2, jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    greedy = np.argmax(np.asarray(logits), axis=-1)
+    assert np.array_equal(sample_tokens(logits, keys, temperature=0.0, top_k=None, top_p=None), greedy)
+    assert np.array_equal(sample_tokens(logits, keys, temperature=1.0, top_k=1, top_p=None), greedy)
+    assert np.array_equal(sample_tokens(logits, keys, temperature=1.0, top_k=None, top_p=1e-6), greedy)
+    order = np.argsort(-np.asarray(logits), axis=-1)
+    draw = jax.jit(jax.vmap(lambda k, top_k, top_p: sample_tokens(
+        logits, jax.random.split(k, 4), temperature=2.0, top_k=top_k, top_p=top_p), in_axes=(0, None, None)))
+    many = draw(jax.random.split(jax.random.key(1), 200), 3, 1.0)  # [200, 4]
+    for row in range(4):
+        assert set(np.asarray(many[:, row]).tolist()) == set(order[row, :3].tolist())
+    probs = np.exp(np.asarray(logits, np.float64)[0] / 2.0)
+    probs /= probs.sum()
+    nucleus = order[0, : int(np.searchsorted(np.cumsum(probs[order[0]]), 0.5)) + 1]
+    many = draw(jax.random.split(jax.random.key(2), 200), 10, 0.5)
+    assert set(np.asarray(many[:, 0]).tolist()) == set(nucleus.tolist())
+
+
+def test_tiny_save_load_round_trip(tmp_path):
+    model = tiny_model()
+    save_pretrained(model, tmp_path)
+    again = from_pretrained(tmp_path)
+    for key, value in pretrained.state_dict(model).items():
+        np.testing.assert_array_equal(pretrained.state_dict(again)[key], value, err_msg=key)
+    assert again.config == TINY
+
+
+def test_unknown_model_type_names_supported_ones():
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba'.*gla, retnet, hgrn2, linear_attn, lightnet"):
+        CausalLM(dict(TINY, model_type="mamba"))
+
+
+def test_missing_unexpected_and_misshapen_weights_are_named(tmp_path):
+    model = tiny_model()
+    weights = pretrained.state_dict(model)
+    broken = dict(weights)
+    del broken["model.layers.0.attn.q_proj.weight"]
+    broken["model.layers.0.attn.extra.weight"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match=r"missing weights \(1\): model\.layers\.0\.attn\.q_proj\.weight") as err:
+        pretrained.load_weights(CausalLM(TINY), broken)
+    assert "unexpected weights (1): model.layers.0.attn.extra.weight" in str(err.value)
+    misshapen = dict(weights, **{"model.norm.weight": np.zeros(5, np.float32)})
+    with pytest.raises(ValueError, match=r"shape mismatch for model\.norm\.weight: .*\[16\].*\[5\]"):
+        pretrained.load_weights(CausalLM(TINY), misshapen)
+
+
+def test_missing_safetensors_names_the_extra(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    with pytest.raises(ImportError, match=r"pip install 'recurrax\[pretrained\]'"):
+        save_pretrained(tiny_model(), tmp_path)
+
+
+def test_sharded_checkpoint_and_bfloat16_round_trip(tmp_path):
+    """A sharded checkpoint (model.safetensors.index.json) loads; a bfloat16 model writes BF16
+    tensors that load back bit for bit."""
+    from safetensors.numpy import save_file
+
+    model = tiny_model()
+    weights = pretrained.state_dict(model)
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, tmp_path / shard, metadata={"format": "pt"})
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    sharded = pretrained.state_dict(from_pretrained(tmp_path))
+    for key, value in weights.items():
+        np.testing.assert_array_equal(sharded[key], value, err_msg=key)
+
+    half = from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    save_pretrained(half, tmp_path / "bf16")
+    written = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {v.dtype.name for v in written.values()} == {"bfloat16"}
+    again = pretrained.state_dict(from_pretrained(tmp_path / "bf16", dtype=jnp.bfloat16))
+    for key, value in written.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+        np.testing.assert_array_equal(value, weights[key].astype(value.dtype), err_msg=key)
+
+
+def _numpy_attention(x, layer, window):
+    """float64 reference of fla's softmax attention: RoPE (halves), GQA, causal window."""
+    w = {n: np.asarray(getattr(layer, n).kernel.get_value(), np.float64)
+         for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    b = {n: np.asarray(getattr(layer, n).bias.get_value(), np.float64) for n in ("q_proj", "k_proj", "v_proj")}
+    T, H, Hkv, D = x.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q, k, v = ((x @ w[n] + b[n]).reshape(T, -1, D) for n in ("q_proj", "k_proj", "v_proj"))
+    angles = np.arange(T)[:, None, None] * 10000.0 ** (-np.arange(0, D, 2) / D)
+    rope = lambda a: np.concatenate([a[..., :D // 2] * np.cos(angles) - a[..., D // 2:] * np.sin(angles),  # noqa: E731
+                                     a[..., D // 2:] * np.cos(angles) + a[..., :D // 2] * np.sin(angles)], -1)
+    q, k = rope(q), np.repeat(rope(k), H // Hkv, axis=1)
+    v = np.repeat(v, H // Hkv, axis=1)
+    i, j = np.arange(T)[:, None], np.arange(T)[None]
+    scores = np.where((j <= i) & (j > i - window), np.einsum("ihd,jhd->hij", q, k) * D**-0.5, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("hij,jhd->ihd", weights, v).reshape(T, -1) @ w["o_proj"]
+
+
+def test_windowed_attention_parallel_packed_and_cached():
+    """fla's Attention with a window (no fixture has one): parallel output against a float64
+    numpy reference; packed (cu_seqlens) and token-by-token cached outputs equal it."""
+    layer = pretrained.Attention(16, num_heads=4, num_kv_heads=2, qkv_bias=True, window_size=3, rngs=nnx.Rngs(1))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        bias = getattr(layer, name).bias
+        bias.set_value(0.1 * jax.random.normal(jax.random.key(len(name)), bias.get_value().shape))
+    x = np.random.default_rng(0).normal(size=(2, 7, 16)).astype(np.float32)
+    step = nnx.jit(lambda layer, x, cache, positions: layer(x, cache, positions=positions))
+    parallel = np.asarray(layer(jnp.asarray(x)))
+    for row in range(2):
+        assert relative_error(parallel[row], _numpy_attention(x[row].astype(np.float64), layer, 3)) < 1e-5
+    packed = np.asarray(layer(jnp.asarray(np.concatenate([x[0, :4], x[1]])), cu_seqlens=jnp.asarray([0, 4, 11])))
+    assert relative_error(packed, np.concatenate([np.asarray(layer(jnp.asarray(x[:1, :4])))[0], parallel[1]])) < 1e-6
+    cache, steps = layer.init_cache(2, 8), []
+    for t in range(7):
+        y, cache = step(layer, jnp.asarray(x[:, t:t + 1]), cache, jnp.full((2, 1), t))
+        steps.append(np.asarray(y))
+    assert relative_error(np.concatenate(steps, axis=1), parallel) < 1e-6
+
+
+def test_tied_feature_map_loads_under_either_name():
+    """tie_feature_map_qk: one map for q and k; PyTorch names it under feature_map_q and
+    feature_map_k, and either spelling loads (transformers 5.6 cannot save such a model)."""
+    config = dict(model_type="linear_attn", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_heads=2,
+                  feature_map="t2r", tie_feature_map_qk=True, intermediate_size=8)
+    model = nnx.eval_shape(lambda: CausalLM(config))
+    names = pretrained._checkpoint.tensors(model)
+    weights = {n: np.full(t.to_fla(np.zeros(t.variable.get_value().shape)).shape, i, np.float32)
+               for i, (n, t) in enumerate(names.items())}
+    q_name = "model.layers.0.attn.feature_map_q.layer.weight"
+    k_name = q_name.replace("feature_map_q", "feature_map_k")
+    assert set(names) >= {q_name, k_name}
+    for drop in (q_name, k_name):
+        kept = {n: w for n, w in weights.items() if n != drop}
+        loaded = pretrained.state_dict(pretrained.load_weights(nnx.eval_shape(lambda: CausalLM(config)), kept))
+        expected = kept[k_name if drop == q_name else q_name]
+        np.testing.assert_array_equal(loaded[q_name], expected)
+        np.testing.assert_array_equal(loaded[k_name], expected)
