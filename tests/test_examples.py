@@ -50,6 +50,7 @@ def assert_errors(output: str, expected: set[str], bound: float) -> None:
     assert all(value <= bound for _, value in errors), errors
 
 
+@pytest.mark.slow  # .ci/run runs every slow example test after the suite
 @NEEDS_SCRIPTS
 def test_packed_batches():
     output = run_example("packed_batches.py", "--lengths", "5,0,11", "--heads", "2", "--head-dim", "8",
@@ -60,6 +61,7 @@ def test_packed_batches():
     assert "packed == per sequence" in output
 
 
+@pytest.mark.slow  # .ci/run runs every slow example test after the suite
 @NEEDS_SCRIPTS
 def test_sequence_parallel():
     output = run_example("sequence_parallel.py", "--devices", "4", "--seq-len", "32", "--heads", "2",
