@@ -1,0 +1,30 @@
+"""The files people expect: a license matching pyproject, a changelog, the typing marker shipped."""
+
+import pathlib
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_license_matches_pyproject():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_changelog_and_typing_marker():
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+    assert (ROOT / "src" / "recurrax" / "py.typed").exists()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["recurrax"]
+
+
+def test_installed_package_has_the_typing_marker():
+    import importlib.resources
+
+    marker = importlib.resources.files("recurrax") / "py.typed"
+    if not marker.is_file():
+        pytest.fail("py.typed is not installed with recurrax (package-data)")
