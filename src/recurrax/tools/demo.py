@@ -81,7 +81,7 @@ def build_model(config: TrainConfig):
     """A fresh `LanguageModel` for `config`."""
     from flax import nnx
 
-    from .nn import LanguageModel
+    from recurrax.nn import LanguageModel
 
     return LanguageModel(
         config.task.vocab_size, config.d_model, config.num_layers, config.num_heads,
