@@ -1,0 +1,122 @@
+"""A 340M-parameter GLA in fla's configuration on this CPU: load, prefill and decode speed.
+
+    python benchmarks/pretrained_340m.py                  # writes benchmarks/results/pretrained_340m.md
+    python benchmarks/pretrained_340m.py --tiny           # the same steps on a tiny model (seconds)
+
+Builds `recurrax.nn.pretrained.CausalLM` from fla's GLA-340M configuration (below) with
+random weights, writes it in Hugging Face layout (`save_pretrained`: config.json +
+model.safetensors, float32) to a temporary directory, then measures:
+- `from_pretrained` time (reading and placing every weight);
+- prefill tokens/s: 8 prompts of 512 tokens as one packed batch (`cu_seqlens`), jitted;
+- decode tokens/s at batch 8 and 64: one jitted step of one token per sequence with the
+  state cache, the median of several steps.
+Compilation is excluded (one warm-up call each). fla's own model is not timed beside it on
+this CPU: fla runs here only under Triton's interpreter, which executes every kernel program
+in Python and measures the interpreter, not fla.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained
+from recurrax.tools.bench.machine import machine_description
+
+GLA_340M = dict(
+    model_type="gla", hidden_size=1024, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1,
+    hidden_ratio=4, intermediate_size=None, vocab_size=32000, tie_word_embeddings=True, use_short_conv=False,
+    use_output_gate=True, norm_eps=1e-6, max_position_embeddings=2048, attn=None,
+)
+"""fla's GLA 340M configuration (the `gla_340M` config of fla's training recipes)."""
+TINY = {**GLA_340M, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}
+RESULTS = Path(__file__).resolve().parent / "results" / "pretrained_340m.md"
+
+
+def timed(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # warm-up (compiles)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    config = TINY if args.tiny else GLA_340M
+    prompts, prompt_len = (8, 512) if not args.tiny else (2, 16)
+
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    with tempfile.TemporaryDirectory() as directory:
+        save_pretrained(model, directory)
+        del model
+        start = time.perf_counter()
+        model = from_pretrained(directory)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+        load_s = time.perf_counter() - start
+
+    graphdef, state = nnx.split(model)
+    vocab = config["vocab_size"]
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, vocab, prompts * prompt_len), jnp.int32)
+    cu_seqlens = jnp.asarray(np.arange(prompts + 1) * prompt_len, jnp.int32)
+    prefill = jax.jit(lambda state, tokens, cu: nnx.merge(graphdef, state)(tokens, cu_seqlens=cu))
+    prefill_s = timed(lambda: prefill(state, tokens, cu_seqlens), args.repeats)
+
+    @jax.jit
+    def step(state, token, cache):
+        logits, cache = nnx.merge(graphdef, state)(token, cache)
+        return jnp.argmax(logits[:, -1], -1), cache
+
+    decode = {}
+    for batch in (8, 64):
+        cache = model.init_cache(batch)
+        token = jnp.asarray(rng.integers(0, vocab, (batch, 1)), jnp.int32)
+        decode[batch] = timed(lambda: step(state, token, cache), max(args.repeats, 5))
+
+    machine = machine_description()
+    lines = [
+        "# A 340M GLA (fla's configuration) on this CPU" if not args.tiny else "# Tiny GLA (smoke run)",
+        "",
+        f"`python benchmarks/pretrained_340m.py{' --tiny' if args.tiny else ''}` — {parameters / 1e6:.1f}M parameters, "
+        f"float32; {machine['cpu']}, {machine['usable_cpus']} CPUs; JAX {jax.__version__}; commit {machine['commit']}.",
+        "",
+        f"Config: `{config}`",
+        "",
+        "| measurement | value |",
+        "|---|---:|",
+        f"| `from_pretrained` (safetensors, float32) | {load_s:.2f} s |",
+        f"| prefill, {prompts} prompts × {prompt_len} tokens packed | {prompts * prompt_len / prefill_s:,.0f} tokens/s "
+        f"({prefill_s * 1e3:.0f} ms) |",
+    ]
+    for batch, seconds in decode.items():
+        lines.append(f"| decode, batch {batch}, one token per sequence per step | {batch / seconds:,.0f} tokens/s "
+                     f"({seconds * 1e3:.1f} ms per step) |")
+    lines += ["", "fla's own model is not timed here: on a CPU it runs only under Triton's interpreter "
+              "(see the script's docstring)."]
+    text = "\n".join(lines) + "\n"
+    if not args.tiny:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
