@@ -82,6 +82,8 @@ CASES = [
     Case(T=100, **BF16),  # no decay, grouped heads, T padded to 2 chunks, initial state
     Case(T=128, gates=("g_head", "g_gamma"), reverse=True, **BF16),
     Case(**BF16, gates=("g_head",), cu_seqlens=(0, 50, 50, 150)),  # packed: an empty sequence, a boundary in a chunk
+    Case(T=100, gates=("gk",), **BF16),  # per key channel: anchored sub-blocks and the exact diagonal
+    Case(**BF16, gates=("g_channel",), cu_seqlens=(0, 50, 50, 150), reverse=True),
 ]
 
 
@@ -97,6 +99,9 @@ def test_matches_float64_reference(case):
         Case(**{**BF16, "K": 128}, T=130, gates=("g_head",)),
         Case(**{**BF16, "V": 128, "dtype": "float16"}, T=128, gates=("g_head",), initial_state=False),
         Case(**{**BF16, "K": 128, "V": 128}, T=64, gates=("g_gamma",), cu_seqlens=(0, 20, 64), reverse=True),
+        # per channel at K = 128: one SMEM slot, the final states staged through the state slot
+        Case(**{**BF16, "K": 128}, gates=("g_head", "gk"), cu_seqlens=(0, 50, 50, 150), reverse=True),
+        Case(**{**BF16, "K": 128, "dtype": "float16"}, T=130, gates=("gk",)),
     ],
     ids=str,
 )
@@ -130,8 +135,9 @@ def test_race_detector_is_on():
         Case(T=128, gates=("g_head",), **BF16),
         Case(**{**BF16, "K": 128, "V": 128}, gates=("g_gamma",), cu_seqlens=(0, 20, 150)),
         Case(**{**BF16, "K": 256}, T=64),
+        Case(**{**BF16, "K": 128}, T=128, gates=("gk",), cu_seqlens=(0, 20, 150)),
     ],
-    ids=["head-K64", "packed-K128", "none-K256-forward-only"],
+    ids=["head-K64", "packed-K128", "none-K256-forward-only", "key-packed-K128"],
 )
 def test_lowers_for_hopper(case):
     """The compiled (non-interpret) kernels lower to Mosaic GPU for `cuda` on a CPU host:
@@ -154,8 +160,8 @@ def test_lowers_for_hopper(case):
 
 
 def test_support_is_fail_closed():
-    """Per-key-channel decay (not implemented), float32/float64, other head dims: refused
-    with a reason, so dispatch falls back to the Triton kernels or XLA chunk."""
+    """Value-side decay, float32/float64, other head dims: refused with a reason, so dispatch
+    falls back to the Triton kernels or XLA chunk; per-key-channel decay is accepted."""
     import dataclasses
 
     from recurrax import Request
@@ -165,7 +171,8 @@ def test_support_is_fail_closed():
         problem, _, _ = canonical(make_inputs(case))
         return SUPPORT.refusal(dataclasses.replace(Request.of(problem), backend="gpu"))
 
-    assert "gate kinds ['key']" in refusal(gates=("gk",))
+    assert "gate kinds ['value']" in refusal(gates=("gv",))
+    assert "compute capability" in refusal(gates=("gk",))  # accepted up to the device check
     assert "dtype float32" in refusal(dtype="float32")
     assert "qk_head_dim=32" in refusal(K=32)
     assert "v_head_dim=96" in refusal(V=96)

@@ -3,6 +3,7 @@
 | module       | what it holds                                                                 |
 |--------------|-------------------------------------------------------------------------------|
 | `_tiles`     | swizzled SMEM tiles, the wgmma helper (f32 accumulator), decay masks, interpret settings |
+| `_channel`   | per-key-channel decay inside a chunk: anchored wgmma products + the exact diagonal |
 | `_layout`    | `MosaicCall`; driver arrays to TMA-friendly ones; the SMEM budget (slots)    |
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states                  |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms             |
@@ -14,10 +15,10 @@ computes) where two slots fit in 227 KiB of SMEM; outputs and states leave by TM
 The state is `[K, 64]` float32 in registers.
 
 **Declared support** (`SUPPORT`, fail-closed): bfloat16 and float16 inputs (wgmma needs
-16-bit operands); no decay or a per-head decay (`g` per head, `g_gamma`) — per key channel
-is not implemented and is refused; packed `cu_seqlens`, `reverse`, initial states, any T;
-K ∈ {64, 128} and V a multiple of 64 (K = 256: the backward's tiles exceed SMEM); compute
-capability ≥ 9.0. Tested on a CPU in Mosaic GPU interpret mode (JAX ≥ 0.12) with race
+16-bit operands); no decay, a per-head decay (`g` per head, `g_gamma`) or a per-key-channel
+decay (`gk`, `g` per channel, and their sums); not `gv`; packed `cu_seqlens`, `reverse`,
+initial states, any T; K ∈ {64, 128} and V a multiple of 64 (K = 256: the backward's tiles
+exceed SMEM); compute capability ≥ 9.0. Tested on a CPU in Mosaic GPU interpret mode (JAX ≥ 0.12) with race
 detection on; never run on a GPU from here.
 """
 
@@ -60,7 +61,7 @@ def _compute_capability_refusal() -> str | None:
 
 SUPPORT = Support(
     dtypes=frozenset({"bfloat16", "float16"}),
-    gates=frozenset({Gate.HEAD}),
+    gates=frozenset({Gate.HEAD, Gate.KEY}),
     varlen=True,
     check=_shapes_and_device,
 )

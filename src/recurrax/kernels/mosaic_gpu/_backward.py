@@ -18,7 +18,9 @@ starting from dS = dh_T. Differentiating the forward's chunk equations (`_forwar
     dv   = e^{A_L − A} ⊙_rows (k dS)     +  Pᵀ do                             [C, BV]
     dS  ←  e^{A_L} dS  +  qᵀ (scale · e^{A} ⊙_rows do)                         [K, BV]
 
-and after the first chunk dS is d(initial state). The transposed score matrices are
+and after the first chunk dS is d(initial state). With a per-key-channel decay the decay
+moves inside the K sums (`key_chunk_step`, `_channel`): dP loses its D factor, and the
+e^{A_i − A_j} of dq, dk and P are applied by anchored products plus an exact diagonal. The transposed score matrices are
 formed directly by wgmma (v doᵀ, k qᵀ with transposed SMEM views) and masked with Dᵀ,
 never transposed in registers. Every exponent is a sum of non-positive gates (masked
 to −inf before `exp` above the diagonal). dq and dk contract over V, so each value
@@ -45,39 +47,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._layout import check_shapes, head_major_decay, kernel_params, padded_meta, slots_that_fit
-from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, swizzled
+from . import _channel as channel
+from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, iota, matmul, swizzled
 
 
-def _scratch(K: int, dtype, slots: int, meta_cols: int, copies: int) -> dict:
+def _scratch(K: int, dtype, slots: int, gate: str, meta_cols: int, copies: int) -> dict:
     C, BV = CHUNK, BLOCK_V
+    if gate == "key":  # A as [C, K] rows (`_channel`); S_lo holds S, then dS; two operand tiles
+        decay = dict(a_s=plgpu.SMEM((slots, C, K), F32), lhs=swizzled((C, K), dtype), rhs=swizzled((C, K), dtype))
+    else:  # A twice: one SMEM copy per register layout it is loaded in
+        decay = dict(a_s=plgpu.SMEM((slots, C), F32), a_cols_s=plgpu.SMEM((slots, C), F32),
+                     dS_lo=swizzled((K, BV), dtype), do_dec=swizzled((C, BV), dtype))  # scale · e^{A} ⊙ do
+    if not _stage_in_state_slot(gate, slots):  # h_T, then dh_T in; dh0 out
+        decay["state_stage"] = plgpu.SMEM((K, BV), F32)
     return dict(
         q_s=swizzled((slots, C, K), dtype),
         k_s=swizzled((slots, C, K), dtype),
         v_s=swizzled((slots, C, BV), dtype),
         do_s=swizzled((slots, C, BV), dtype),
-        a_s=plgpu.SMEM((slots, C), F32),  # loaded in the ROWS layout
-        a_cols_s=plgpu.SMEM((slots, C), F32),  # the same A, loaded in the COLS layout
         S_s=plgpu.SMEM((slots, K, BV), F32),  # recomputed states, float32
         S_lo=swizzled((K, BV), dtype),  # S in the input dtype (wgmma operand)
-        dS_lo=swizzled((K, BV), dtype),
-        do_dec=swizzled((C, BV), dtype),  # scale · e^{A} ⊙ do
         scores=swizzled((C, C), dtype),  # dP, then dPᵀ, then Pᵀ
         dqk_stage=plgpu.SMEM((C, K), F32),
         dv_stage=plgpu.SMEM((C, BV), F32),
         bound_stage=plgpu.SMEM((K,), F32),
-        state_stage=plgpu.SMEM((K, BV), F32),  # h_T, then dh_T in; dh0 out
         meta_s=plgpu.SMEM((3, meta_cols), jnp.int32),
         in_bar=plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
         state_bar=plgpu.Barrier(),
         meta_bar=plgpu.Barrier(),
+        **decay,
     )
 
 
-def smem_bytes(K: int, dtype, slots: int) -> int:
+def _stage_in_state_slot(gate: str, slots: int) -> bool:
+    """Per-channel decay with one slot (K = 128): the final states and dh0 pass through the
+    state slot S_s[0] instead of a staging tile of their own, which would not fit in SMEM.
+    S_s[0] is free then: its chunk's state is in registers before either use."""
+    return gate == "key" and slots == 1
+
+
+def smem_bytes(K: int, dtype, slots: int, gate: str = "head") -> int:
     """Shared memory the backward kernel allocates (without the 16-column meta table)."""
     C, BV, isz = CHUNK, BLOCK_V, jnp.dtype(dtype).itemsize
-    per_slot = 2 * C * K * isz + 2 * C * BV * isz + 2 * C * 4 + K * BV * 4
-    fixed = 2 * K * BV * isz + C * BV * isz + C * C * isz + C * K * 4 + C * BV * 4 + K * 4 + K * BV * 4
+    decay = C * K * 4 if gate == "key" else 2 * C * 4
+    per_slot = 2 * C * K * isz + 2 * C * BV * isz + decay + K * BV * 4
+    if gate == "key":  # S_lo, the two operand tiles
+        work = K * BV * isz + 2 * C * K * isz
+    else:  # S_lo, dS_lo, do_dec
+        work = 2 * K * BV * isz + C * BV * isz
+    stage = 0 if _stage_in_state_slot(gate, slots) else K * BV * 4
+    fixed = work + C * C * isz + C * K * 4 + C * BV * 4 + K * 4 + stage
     return slots * per_slot + fixed
 
 
@@ -90,7 +109,10 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
     meta_ref = refs.pop(0) if varlen else None
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref, *rest = refs
     boundary_ref = rest[0] if rest else None
-    sc = scratch
+    sc = dict(scratch)
+    shared_stage = _stage_in_state_slot(gate, slots)
+    if shared_stage:
+        sc["state_stage"] = sc["S_s"].at[0]
     dtype = sc["q_s"].dtype
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     cols = pl.ds(j * BV, BV)
@@ -98,13 +120,17 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
     def fetch(n, slot):
         """TMA of chunk n's tiles and entering state into `slot` (one barrier counts every copy)."""
         rows, bar = pl.ds(n * C, C), sc["in_bar"].at[slot]
+        if shared_stage:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a dh0 store may still read S_s[0]
         plgpu.commit_smem()  # register reads of `slot` (chunk n + 2) come before the TMA writes
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], sc["q_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], sc["k_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], sc["v_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, cols], sc["do_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(states_ref.at[b, h, n, :, cols], sc["S_s"].at[slot], bar)
-        if a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
+        if gate == "key":
+            plgpu.copy_gmem_to_smem(a_ref.at[b, rows, h], sc["a_s"].at[slot], bar)
+        elif a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
             plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_s"].at[slot], bar)
             plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_cols_s"].at[slot], bar)
 
@@ -126,14 +152,63 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, dst)
 
+    def store_boundary(n, S_after, dS):
+        """Σ_V S⁺ ⊙ dS, the gate gradient's carry at the chunk's end."""
+        if boundary_ref is not None:
+            boundary = plgpu.layout_cast(jnp.sum(S_after * dS, axis=1), ROWS)  # [K]
+            store_tile(sc["bound_stage"], boundary, boundary_ref.at[j, b, h, n])
+
+    def key_chunk_step(n, slot, dS, S_after):
+        """Per-key-channel decay: gradients of chunk n (stored) and (dS entering chunk n, S),
+        with the decays inside the K sums (`_channel`):
+        dq = scale · e^{A} ⊙ (do Sᵀ) + Σ_j dP_ij k_j ⊙ e^{A_i − A_j},
+        dk = e^{A_L − A} ⊙ (v dSᵀ) + Σ_i dP_ij q_i ⊙ e^{A_i − A_j},
+        dv = (k ⊙ e^{A_L − A}) dS + scale · Pᵀ do,  dS ← e^{A_L} ⊙_rows dS + scale · (q ⊙ e^{A})ᵀ do."""
+        rows = pl.ds(n * C, C)
+        q_s, k_s, v_s, do_s = (sc[name].at[slot] for name in ("q_s", "k_s", "v_s", "do_s"))
+        lo, scores, lhs, rhs = sc["S_lo"], sc["scores"], sc["lhs"], sc["rhs"]
+        S = plgpu.load(sc["S_s"].at[slot], layout=WGMMA)  # [K, BV]
+        store_boundary(n, S_after, dS)
+        A = channel.gmem_load(a_ref.at[b, rows, h], WGMMA)  # [C, K]
+        a_last_rows = channel.gmem_load(a_ref.at[b, n * C + C - 1, h], ROWS)  # [K] along dS's rows
+        to_end = jnp.exp(along_cols(plgpu.load(sc["a_s"].at[slot, C - 1], layout=COLS), (C, K)) - A)
+        q, k = (plgpu.load(x, layout=WGMMA).astype(F32) for x in (q_s, k_s))
+        within = channel.Rows(sc["a_s"].at[slot], q_ref.at[b, rows, h], k_ref.at[b, rows, h], lhs, rhs)
+        token, column = iota((C, C), 0), iota((C, C), 1)
+
+        lo[...] = S.astype(dtype)
+        dP = jnp.where(column <= token, scale * matmul(do_s, v_s.T, (C, C)), 0.0)
+        scores[...] = dP.astype(dtype)
+        plgpu.commit_smem()
+        dq = channel.dq_within(dP, scores, k, A, within) + scale * jnp.exp(A) * matmul(do_s, lo.T, (C, K))
+        store_tile(sc["dqk_stage"], dq, dq_ref.at[j, b, rows, h])
+
+        lo[...] = dS.astype(dtype)
+        dPt = jnp.where(token <= column, scale * matmul(v_s, do_s.T, (C, C)), 0.0)
+        scores[...] = dPt.astype(dtype)
+        plgpu.commit_smem()
+        dk = channel.dk_within(dPt, scores, q, A, within) + to_end * matmul(v_s, lo.T, (C, K))
+        store_tile(sc["dqk_stage"], dk, dk_ref.at[j, b, rows, h])
+
+        scores[...] = (scale * channel.scores(q, k, A, within)).astype(dtype)
+        rhs[...] = (k * to_end).astype(dtype)
+        plgpu.commit_smem()
+        dv = matmul(scores.T, do_s, (C, BV), init=matmul(rhs, lo, (C, BV)))
+        store_tile(sc["dv_stage"], dv, dv_ref.at[b, rows, h, cols])
+
+        lhs[...] = (q * jnp.exp(A)).astype(dtype)
+        plgpu.commit_smem()
+        decayed = dS * along_rows(jnp.exp(a_last_rows), (K, BV))
+        return decayed + scale * matmul(lhs.T, do_s, (K, BV)), S
+
     def chunk_step(n, slot, dS, S_after):
         """Gradients of chunk n (stored); returns (dS entering chunk n, S entering chunk n)."""
+        if gate == "key":
+            return key_chunk_step(n, slot, dS, S_after)
         rows = pl.ds(n * C, C)
         q_s, k_s, v_s, do_s = (sc[name].at[slot] for name in ("q_s", "k_s", "v_s", "do_s"))
         S = plgpu.load(sc["S_s"].at[slot], layout=WGMMA)  # [K, BV]
-        if boundary_ref is not None:  # Σ_V S⁺ ⊙ dS, the gate gradient's carry at the chunk's end
-            boundary = plgpu.layout_cast(jnp.sum(S_after * dS, axis=1), ROWS)  # [K]
-            store_tile(sc["bound_stage"], boundary, boundary_ref.at[j, b, h, n])
+        store_boundary(n, S_after, dS)
         if a_ref is None:
             a_rows = a_cols = None
             from_start = to_end = None
@@ -235,7 +310,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static):
     gate = check_shapes(q, v, a, static)
     nV, N = V // BLOCK_V, Tp // CHUNK
     meta = None if meta is None else padded_meta(meta)
-    slots = slots_that_fit(lambda s: smem_bytes(K, q.dtype, s), f"backward at K={K}")
+    slots = slots_that_fit(lambda s: smem_bytes(K, q.dtype, s, gate), f"backward at K={K}, gate {gate}")
     out_type = [
         jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
         jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
@@ -244,14 +319,15 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static):
     ]
     if gate != "none":
         out_type.append(jax.ShapeDtypeStruct((nV, B, H, N, K), F32))
-    args = [q, k, v] + ([head_major_decay(a)] if gate != "none" else []) + ([meta] if meta is not None else [])
-    args += [do, states, h_T, dh_T]
+    decay = [] if a is None else [head_major_decay(a) if gate == "head" else a]
+    args = [q, k, v] + decay + ([meta] if meta is not None else []) + [do, states, h_T, dh_T]
     body = functools.partial(
         _backward_body, gate=gate, scale=static.scale, varlen=meta is not None, shape=(B, Tp, H, K, V, N), slots=slots
     )
     kernel = plgpu.kernel(
         body, out_type=out_type,
-        scratch_types=_scratch(K, q.dtype, slots, 16 if meta is None else meta.shape[1], 5 + 2 * (gate != "none")),
+        scratch_types=_scratch(K, q.dtype, slots, gate, 16 if meta is None else meta.shape[1],
+                               5 + {"none": 0, "head": 2, "key": 1}[gate]),
         grid=(B, H, nV), grid_names=("b", "h", "j"), kernel_name="recurrax_mgpu_chunk_bwd", **kernel_params(static),
     )
     dq, dk, dv, dh0, *boundary = kernel(*args)

@@ -13,7 +13,10 @@ One program (one warpgroup, grid (B, H, V / BV)) walks the N chunks in order. Pe
     o   = scale · [ e^{A} ⊙_rows (q S)  +  ((q kᵀ) ⊙ D) v ]        [C, BV]
     S'  = e^{A_L} S  +  kᵀ (e^{A_L − A} ⊙_rows v)                   [K, BV]
 
-(for no decay A ≡ 0). Every exponent is a sum of non-positive gates: A_i, A_i − A_j (j ≤ i,
+(for no decay A ≡ 0). A per-key-channel decay (A_i a [K] row) cannot factor out of q kᵀ:
+`key_chunk_step` computes o = scale · [(q ⊙ e^{A}) S + P v] and S' = e^{A_L} ⊙_rows S +
+(k ⊙ e^{A_L − A})ᵀ v, with P from anchored products and an exact diagonal (`_channel`).
+Every exponent is a sum of non-positive gates: A_i, A_i − A_j (j ≤ i,
 masked to −inf before `exp` elsewhere) and A_L − A_j, so nothing overflows however strong
 the decay. The four products are wgmma's: q kᵀ (q tile, kᵀ a transposed SMEM view),
 q S (S rounded to the input dtype and written to SMEM), P v and kᵀ v_dec (kᵀ a
@@ -40,19 +43,46 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, swizzled
+from . import _channel as channel
+from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, matmul, swizzled
 from ._layout import check_shapes, head_major_decay, kernel_params, padded_meta, slots_that_fit
 
 
-def smem_bytes(K: int, dtype, slots: int) -> int:
+def smem_bytes(K: int, dtype, slots: int, gate: str = "head") -> int:
     """Shared memory the forward kernel allocates (without the 16-column meta table)."""
     C, BV, isz = CHUNK, BLOCK_V, jnp.dtype(dtype).itemsize
-    per_slot = 2 * C * K * isz + C * BV * isz + 2 * C * 4
-    fixed = K * BV * isz + 2 * C * BV * isz + C * C * isz + K * BV * 4
+    decay = C * K * 4 if gate == "key" else 2 * C * 4
+    per_slot = 2 * C * K * isz + C * BV * isz + decay
+    operands = 2 * C * K * isz if gate == "key" else C * BV * isz  # lhs, rhs / e^{A_L − A} ⊙ v
+    fixed = K * BV * isz + operands + C * BV * isz + C * C * isz + K * BV * 4
     return slots * per_slot + fixed
 
 
-def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: bool, emit_states: bool, shape, slots):
+def _scratch(K: int, dtype, slots: int, gate: str, meta_cols: int, copies: int) -> dict:
+    C, BV = CHUNK, BLOCK_V
+    if gate == "key":  # A as [C, K] rows (`_channel`), the two wgmma operand tiles
+        decay = dict(a_s=plgpu.SMEM((slots, C, K), F32), lhs=swizzled((C, K), dtype), rhs=swizzled((C, K), dtype))
+    else:  # A twice: one SMEM copy per register layout it is loaded in; e^{A_L − A} ⊙ v
+        decay = dict(a_s=plgpu.SMEM((slots, C), F32), a_cols_s=plgpu.SMEM((slots, C), F32),
+                     v_dec_s=swizzled((C, BV), dtype))
+    return dict(
+        q_s=swizzled((slots, C, K), dtype),
+        k_s=swizzled((slots, C, K), dtype),
+        v_s=swizzled((slots, C, BV), dtype),
+        S_lo=swizzled((K, BV), dtype),  # S in the input dtype (wgmma operand)
+        P_s=swizzled((C, C), dtype),  # the decayed scores
+        o_stage=swizzled((C, BV), dtype),
+        state_s=plgpu.SMEM((K, BV), F32),  # state in/out staging
+        meta_s=plgpu.SMEM((3, meta_cols), jnp.int32),
+        in_bar=plgpu.Barrier(num_arrivals=copies, num_barriers=slots),
+        state_bar=plgpu.Barrier(),
+        meta_bar=plgpu.Barrier(),
+        **decay,
+    )
+
+
+def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: bool, emit_states: bool, shape, slots,
+                  **scratch):
     B, Tp, H, K, V, N = shape
     C, BV = CHUNK, BLOCK_V
     refs = list(refs)
@@ -63,7 +93,11 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
     o_ref = refs.pop(0) if emit_output else None
     hT_ref = refs.pop(0)
     states_ref = refs.pop(0) if emit_states else None
-    (q_s, k_s, v_s, a_s, a_cols_s, S_lo, v_dec_s, P_s, o_stage, state_s, meta_s, in_bar, state_bar, meta_bar) = refs
+    assert not refs, refs
+    sc = scratch
+    q_s, k_s, v_s, S_lo, P_s, o_stage, state_s, meta_s = (
+        sc[name] for name in ("q_s", "k_s", "v_s", "S_lo", "P_s", "o_stage", "state_s", "meta_s"))
+    in_bar, state_bar, meta_bar = sc["in_bar"], sc["state_bar"], sc["meta_bar"]
     dtype = q_s.dtype
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     cols = pl.ds(j * BV, BV)
@@ -76,9 +110,11 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s.at[slot], bar)
-        if a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
-            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], a_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], a_cols_s.at[slot], bar)
+        if gate == "key":
+            plgpu.copy_gmem_to_smem(a_ref.at[b, rows, h], sc["a_s"].at[slot], bar)
+        elif a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
+            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_s"].at[slot], bar)
+            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_cols_s"].at[slot], bar)
 
     def load_state(row):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a TMA store may still read state_s
@@ -93,11 +129,43 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(state_s, dst[1])
 
+    def store_output(o, rows):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o left o_stage
+        o_stage[...] = o.astype(o_stage.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, rows, h, cols])
+
+    def key_chunk_step(n, slot, S):
+        """Per-key-channel decay: outputs of chunk n (stored) and the state leaving it:
+        o = scale · [(q ⊙ e^{A}) S + P v], S' = e^{A_L} ⊙_rows S + (k ⊙ e^{A_L − A})ᵀ v."""
+        rows = pl.ds(n * C, C)
+        lhs, rhs = sc["lhs"], sc["rhs"]
+        A = channel.gmem_load(a_ref.at[b, rows, h], WGMMA)  # [C, K] (module note in `_channel`)
+        a_last_rows = channel.gmem_load(a_ref.at[b, n * C + C - 1, h], ROWS)  # [K] along S's rows
+        a_last = along_cols(plgpu.load(sc["a_s"].at[slot, C - 1], layout=COLS), (C, K))
+        k = plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32)
+        if emit_output:
+            q = plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32)
+            S_lo[...] = S.astype(dtype)
+            lhs[...] = (q * jnp.exp(A)).astype(dtype)
+            plgpu.commit_smem()
+            inter = matmul(lhs, S_lo, (C, BV))  # (q ⊙ e^{A}) S
+            within = channel.Rows(sc["a_s"].at[slot], q_ref.at[b, rows, h], k_ref.at[b, rows, h], lhs, rhs)
+            P_s[...] = channel.scores(q, k, A, within).astype(dtype)
+            plgpu.commit_smem()
+            store_output(scale * matmul(P_s, v_s.at[slot], (C, BV), init=inter), rows)
+        rhs[...] = (k * jnp.exp(a_last - A)).astype(dtype)
+        plgpu.commit_smem()
+        return matmul(rhs.T, v_s.at[slot], (K, BV), init=S * along_rows(jnp.exp(a_last_rows), (K, BV)))
+
     def chunk_step(n, slot, S):
         """Outputs of chunk n (stored) and the state leaving it."""
-        rows = pl.ds(n * C, C)
         if emit_states:
             store_state((S, states_ref.at[b, h, n, :, cols]))
+        if gate == "key":
+            return key_chunk_step(n, slot, S)
+        rows = pl.ds(n * C, C)
+        a_s, a_cols_s, v_dec_s = sc.get("a_s"), sc.get("a_cols_s"), sc["v_dec_s"]
         if a_ref is None:
             a_rows = a_last = None
         else:
@@ -115,11 +183,7 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
             inter = matmul(q_s.at[slot], S_lo, (C, BV))  # q S
             if a_ref is not None:
                 inter = inter * along_rows(jnp.exp(a_rows), (C, BV))
-            o = scale * matmul(P_s, v_s.at[slot], (C, BV), init=inter)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o left o_stage
-            o_stage[...] = o.astype(o_stage.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, rows, h, cols])
+            store_output(scale * matmul(P_s, v_s.at[slot], (C, BV), init=inter), rows)
         decayed = S if a_ref is None else S * jnp.exp(a_last)
         return matmul(k_s.at[slot].T, v_dec_s, (K, BV), init=decayed)  # S' = e^{A_L} S + kᵀ v_dec
 
@@ -189,29 +253,16 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True
     if emit_states:
         out_type.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
     meta = None if meta is None else padded_meta(meta)
-    C, BV = CHUNK, BLOCK_V
-    slots = slots_that_fit(lambda s: smem_bytes(K, dtype, s), f"forward at K={K}")
-    scratch = [
-        swizzled((slots, C, K), dtype),  # q slots
-        swizzled((slots, C, K), dtype),  # k slots
-        swizzled((slots, C, BV), dtype),  # v slots
-        plgpu.SMEM((slots, C), F32),  # A slots, loaded in the ROWS layout
-        plgpu.SMEM((slots, C), F32),  # the same A, loaded in the COLS layout
-        swizzled((K, BV), dtype),  # S in the input dtype (wgmma operand)
-        swizzled((C, BV), dtype),  # e^{A_L − A} ⊙ v
-        swizzled((C, C), dtype),  # P = (q kᵀ) ⊙ D
-        swizzled((C, BV), dtype),  # o staging
-        plgpu.SMEM((K, BV), F32),  # state in/out staging
-        plgpu.SMEM((3, 16 if meta is None else meta.shape[1]), jnp.int32),
-        plgpu.Barrier(num_arrivals=2 + emit_output + 2 * (gate != "none"), num_barriers=slots),
-        plgpu.Barrier(),
-        plgpu.Barrier(),
-    ]
+    BV = BLOCK_V
+    slots = slots_that_fit(lambda s: smem_bytes(K, dtype, s, gate), f"forward at K={K}, gate {gate}")
+    copies = 2 + emit_output + {"none": 0, "head": 2, "key": 1}[gate]
+    scratch = _scratch(K, dtype, slots, gate, 16 if meta is None else meta.shape[1], copies)
     body = functools.partial(
         _forward_body, gate=gate, scale=static.scale, varlen=meta is not None,
         emit_output=emit_output, emit_states=emit_states, shape=(B, Tp, H, K, V, N), slots=slots,
     )
-    args = [q, k, v] + ([head_major_decay(a)] if gate != "none" else []) + ([meta] if meta is not None else []) + [h0]
+    decay = [] if a is None else [head_major_decay(a) if gate == "head" else a]
+    args = [q, k, v] + decay + ([meta] if meta is not None else []) + [h0]
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // BV), grid_names=("b", "h", "j"),
         kernel_name="recurrax_mgpu_chunk_fwd" if emit_output else "recurrax_mgpu_chunk_states",

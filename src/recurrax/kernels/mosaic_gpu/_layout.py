@@ -4,7 +4,8 @@
 |---------|--------------------------|-----------------------------------|---------------------------------------|
 | q, k    | [B, Tp, H, K]            | same; TMA tile `ref.at[b, rows, h]`| a [C, K] tile, rows strided by H·K     |
 | v, do   | [B, Tp, H, V]            | same; tile `ref.at[b, rows, h, cols]` |                                    |
-| a       | [B, Tp, H] float32       | [B, H, Tp]                        | TMA needs a contiguous minor dim       |
+| a (head)| [B, Tp, H] float32       | [B, H, Tp]                        | TMA needs a contiguous minor dim       |
+| a (key) | [B, Tp, H, K] float32    | same; tile `ref.at[b, rows, h]`   | rows and the [C, K] tile (`_channel`)  |
 | meta    | [3, N] int32             | [3, N16], N rounded up to 16      | TMA rows of whole 64-byte multiples    |
 | h0, h_T | [R, H, K, V] float32     | same; tile `ref.at[r, h, :, cols]`|                                       |
 """
@@ -21,9 +22,9 @@ from ._tiles import BLOCK_V, interpret_params
 
 @dataclasses.dataclass(frozen=True)
 class MosaicCall:
-    """Static configuration of one kernel call: the scale, the key-side decay form (`None` or
-    `Gate.HEAD`; per key channel is not implemented), and whether to run in Mosaic GPU
-    interpret mode (CPU, race detection on)."""
+    """Static configuration of one kernel call: the scale, the key-side decay form (`None`,
+    `Gate.HEAD` or `Gate.KEY`), and whether to run in Mosaic GPU interpret mode (CPU, race
+    detection on)."""
 
     scale: float
     gate: Gate | None
@@ -31,11 +32,14 @@ class MosaicCall:
 
 
 def check_shapes(q, v, a, static: MosaicCall) -> str:
-    """The gate kind (`"none"` or `"head"`) after checking what these kernels support."""
+    """The gate kind (`"none"`, `"head"` or `"key"`) after checking what these kernels support."""
     K, V = q.shape[-1], v.shape[-1]
     gate = "none" if static.gate is None else static.gate.value
-    if gate not in ("none", "head"):
+    if gate not in ("none", "head", "key"):
         raise NotImplementedError(f"Mosaic GPU chunk kernels: gate kind {gate!r} is not implemented")
+    expected = {"none": None, "head": q.shape[:3], "key": q.shape}[gate]
+    if a is not None and a.shape != expected:
+        raise ValueError(f"decay of shape {a.shape} for gate kind {gate!r}; expected {expected}")
     if K % 64 or V % BLOCK_V or K > 256:
         raise ValueError(f"Mosaic GPU chunk kernels need K and V multiples of 64, K ≤ 256; got K={K}, V={V}")
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
