@@ -10,9 +10,11 @@ model.safetensors, float32) to a temporary directory, then measures:
 - prefill tokens/s: 8 prompts of 512 tokens as one packed batch (`cu_seqlens`), jitted;
 - decode tokens/s at batch 8 and 64: one jitted step of one token per sequence with the
   state cache, the median of several steps.
-Compilation is excluded (one warm-up call each). fla's own model is not timed beside it on
-this CPU: fla runs here only under Triton's interpreter, which executes every kernel program
-in Python and measures the interpreter, not fla.
+Compilation is excluded (one warm-up call each). With `--keep DIR` the checkpoint stays in
+DIR for `pretrained_340m_fla.py` (fla's own model on it); when that has saved fla's logits
+there, they are compared with ours and with a float64 run of ours. fla's decode and prefill
+on this CPU run under Triton's interpreter, which executes every kernel program in Python:
+they measure the interpreter, not fla (see that script).
 """
 
 from __future__ import annotations
@@ -52,18 +54,41 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def fla_cross_check(directory: Path, model) -> list[str]:
+    """Our logits vs fla's (`pretrained_340m_fla.py` saves them beside the checkpoint) on the
+    same 16 ids, with a float64 run of our model as the yardstick for float32 rounding."""
+    ids_file, logits_file = directory / "fla_input_ids_16.npy", directory / "fla_logits_16.npy"
+    if not (ids_file.is_file() and logits_file.is_file()):
+        return []
+    ids, fla = jnp.asarray(np.load(ids_file)), np.load(logits_file).astype(np.float64)
+    ours = np.asarray(model(ids), np.float64)
+    jax.config.update("jax_enable_x64", True)
+    exact = np.asarray(from_pretrained(directory, dtype=jnp.float64)(ids), np.float64)
+    jax.config.update("jax_enable_x64", False)
+    gap = lambda a, b: float(np.max(np.abs(a - b)))  # noqa: E731
+    return [
+        "", f"Logits on the same {ids.shape[1]} token ids (max |difference|; logits up to {np.abs(exact).max():.2f}):", "",
+        "| pair | max abs difference |", "|---|---:|",
+        f"| recurrax float32 vs fla float32 (`{logits_file.name}`) | {gap(ours, fla):.1e} |",
+        f"| recurrax float32 vs recurrax float64 | {gap(ours, exact):.1e} |",
+        f"| fla float32 vs recurrax float64 | {gap(fla, exact):.1e} |",
+    ]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keep", type=Path, help="write the checkpoint here and keep it (for pretrained_340m_fla.py)")
     args = parser.parse_args(argv)
     config = TINY if args.tiny else GLA_340M
     prompts, prompt_len = (8, 512) if not args.tiny else (2, 16)
 
     model = CausalLM(config, rngs=nnx.Rngs(0))
     parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = args.keep or scratch
         save_pretrained(model, directory)
         del model
         start = time.perf_counter()
@@ -108,8 +133,11 @@ def main(argv: list[str]) -> int:
     for batch, seconds in decode.items():
         lines.append(f"| decode, batch {batch}, one token per sequence per step | {batch / seconds:,.0f} tokens/s "
                      f"({seconds * 1e3:.1f} ms per step) |")
-    lines += ["", "fla's own model is not timed here: on a CPU it runs only under Triton's interpreter "
-              "(see the script's docstring)."]
+    if args.keep is not None:
+        lines += fla_cross_check(args.keep, model)
+    lines += ["", "fla's own model on the same checkpoint and CPU: `pretrained_340m_fla.py` "
+              "(results/pretrained_340m_fla.md) — its load time compares; its kernels run only under "
+              "Triton's interpreter here, so its decode and prefill times measure the interpreter."]
     text = "\n".join(lines) + "\n"
     if not args.tiny:
         args.out.parent.mkdir(parents=True, exist_ok=True)
