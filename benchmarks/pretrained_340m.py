@@ -20,6 +20,7 @@ they measure the interpreter, not fla (see that script).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -52,6 +53,18 @@ def timed(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def fla_figures(directory: Path | None) -> dict:
+    """fla's figures on the same checkpoint (`pretrained_340m_fla.py` leaves them there), or {}."""
+    path = None if directory is None else directory / "fla_measurements.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
+def fla_cell(seconds: float | None, tokens: int | None = None) -> str:
+    if seconds is None:
+        return "not measured (see pretrained_340m_fla.md)"
+    return f"{seconds:.2f} s" if tokens is None else f"{tokens / seconds:,.3f} tokens/s ({seconds:,.1f} s per step)"
 
 
 def fla_cross_check(directory: Path, model) -> list[str]:
@@ -116,6 +129,8 @@ def main(argv: list[str]) -> int:
         decode[batch] = timed(lambda: step(state, token, cache), max(args.repeats, 5))
 
     machine = machine_description()
+    fla = fla_figures(args.keep)
+    fla_decode = fla.get("decode_step_s", {})
     lines = [
         "# A 340M GLA (fla's configuration) on this CPU" if not args.tiny else "# Tiny GLA (smoke run)",
         "",
@@ -124,15 +139,15 @@ def main(argv: list[str]) -> int:
         "",
         f"Config: `{config}`",
         "",
-        "| measurement | value |",
-        "|---|---:|",
-        f"| `from_pretrained` (safetensors, float32) | {load_s:.2f} s |",
+        "| measurement | recurrax (JAX, CPU) | fla (PyTorch CPU; kernels under Triton's interpreter) |",
+        "|---|---:|---:|",
+        f"| `from_pretrained` (safetensors, float32) | {load_s:.2f} s | {fla_cell(fla.get('from_pretrained_s'))} |",
         f"| prefill, {prompts} prompts × {prompt_len} tokens packed | {prompts * prompt_len / prefill_s:,.0f} tokens/s "
-        f"({prefill_s * 1e3:.0f} ms) |",
+        f"({prefill_s * 1e3:.0f} ms) | not attempted (interpreter) |",
     ]
     for batch, seconds in decode.items():
         lines.append(f"| decode, batch {batch}, one token per sequence per step | {batch / seconds:,.0f} tokens/s "
-                     f"({seconds * 1e3:.1f} ms per step) |")
+                     f"({seconds * 1e3:.1f} ms per step) | {fla_cell(fla_decode.get(str(batch)), batch)} |")
     if args.keep is not None:
         lines += fla_cross_check(args.keep, model)
     lines += ["", "fla's own model on the same checkpoint and CPU: `pretrained_340m_fla.py` "
