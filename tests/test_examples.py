@@ -71,6 +71,7 @@ def test_sequence_parallel():
                            "2-D mesh output"}, 1e-5)
 
 
+@pytest.mark.slow  # .ci/run runs every slow example test after the suite
 @NEEDS_SCRIPTS
 def test_multiprocess():
     """Two processes joined by jax.distributed on 127.0.0.1, one device each."""
@@ -84,6 +85,7 @@ def test_multiprocess():
     assert "all processes agree with one process" in output
 
 
+@pytest.mark.slow  # .ci/run runs every slow example test after the suite
 @NEEDS_SCRIPTS
 @NEEDS_FLAX
 def test_generate():
