@@ -46,18 +46,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._layout import check_shapes, head_major_decay, kernel_params, padded_meta, slots_that_fit
+from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
+                      kernel_params, padded_meta, slots_that_fit)
 from . import _channel as channel
 from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, iota, matmul, swizzled
 
 
 def _scratch(K: int, dtype, slots: int, gate: str, meta_cols: int, copies: int) -> dict:
     C, BV = CHUNK, BLOCK_V
-    if gate == "key":  # A as [C, K] rows (`_channel`); S_lo holds S, then dS; two operand tiles
-        decay = dict(a_s=plgpu.SMEM((slots, C, K), F32), lhs=swizzled((C, K), dtype), rhs=swizzled((C, K), dtype))
-    else:  # A twice: one SMEM copy per register layout it is loaded in
-        decay = dict(a_s=plgpu.SMEM((slots, C), F32), a_cols_s=plgpu.SMEM((slots, C), F32),
-                     dS_lo=swizzled((K, BV), dtype), do_dec=swizzled((C, BV), dtype))  # scale · e^{A} ⊙ do
+    decay = decay_scratch(gate, slots, K, dtype)
+    if gate != "key":  # (per key channel S_lo holds S, then dS)
+        decay.update(dS_lo=swizzled((K, BV), dtype), do_dec=swizzled((C, BV), dtype))  # scale · e^{A} ⊙ do
     if not _stage_in_state_slot(gate, slots):  # h_T, then dh_T in; dh0 out
         decay["state_stage"] = plgpu.SMEM((K, BV), F32)
     return dict(
@@ -89,15 +88,11 @@ def _stage_in_state_slot(gate: str, slots: int) -> bool:
 def smem_bytes(K: int, dtype, slots: int, gate: str = "head") -> int:
     """Shared memory the backward kernel allocates (without the 16-column meta table)."""
     C, BV, isz = CHUNK, BLOCK_V, jnp.dtype(dtype).itemsize
-    decay = C * K * 4 if gate == "key" else 2 * C * 4
-    per_slot = 2 * C * K * isz + 2 * C * BV * isz + decay + K * BV * 4
-    if gate == "key":  # S_lo, the two operand tiles
-        work = K * BV * isz + 2 * C * K * isz
-    else:  # S_lo, dS_lo, do_dec
-        work = 2 * K * BV * isz + C * BV * isz
+    per_slot = 2 * C * K * isz + 2 * C * BV * isz + K * BV * 4
+    work = K * BV * isz if gate == "key" else 2 * K * BV * isz + C * BV * isz  # S_lo (, dS_lo, do_dec)
     stage = 0 if _stage_in_state_slot(gate, slots) else K * BV * 4
     fixed = work + C * C * isz + C * K * 4 + C * BV * 4 + K * 4 + stage
-    return slots * per_slot + fixed
+    return slots * per_slot + fixed + decay_bytes(gate, slots, K, dtype)
 
 
 def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: int, **scratch):
@@ -128,11 +123,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], sc["v_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, cols], sc["do_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(states_ref.at[b, h, n, :, cols], sc["S_s"].at[slot], bar)
-        if gate == "key":
-            plgpu.copy_gmem_to_smem(a_ref.at[b, rows, h], sc["a_s"].at[slot], bar)
-        elif a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
-            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_s"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_cols_s"].at[slot], bar)
+        fetch_decay(a_ref, sc, gate, b, h, rows, slot, bar)
 
     def load_final(row):
         """(h_T, dh_T) of state row `row`, through the one staging tile, into registers."""
@@ -319,15 +310,14 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static):
     ]
     if gate != "none":
         out_type.append(jax.ShapeDtypeStruct((nV, B, H, N, K), F32))
-    decay = [] if a is None else [head_major_decay(a) if gate == "head" else a]
-    args = [q, k, v] + decay + ([meta] if meta is not None else []) + [do, states, h_T, dh_T]
+    args = [q, k, v] + decay_operands(a, gate) + ([meta] if meta is not None else []) + [do, states, h_T, dh_T]
     body = functools.partial(
         _backward_body, gate=gate, scale=static.scale, varlen=meta is not None, shape=(B, Tp, H, K, V, N), slots=slots
     )
     kernel = plgpu.kernel(
         body, out_type=out_type,
         scratch_types=_scratch(K, q.dtype, slots, gate, 16 if meta is None else meta.shape[1],
-                               5 + {"none": 0, "head": 2, "key": 1}[gate]),
+                               5 + DECAY_COPIES[gate]),
         grid=(B, H, nV), grid_names=("b", "h", "j"), kernel_name="recurrax_mgpu_chunk_bwd", **kernel_params(static),
     )
     dq, dk, dv, dh0, *boundary = kernel(*args)

@@ -45,26 +45,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import _channel as channel
 from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, matmul, swizzled
-from ._layout import check_shapes, head_major_decay, kernel_params, padded_meta, slots_that_fit
+from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
+                      kernel_params, padded_meta, slots_that_fit)
 
 
 def smem_bytes(K: int, dtype, slots: int, gate: str = "head") -> int:
     """Shared memory the forward kernel allocates (without the 16-column meta table)."""
     C, BV, isz = CHUNK, BLOCK_V, jnp.dtype(dtype).itemsize
-    decay = C * K * 4 if gate == "key" else 2 * C * 4
-    per_slot = 2 * C * K * isz + C * BV * isz + decay
-    operands = 2 * C * K * isz if gate == "key" else C * BV * isz  # lhs, rhs / e^{A_L − A} ⊙ v
-    fixed = K * BV * isz + operands + C * BV * isz + C * C * isz + K * BV * 4
-    return slots * per_slot + fixed
+    per_slot = 2 * C * K * isz + C * BV * isz
+    v_dec = 0 if gate == "key" else C * BV * isz  # e^{A_L − A} ⊙ v
+    fixed = K * BV * isz + v_dec + C * BV * isz + C * C * isz + K * BV * 4
+    return slots * per_slot + fixed + decay_bytes(gate, slots, K, dtype)
 
 
 def _scratch(K: int, dtype, slots: int, gate: str, meta_cols: int, copies: int) -> dict:
     C, BV = CHUNK, BLOCK_V
-    if gate == "key":  # A as [C, K] rows (`_channel`), the two wgmma operand tiles
-        decay = dict(a_s=plgpu.SMEM((slots, C, K), F32), lhs=swizzled((C, K), dtype), rhs=swizzled((C, K), dtype))
-    else:  # A twice: one SMEM copy per register layout it is loaded in; e^{A_L − A} ⊙ v
-        decay = dict(a_s=plgpu.SMEM((slots, C), F32), a_cols_s=plgpu.SMEM((slots, C), F32),
-                     v_dec_s=swizzled((C, BV), dtype))
+    decay = decay_scratch(gate, slots, K, dtype)
+    if gate != "key":
+        decay["v_dec_s"] = swizzled((C, BV), dtype)  # e^{A_L − A} ⊙ v
     return dict(
         q_s=swizzled((slots, C, K), dtype),
         k_s=swizzled((slots, C, K), dtype),
@@ -110,11 +108,7 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h, cols], v_s.at[slot], bar)
-        if gate == "key":
-            plgpu.copy_gmem_to_smem(a_ref.at[b, rows, h], sc["a_s"].at[slot], bar)
-        elif a_ref is not None:  # A twice: one SMEM copy per register layout it is loaded in
-            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_s"].at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], sc["a_cols_s"].at[slot], bar)
+        fetch_decay(a_ref, sc, gate, b, h, rows, slot, bar)
 
     def load_state(row):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a TMA store may still read state_s
@@ -255,14 +249,13 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True
     meta = None if meta is None else padded_meta(meta)
     BV = BLOCK_V
     slots = slots_that_fit(lambda s: smem_bytes(K, dtype, s, gate), f"forward at K={K}, gate {gate}")
-    copies = 2 + emit_output + {"none": 0, "head": 2, "key": 1}[gate]
+    copies = 2 + emit_output + DECAY_COPIES[gate]
     scratch = _scratch(K, dtype, slots, gate, 16 if meta is None else meta.shape[1], copies)
     body = functools.partial(
         _forward_body, gate=gate, scale=static.scale, varlen=meta is not None,
         emit_output=emit_output, emit_states=emit_states, shape=(B, Tp, H, K, V, N), slots=slots,
     )
-    decay = [] if a is None else [head_major_decay(a) if gate == "head" else a]
-    args = [q, k, v] + decay + ([meta] if meta is not None else []) + [h0]
+    args = [q, k, v] + decay_operands(a, gate) + ([meta] if meta is not None else []) + [h0]
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H, V // BV), grid_names=("b", "h", "j"),
         kernel_name="recurrax_mgpu_chunk_fwd" if emit_output else "recurrax_mgpu_chunk_states",

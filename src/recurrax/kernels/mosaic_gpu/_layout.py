@@ -16,8 +16,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 from ...problem import Gate
-from ._tiles import BLOCK_V, interpret_params
+from ._tiles import BLOCK_V, CHUNK, F32, interpret_params, swizzled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,41 @@ def check_shapes(q, v, a, static: MosaicCall) -> str:
 def head_major_decay(a):
     """[B, Tp, H] -> [B, H, Tp]: one chunk's decays become a contiguous TMA row."""
     return jnp.swapaxes(a, 1, 2)
+
+
+def decay_operands(a, gate: str) -> list:
+    """The kernel arguments carrying A: none, the head-major [B, H, Tp], or [B, Tp, H, K]."""
+    return [] if a is None else [head_major_decay(a) if gate == "head" else a]
+
+
+DECAY_COPIES = {"none": 0, "head": 2, "key": 1}
+"""TMA copies of A per chunk: per head A twice (one SMEM copy per register layout it is loaded
+in, rows and columns); per key channel one [C, K] tile (read by rows, `_channel`)."""
+
+
+def decay_scratch(gate: str, slots: int, K: int, dtype) -> dict:
+    """SMEM for A in every slot; per key channel also `_channel`'s two wgmma operand tiles."""
+    C = CHUNK
+    if gate == "key":
+        return dict(a_s=plgpu.SMEM((slots, C, K), F32), lhs=swizzled((C, K), dtype), rhs=swizzled((C, K), dtype))
+    return dict(a_s=plgpu.SMEM((slots, C), F32), a_cols_s=plgpu.SMEM((slots, C), F32))
+
+
+def decay_bytes(gate: str, slots: int, K: int, dtype) -> int:
+    """The bytes `decay_scratch` allocates."""
+    C, isz = CHUNK, jnp.dtype(dtype).itemsize
+    if gate == "key":
+        return slots * C * K * 4 + 2 * C * K * isz
+    return slots * 2 * C * 4
+
+
+def fetch_decay(a_ref, scratch: dict, gate: str, b, h, rows, slot, bar) -> None:
+    """TMA of one chunk's A into `slot` of `decay_scratch` (`DECAY_COPIES[gate]` copies on `bar`)."""
+    if gate == "key":
+        plgpu.copy_gmem_to_smem(a_ref.at[b, rows, h], scratch["a_s"].at[slot], bar)
+    elif gate == "head":
+        plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], scratch["a_s"].at[slot], bar)
+        plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], scratch["a_cols_s"].at[slot], bar)
 
 
 def padded_meta(meta):
