@@ -28,18 +28,19 @@ from recurrax.nn import LanguageModel
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--vocab-size", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"])
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--tolerance", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per batch")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per sequence")
+    parser.add_argument("--vocab-size", type=int, default=64, help="vocabulary size")
+    parser.add_argument("--d-model", type=int, default=64, help="model width")
+    parser.add_argument("--num-layers", type=int, default=2, help="number of blocks")
+    parser.add_argument("--num-heads", type=int, default=4, help="attention heads per mixer")
+    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"], help="token mixer of every block")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted difference from the reference")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
 
     model = LanguageModel(args.vocab_size, args.d_model, args.num_layers, args.num_heads, mixer=args.mixer,

@@ -57,13 +57,14 @@ class GatedLinearAttentionApply(nn.Module):
 
 
 def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--num-heads", type=int, default=2)
-    parser.add_argument("--tolerance", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per batch")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--d-model", type=int, default=32, help="model width")
+    parser.add_argument("--num-heads", type=int, default=2, help="attention heads per mixer")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest accepted difference from the reference")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
 
     model = Classifier(args.d_model, args.num_heads)

@@ -32,16 +32,17 @@ import time
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-processes", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--num-processes", type=int, default=2, help="processes to launch")
     parser.add_argument("--process-id", type=int, default=None, help="set by the launcher (or by you, per host)")
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (default: a free local port)")
     parser.add_argument("--local-devices", type=int, default=2, help="simulated CPU devices per process")
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per batch")
     parser.add_argument("--seq-len", type=int, default=128, help="divisible by the total device count")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--tolerance", type=float, default=1e-3)
+    parser.add_argument("--heads", type=int, default=4, help="heads")
+    parser.add_argument("--head-dim", type=int, default=16, help="key and value head dimension")
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted difference from the reference")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the launcher kills the processes")
     return parser.parse_args(argv)
 

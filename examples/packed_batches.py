@@ -91,13 +91,14 @@ def check_layer(lengths: list[int], heads: int, head_dim: int, seed: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--lengths", default="37,0,100,5,114", help="comma-separated sequence lengths")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=4, help="heads")
+    parser.add_argument("--head-dim", type=int, default=16, help="key and value head dimension")
     parser.add_argument("--no-layer", action="store_true", help="skip the flax layer check")
-    parser.add_argument("--tolerance", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted difference from the reference")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
 

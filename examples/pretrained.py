@@ -24,12 +24,13 @@ FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "fla" 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("path", nargs="?", default=str(FIXTURE), help="local checkpoint directory")
     parser.add_argument("--prompts", type=int, default=8, help="prompts decoded together")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
     args = parser.parse_args()
 
     start = time.perf_counter()

@@ -19,13 +19,14 @@ import sys
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on accelerators)")
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per batch")
     parser.add_argument("--seq-len", type=int, default=256, help="divisible by --devices")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--tolerance", type=float, default=1e-3)
+    parser.add_argument("--heads", type=int, default=4, help="heads")
+    parser.add_argument("--head-dim", type=int, default=16, help="key and value head dimension")
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted difference from the reference")
     return parser.parse_args(argv)
 
 

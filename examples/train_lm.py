@@ -35,18 +35,19 @@ def make_batch(key: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--vocab-size", type=int, default=32)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=2)
-    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"])
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--vocab-size", type=int, default=32, help="vocabulary size")
+    parser.add_argument("--d-model", type=int, default=64, help="model width")
+    parser.add_argument("--num-layers", type=int, default=2, help="number of blocks")
+    parser.add_argument("--num-heads", type=int, default=2, help="attention heads per mixer")
+    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"], help="token mixer of every block")
+    parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--log-every", type=int, default=20, help="print the loss every this many steps")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
 
     model = LanguageModel(args.vocab_size, args.d_model, args.num_layers, args.num_heads, mixer=args.mixer,

@@ -126,3 +126,23 @@ def test_pretrained():
     output = run_example("pretrained.py", "--prompts", "3", "--prompt-len", "9", "--new-tokens", "4")
     assert re.search(r"prefill: 27 tokens in [\d.]+ ms = [\d,]+ tokens/s", output), output
     assert re.search(r"generate \(prefill \+ decode, batch 3\): 12 new tokens", output), output
+
+
+@NEEDS_SCRIPTS
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_help_documents_every_option(script):
+    """`--help` shows what each option does and its default: every `add_argument` has a
+    `help=` and the parser uses `ArgumentDefaultsHelpFormatter` (read from the source, so
+    nothing is imported)."""
+    import ast
+
+    tree = ast.parse((EXAMPLES / script).read_text())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)]
+    parsers = [call for call in calls if call.func.attr == "ArgumentParser"]
+    options = [call for call in calls if call.func.attr == "add_argument"]
+    assert parsers and options, f"{script} parses no arguments"
+    for parser in parsers:
+        formatter = {kw.arg: ast.unparse(kw.value) for kw in parser.keywords}.get("formatter_class", "")
+        assert formatter.endswith("ArgumentDefaultsHelpFormatter"), f"{script}: --help does not show defaults"
+    undocumented = [ast.unparse(call.args[0]) for call in options if "help" not in {kw.arg for kw in call.keywords}]
+    assert not undocumented, f"{script}: options without help text: {undocumented}"

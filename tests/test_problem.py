@@ -232,3 +232,14 @@ def test_a_query_in_the_wrong_layout_is_named():
     and the message says its expected dims come from the query."""
     with pytest.raises(ValueError, match=r"from query's shape \(2, 4, 5, 8\)"):
         recurrax.recurrent(jnp.ones((B, H, T, K)), jnp.ones((B, T, HKV, K)), jnp.ones((B, T, HKV, V)))
+
+
+@pytest.mark.parametrize("cu_seqlens, message", [
+    ([1, 3, 7], r"cu_seqlens must start at 0, got \[1, 3, 7\]"),
+    ([0, 5, 3, 7], r"cu_seqlens must be non-decreasing, got \[0, 5, 3, 7\]"),
+    ([0, 3, 6], r"cu_seqlens must end at the token count 7, got \[0, 3, 6\]"),
+])
+def test_concrete_cu_seqlens_messages_match_the_runtime_checks(cu_seqlens, message):
+    """The eager checks word each fault as `runtime_checks()` does under jit."""
+    with pytest.raises(ValueError, match=message):
+        recurrax.recurrent(**packed(cu_seqlens=jnp.array(cu_seqlens)))

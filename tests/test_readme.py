@@ -6,15 +6,79 @@ import re
 import jax
 import pytest
 
-README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+ROOT = pathlib.Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
 EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
+def test_reads_top_down():
+    """Title and what the library is first, then Install (with the clone), then Quickstart."""
+    headings = re.findall(r"^(#{1,2} .+)$", README, flags=re.M)
+    assert headings[:3] == ["# recurrax", "## Install", "## Quickstart"], headings[:3]
+    install = README[README.index("## Install"):README.index("## Quickstart")]
+    assert "git clone" in install
+    assert README.count("Supported: Python") == 1
+
+
 def test_quickstart_is_two_commands():
-    assert README.startswith("## Quickstart")
-    block = re.search(r"## Quickstart\s+```bash\n(.*?)```", README, flags=re.S).group(1)
+    block = re.search(r"## Quickstart\s+(?:[^`]*?)```bash\n(.*?)```", README, flags=re.S).group(1)
     lines = [line for line in block.splitlines() if line.strip()]
     assert len(lines) == 2 and "pytest" in lines[1]
+
+
+def _table_rows(first_header: str) -> list[list[str]]:
+    """The rows of the README table whose header row starts with `| first_header |`."""
+    lines = README[README.index(f"| {first_header} |"):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower().replace("_", "-") for r in requirements}
+
+
+def test_extras_table_matches_pyproject():
+    """Every extra of pyproject.toml has a row, and each row names exactly what the extra brings
+    (an extra pulling another extra, `recurrax[docs]`, is named as 'the `docs` extra')."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    rows = {row[0].strip("`"): row[1] for row in _table_rows("extra")}
+    assert set(rows) - {"(none)"} == set(extras), "the extras table and pyproject.toml list different extras"
+    assert set(re.findall(r"`([^`]+)`", rows["(none)"])) == _requirement_names(project["dependencies"])
+    for name, requirements in extras.items():
+        if name == "all":
+            continue
+        own = [r for r in requirements if not r.startswith("recurrax[")]
+        named = set(re.findall(r"`([^`]+)`", rows[name]))
+        pulled = {re.search(r"\[(.*)\]", r).group(1) for r in requirements if r.startswith("recurrax[")}
+        assert named == _requirement_names(own) | pulled, (name, named)
+
+
+def test_g_gamma_shapes_in_the_tables_are_accepted():
+    """The Semantics table's g_gamma shapes all run, dense and packed, and nothing else is listed."""
+    import jax.numpy as jnp
+
+    import recurrax
+
+    row = next(row for row in _table_rows("argument") if row[0] == "`g_gamma`")
+    B, T, H, K, S = 3, 3, 2, 4, 4
+    sizes = {"H": H, "B": B, "S": S, "1": 1}
+    dense = [tuple(sizes[d.strip()] for d in shape.split(",")) for shape in re.findall(r"`\[([^]]*)\]`", row[1])]
+    packed = [tuple(sizes[d.strip()] for d in shape.split(",")) for shape in re.findall(r"`\[([^]]*)\]`", row[2])]
+    assert set(dense) == {(H,), (1, H), (B, H)} and set(packed) == {(H,), (1, H), (S, H)}
+    x = jnp.ones((B, T, H, K))
+    for shape in dense:
+        o, _ = recurrax.recurrent(x, x, x, g_gamma=-jnp.full(shape, 0.5))
+        assert o.shape == (B, T, H, K)
+    for shape in packed:
+        _, state = recurrax.recurrent(x[0], x[0], x[0], g_gamma=-jnp.full(shape, 0.5), cu_seqlens=jnp.array([0, 1, 1, 2, T]))
+        assert state.shape == (S, H, K, K)
 
 
 @pytest.mark.parametrize("source", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])

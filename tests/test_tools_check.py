@@ -20,3 +20,20 @@ def test_progress_and_summary(monkeypatch, capsys):
 def test_eta_is_the_mean_time_per_row():
     assert check._eta(1, 4, 30.0) == "[1/4, ETA 1:30]"
     assert check._eta(4, 4, 10.0) == "[4/4, ETA 0:00]"
+
+
+def test_quick_runs_only_the_quick_cases(monkeypatch, capsys):
+    tiny = dict(B=1, T=3, H=1, Hkv=1, K=2, V=2)
+    monkeypatch.setattr(check, "CASES", {"tiny": Case(**tiny), "tiny gv": Case(**tiny, gates=("gv",))})
+    monkeypatch.setattr(check, "QUICK", ("tiny gv",))
+    assert check.main(["--implementations", "reference", "--dtype", "float64", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "1 implementations x 1 cases: 1 matched" in out and "tiny gv" in out
+
+
+def test_quick_cases_exist_and_columns_align():
+    assert set(check.QUICK) <= set(check.CASES)
+    header = f"{'case':<{check.CASE_WIDTH}} "
+    rows = [check._row("chunk", name, 1e-7, "dquery", 0.01, True) for name in check.CASES]
+    assert len({row.index("e-07") for row in rows}) == 1, "the error column moves with the case name"
+    assert len(header) > max(len(name) for name in check.CASES)

@@ -1,6 +1,7 @@
 """`recurrax demo`: the MQAR generator, the training loop, decoding check and plot."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -78,8 +79,12 @@ TINY = _demo.TrainConfig(
 
 
 @pytest.mark.slow
-def test_tiny_training_run_lowers_the_loss_and_decodes_exactly():
-    graphdef, params, history, _ = _demo.train(TINY, evals=2, progress=False)
+def test_tiny_training_run_lowers_the_loss_and_decodes_exactly(capsys):
+    graphdef, params, history, _ = _demo.train(TINY, evals=2, progress=True)
+    err = capsys.readouterr().err
+    # compiling is announced and timed before the progress bar starts, evaluation included
+    assert re.search(r"compiling the training step and the evaluation\.\.\. \d+ s\n", err), err[:500]
+    assert err.index("compiling") < err.index("train ")
     assert len(history.loss) == 4 and len(history.eval_accuracy) == 2
     assert history.loss[-1] < 0.85 * history.loss[0]
     report = _demo.decode_check(graphdef, params, TINY, batch_size=4)

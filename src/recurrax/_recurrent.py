@@ -14,7 +14,7 @@ def recurrent(
     key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
     value: Float[Array, "batch seq_len num_kv_heads v_head_dim"] | Float[Array, "total_tokens num_kv_heads v_head_dim"],
     g: Float[Array, "batch seq_len num_heads *qk_head_dim"] | None = None,
-    g_gamma: Float[Array, " num_heads"] | None = None,
+    g_gamma: Float[Array, " num_heads"] | Float[Array, "rows num_heads"] | None = None,
     gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
     gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
     softmax_scale: float | None = None,
@@ -39,7 +39,8 @@ def recurrent(
       reads key/value head `h // (num_heads // num_kv_heads)`); `value`'s last axis may differ.
     - `g`: log decay per head `[batch, seq_len, num_heads]` or per key channel
       `[batch, seq_len, num_heads, qk_head_dim]`.
-    - `g_gamma`: constant log decay per head `[num_heads]`.
+    - `g_gamma`: constant log decay per head `[num_heads]` (or `[1, num_heads]`), or one row
+      per batch row `[batch, num_heads]` / per packed sequence `[num_seqs, num_heads]`.
     - `gk`: per-key-channel log decay; `gv`: per-value-channel log decay `[..., v_head_dim]`.
     - `softmax_scale`: a Python number; defaults to `qk_head_dim ** -0.5`.
     - `initial_state`: `[batch, num_heads, qk_head_dim, v_head_dim]`, or `[num_seqs, ...]` when

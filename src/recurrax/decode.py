@@ -40,7 +40,7 @@ def recurrent_step(
     state: Float[Array, "batch num_heads qk_head_dim v_head_dim"] | None,
     *,
     g: Float[Array, "batch *seq_len num_heads *qk_head_dim"] | None = None,
-    g_gamma: Float[Array, " num_heads"] | None = None,
+    g_gamma: Float[Array, " num_heads"] | Float[Array, "rows num_heads"] | None = None,
     gk: Float[Array, "batch *seq_len num_heads qk_head_dim"] | None = None,
     gv: Float[Array, "batch *seq_len num_heads v_head_dim"] | None = None,
     softmax_scale: float | None = None,
@@ -61,7 +61,8 @@ def recurrent_step(
       tokens (e.g. `recurrent`'s `final_state`), or `None` for an empty history.
     - `g`: log decay per head `[batch, num_heads]` or per key channel
       `[batch, num_heads, qk_head_dim]` (with `seq_len` after `batch` in the several-token form).
-    - `g_gamma`: constant log decay per head `[num_heads]`.
+    - `g_gamma`: constant log decay per head `[num_heads]` (or `[1, num_heads]`), or one row
+      per batch row `[batch, num_heads]` / per packed sequence `[num_seqs, num_heads]`.
     - `gk`: per-key-channel log decay; `gv`: per-value-channel log decay `[..., v_head_dim]`.
     - `softmax_scale`: a Python number; defaults to `qk_head_dim ** -0.5`.
     - `allow_positive_gates`: as for `recurrax.recurrent`.

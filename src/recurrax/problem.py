@@ -278,11 +278,11 @@ def check_values(gates: dict, cu_seqlens: object, num_tokens: int | None, allow_
     if _concrete(cu_seqlens) and jnp.issubdtype(cu_seqlens.dtype, jnp.integer) and np.ndim(cu_seqlens) == 1:
         values = np.asarray(cu_seqlens)
         if values.size and values[0] != 0:
-            _fail("cu_seqlens", "starting at 0", f"{values.tolist()}")
+            raise ValueError(f"cu_seqlens must start at 0, got {values.tolist()}")
         if np.any(np.diff(values) < 0):
             _fail("cu_seqlens", "non-decreasing", f"{values.tolist()}")
         if values.size and num_tokens is not None and values[-1] != num_tokens:
-            _fail("cu_seqlens", f"ending at the token count {num_tokens}", f"{values.tolist()}")
+            raise ValueError(f"cu_seqlens must end at the token count {num_tokens}, got {values.tolist()}")
 
 
 def _refuse_positive(name: str, values: np.ndarray) -> None:

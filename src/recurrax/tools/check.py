@@ -27,6 +27,9 @@ CASES = {
     "g_gamma per row": Case(**SHAPE, gates=("g_gamma_rows", "gk")),
     "g_gamma per seq, varlen": Case(**SHAPE, gates=("g_gamma_rows",), cu_seqlens=(0, 9, 9, 48), packed_3d=True),
 }
+QUICK = ("g per channel", "all gates, reverse", "varlen")
+"""`--quick`: one case per decay form, reverse, and packed input (a few compiles per implementation)."""
+CASE_WIDTH = max(len(name) for name in CASES)
 
 
 def _machine_implementations(names: list[str] | None) -> list[str]:
@@ -58,7 +61,7 @@ def _refusal(name: str, case: Case) -> str | None:
 
 def _row(name: str, case_name: str, error: float, worst: str, seconds: float, ok: bool) -> str:
     status = "ok" if ok else "MISMATCH"
-    return f"{name:<18} {case_name:<22} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
+    return f"{name:<18} {case_name:<{CASE_WIDTH}} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
 
 
 def _eta(done: int, total: int, elapsed: float) -> str:
@@ -72,16 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--implementations", nargs="*", help="names to check (default: all this machine runs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--tolerance", type=float, help="max relative error (default by dtype)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only the cases {', '.join(QUICK)} (about a minute instead of several)")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_x64", True)
     tolerance = args.tolerance or default_tolerance(args.dtype)
     names = _machine_implementations(args.implementations)
     print(f"backend {jax.default_backend()}, inputs {args.dtype}, oracle: reference in float64, tolerance {tolerance:.0e}")
-    print(f"{'implementation':<18} {'case':<22} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
+    cases = {name: case for name, case in CASES.items() if not args.quick or name in QUICK}
+    print(f"{'implementation':<18} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
     counts = {"matched": 0, "mismatched": 0, "unsupported": 0}
-    total, start = len(names) * len(CASES), time.perf_counter()
+    total, start = len(names) * len(cases), time.perf_counter()
     for name in names:
-        for case_name, case in CASES.items():
+        for case_name, case in cases.items():
             case = Case(**{**case.__dict__, "dtype": args.dtype})
             refusal = _refusal(name, case)
             if refusal is None:
@@ -92,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                 line = _row(name, case_name, errors[worst], worst, _fwd_bwd_seconds(name, case), ok)
             else:
                 counts["unsupported"] += 1
-                line = f"{name:<18} {case_name:<22} {'-':>11} declared unsupported: {refusal}"
+                line = f"{name:<18} {case_name:<{CASE_WIDTH}} {'-':>11} declared unsupported: {refusal}"
             done = sum(counts.values())
             print(f"{line}  {_eta(done, total, time.perf_counter() - start)}", flush=True)
-    print(f"{len(names)} implementations x {len(CASES)} cases: {counts['matched']} matched, "
+    print(f"{len(names)} implementations x {len(cases)} cases: {counts['matched']} matched, "
           f"{counts['mismatched']} mismatched, {counts['unsupported']} declared unsupported (not run)")
     return 1 if counts["mismatched"] else 0

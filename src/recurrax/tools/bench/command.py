@@ -35,7 +35,7 @@ def parser(prog: str = "recurrax bench") -> argparse.ArgumentParser:
     """The options of `recurrax bench` (scripts in `benchmarks/` add their own)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--quick", action="store_true", help="a tiny grid, for a smoke run of seconds")
+    add("--quick", action="store_true", help="a tiny grid and target shapes: a smoke run of about two minutes on a 2-core CPU, mostly compiling")
     add("--impls", help="comma-separated implementations (default: those of reference,scan,chunk registered)")
     add("--gates", default=",".join(GATE_KINDS), help=f"comma-separated gate kinds among {','.join(GATE_KINDS)}")
     add("--seq-lens", help=f"comma-separated sequence lengths (default {FULL['seq_lens']}; quick {QUICK['seq_lens']})")
