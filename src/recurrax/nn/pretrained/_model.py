@@ -38,6 +38,7 @@ from ...varlen import segments
 from .._tokens import check_token_ids
 from ._attention import Attention, KVCache
 from ._config import attention_spec, intermediate_size, native_mixer, resolve
+from ._config_checks import ConfigError
 from ._mixer import linear
 from ._norm import RMSNorm
 
@@ -119,7 +120,11 @@ class CausalLM(nnx.Module):
         self.model_type, self.dtype = full["model_type"], dtype
         self.vocab_size, self.tie_word_embeddings = full["vocab_size"], bool(full["tie_word_embeddings"])
         self.max_position_embeddings = full["max_position_embeddings"]
-        self.model = Backbone(full, dtype=dtype, rngs=rngs)
+        try:
+            self.model = Backbone(full, dtype=dtype, rngs=rngs)
+        except (KeyError, AttributeError, ZeroDivisionError, TypeError) as error:  # a value check_config missed
+            raise ConfigError(f"cannot build a {self.model_type!r} model from this config: "
+                              f"{type(error).__name__}: {error}") from error
         self.lm_head = None if self.tie_word_embeddings else linear(full["hidden_size"], full["vocab_size"],
                                                                     dtype=dtype, rngs=rngs)
 
