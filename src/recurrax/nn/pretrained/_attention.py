@@ -20,9 +20,9 @@ entries of a reused row are never read. The capacity L must exceed the last posi
 
 Memory: dense rows read their own buffer in place (scores `[B, H, T, L]`). A packed call
 (S sequences in one row of N tokens) attends among its own tokens as the parallel pass does
-(scores `[H, N, N]`), and to the entries written before the call row by row (scores
-`[H, N, L]` per row, skipped when every sequence starts empty, as in a prefill); the two
-parts merge by their log-sum-exp. No token copies its row's buffer.
+(scores `[H, N, N]`), and to the entries written before the call one row and one block of
+positions at a time (scores `[H, N, 256]`; skipped when every sequence starts empty, as in
+a prefill); the parts merge by their log-sum-exp. No token copies its row's buffer.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from jaxtyping import Array, Float, Int
 from ...varlen import segments
 from ._mixer import heads, linear
 from ._rotary import apply_rotary, token_positions
+
+
+EARLIER_BLOCK = 256
+"""Cache positions a packed call reads at a time from the entries written before it."""
 
 
 class KVCache(NamedTuple):
@@ -132,15 +136,22 @@ class Attention(nnx.Module):
         return _finish(*_merge(own, earlier), q.dtype)
 
     def _earlier(self, q, keys, values, positions, seq, starts):
-        """Partial attention of packed tokens to their row's entries before `starts`, row by row."""
-        key_pos = jnp.arange(keys.shape[1])[None, None, :]
+        """Partial attention of packed tokens to their row's entries before `starts`, one row
+        and one block of `EARLIER_BLOCK` positions at a time (scores `[N, H, block]`)."""
+        R, L, Hkv, D = keys.shape
+        width = min(L, EARLIER_BLOCK)
+        blocks = -(-L // width)
 
-        def row(carry, r):
+        def step(carry, index):
+            row, block = index // blocks, index % blocks
+            first = jnp.minimum(block * width, L - width)  # the last block overlaps; its repeats are masked
+            k, v = (jax.lax.dynamic_slice(a, (row, first, 0, 0), (1, width, Hkv, D)) for a in (keys, values))
+            key_pos = (first + jnp.arange(width))[None, None, :]
             visible = self._visible(positions[:, :, None], key_pos) & (key_pos < starts[:, :, None])
-            visible &= (seq == r)[:, :, None]
-            return _merge(carry, self._partial(q, keys[r][None], values[r][None], visible)), None
+            visible &= (key_pos >= block * width) & (seq == row)[:, :, None]
+            return _merge(carry, self._partial(q, k, v, visible)), None
 
-        return jax.lax.scan(row, self._nothing_earlier(q), jnp.arange(keys.shape[0]))[0]
+        return jax.lax.scan(step, self._nothing_earlier(q), jnp.arange(R * blocks))[0]
 
     def _nothing_earlier(self, q, *_):
         B, T, H, D = q.shape

@@ -164,6 +164,8 @@ class CausalLM(nnx.Module):
         check_token_ids(tokens, self.vocab_size)
         h = self.model.embeddings(tokens[None] if packed else tokens)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
+        capacity = None if cache is None else _capacity(cache)
+        _refuse_past_capacity(positions, capacity)
         layer_caches = (None,) * len(self.model.layers) if cache is None else cache.layers
         if len(layer_caches) != len(self.model.layers):
             raise ValueError(f"cache must hold {len(self.model.layers)} layer caches, got {len(layer_caches)}")
@@ -172,8 +174,8 @@ class CausalLM(nnx.Module):
             h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, lower_bound=bound)
             new_caches.append(new_cache)
         logits = self._head(self.model.norm(h))
-        if cache is not None:
-            logits = _refuse_past_capacity(logits, positions, _capacity(cache))
+        if capacity is not None:  # traced positions: the tokens past it get NaN logits
+            logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
         logits = logits[0] if packed else logits
         if cache is None:
             return logits
@@ -215,10 +217,11 @@ def _capacity(cache: ModelCache) -> int | None:
     return min(sizes) if sizes else None
 
 
-def _refuse_past_capacity(logits, positions, capacity: int | None):
-    """Refuse tokens at positions ≥ `capacity` (their keys and values cannot be stored)."""
+def _refuse_past_capacity(positions, capacity: int | None) -> None:
+    """Refuse tokens at positions ≥ `capacity` (their keys and values cannot be stored):
+    concrete positions at once, traced ones inside `recurrax.runtime_checks()`."""
     if capacity is None:
-        return logits
+        return
     if not isinstance(positions, jax.core.Tracer):
         past = np.argwhere(np.asarray(positions) >= capacity)
         if past.size:
@@ -227,10 +230,8 @@ def _refuse_past_capacity(logits, positions, capacity: int | None):
                              f"(init_cache(rows, capacity)); token {column} of row {row} would be written at "
                              f"position {int(np.asarray(positions)[row, column])}: size the cache to the prompt "
                              "plus the new tokens")
-        return logits
-    if runtime_checks_enabled():
+    elif runtime_checks_enabled():
         from jax.experimental import checkify
 
         checkify.check(jnp.max(positions) < capacity, f"the cache's attention capacity is {capacity} positions per "
                        "row, a token would be written at position {}", jnp.max(positions))
-    return jnp.where((positions < capacity)[..., None], logits, jnp.nan)
