@@ -156,7 +156,8 @@ class Attention(nnx.Module):
     def _nothing_earlier(self, q, *_):
         B, T, H, D = q.shape
         shape = (B, T, self.num_kv_heads, H // self.num_kv_heads)
-        return jnp.zeros((*shape, D), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
+        nothing = jnp.zeros((*shape, D), jnp.float32)
+        return nothing, jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
 
     def _softmax_attention(self, q, k, v, visible):
         """`softmax(D^{−1/2} q kᵀ, masked) v` with grouped heads, in float32."""
