@@ -1,7 +1,7 @@
 """Faults and bad inputs (issue 20): each row of the issue's table as a case, plus the probes
 that already held. Rows 4 (a NaN or inf at token t stays causal) and 5 (a −inf gate is a hard
-reset) are the algorithms' and kernels' business: their tests live beside them
-(tests/test_chunk.py and the kernel test files).
+reset) are the algorithms' and kernels' business: their tests live in those modules' own
+test files (the chunk algorithm's and the kernels'), not here.
 
 | row | fault                                               | now                                      |
 |-----|-----------------------------------------------------|------------------------------------------|
