@@ -71,8 +71,10 @@ class Request:
 
     @property
     def device(self) -> Chip:
-        """The chip to judge architecture support against (this host's when `chip` is None)."""
-        return self.chip if self.chip is not None else host_chip()
+        """The chip to judge architecture support against: `chip`, else this host's; one of
+        another backend than `backend` counts as an unknown chip of `backend`."""
+        chip = self.chip if self.chip is not None else host_chip()
+        return chip if chip.backend == self.backend else Chip(self.backend)
 
     @classmethod
     def of(cls, problem: Problem) -> Request:
