@@ -51,7 +51,7 @@ def toolchain_missing(name: str | Target) -> str | None:
     """Why this installation cannot compile for `name` (the extra to install), or None."""
     chosen = get_target(name)
     if chosen.backend == "gpu":
-        if importlib.util.find_spec("jax_cuda12_plugin") is None or importlib.util.find_spec("nvidia.cuda_nvcc") is None:
+        if not any(importlib.util.find_spec(f"jax_cuda{version}_plugin") for version in (12, 13)):
             return "the CUDA toolchain is not installed: pip install 'recurrax[compile-cuda]'"
     elif importlib.util.find_spec("libtpu") is None:
         return "libtpu is not installed: pip install 'recurrax[compile-tpu]'"
