@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_resources.py --cuda-python /work/venv-cuda/bin/python \
         --tpu-python /work/venv-tpu/bin/python      # -> benchmarks/results/kernel_resources.md
+    python benchmarks/kernel_resources.py --targets v5e v6e ...   # rerun some; the others' sections stay
 
 - **H100 (sm_90a)**: the `mosaic_gpu` kernels of every gate kind, K = V ∈ {64, 128}, dense and
   packed, forward and gradient programs, bf16 (`recurrax.tools.compile.REPRESENTATIVE["gpu"]`):
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +80,12 @@ def one(target: str) -> str:
     return header + "\n\n" + body
 
 
+def _sections(text: str) -> dict[str, str]:
+    """The committed file's sections by target (those not rerun are kept)."""
+    parts = re.split(r"^## (\w+)\n", text, flags=re.M)
+    return {name: f"## {name}\n{body.rstrip()}\n" for name, body in zip(parts[1::2], parts[2::2]) if name in TARGETS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuda-python", default=sys.executable, help="interpreter with recurrax[compile-cuda]")
@@ -89,14 +97,15 @@ def main() -> None:
         print(one(args.one))
         return
     environment = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu",
-                   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1"}
-    sections = []
+                   "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    sections = _sections(RESULTS.read_text()) if RESULTS.exists() else {}
     for target in args.targets:
         python = args.cuda_python if TARGETS[target] == "cuda" else args.tpu_python
         child = subprocess.run([python, __file__, "--one", target], env=environment, capture_output=True, text=True)
         if child.returncode:
             raise SystemExit(f"{target} failed:\n{child.stderr[-4000:]}")
-        sections.append(f"## {target}\n\n{child.stdout.strip()}\n")
+        sections[target] = f"## {target}\n\n{child.stdout.strip()}\n"
+    sections = [sections[target] for target in TARGETS if target in sections]
     today = datetime.date.today().isoformat()
     RESULTS.write_text(
         "# Kernel resources, compiled for the chips without them\n\n"

@@ -25,10 +25,12 @@ from ..registry import judging_for
 from ._chips import Target, get_target
 from ._ptxas import KernelResources, captured_fd1, mosaic_launches, parse_ptxas
 
-ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1"}
+ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1",
+               "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 """What the process needs before JAX starts its backends, on a machine without the chip: only
 the CPU backend at run time; the CUDA plugin loads without a GPU (it would stop at "cuInit(0)
-failed" checking versions); libtpu does not look for a TPU's metadata server."""
+failed" checking versions); libtpu does not look for a TPU's metadata server, and several
+processes may load it at once (compiling uses no TPU)."""
 
 
 def prepare_environment() -> None:

@@ -13,7 +13,8 @@ COMMANDS = {
     "demo": ("recurrax.tools.demo", "train a small model on associative recall"),
     "compile": ("recurrax.tools.compile", "compile for a GPU or TPU this machine does not have; kernel resources"),
 }
-TOOLCHAIN_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1"}
+TOOLCHAIN_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 """`recurrax.targets.ENVIRONMENT` (importing recurrax here would start JAX too early)."""
 
 
