@@ -185,3 +185,15 @@ def test_a_chunk_of_2048_is_refused_before_mosaic_for_v5e():
     specs = (jax.ShapeDtypeStruct((1, 4096, 1, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 4096, 1), jnp.float32))
     with recurrax.target("v5e"), pytest.raises(ValueError, match="chunk=2048 needs about .* MiB of VMEM.*16 MiB.*v5e"):
         jax.jit(forward).trace(*specs)
+
+
+def test_recurrax_compile_says_which_extra_is_missing(capsys):
+    from recurrax.targets import toolchain_missing
+    from recurrax.tools.compile import main
+
+    missing = toolchain_missing("v6e")
+    if missing is None:
+        pytest.skip("libtpu is installed here")
+    assert main(["--target", "v6e"]) == 2
+    assert capsys.readouterr().out.strip() == f"cannot compile for v6e: {missing}"
+    assert "compile-tpu" in missing
