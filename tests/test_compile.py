@@ -45,13 +45,13 @@ def check_h100(configuration: Configuration) -> None:
         assert 0 < kernel.smem_bytes <= target.spec.smem_per_block_optin
 
 
-@pytest.mark.parametrize("configuration", REPRESENTATIVE["gpu"], ids=lambda c: c.label)
+@pytest.mark.parametrize("configuration", REPRESENTATIVE["gpu"], ids=lambda c: c.label.replace(" ", "-"))
 def test_mosaic_gpu_compiles_for_h100(configuration):
     check_h100(configuration)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("configuration", FULL["gpu"], ids=lambda c: c.label)
+@pytest.mark.parametrize("configuration", FULL["gpu"], ids=lambda c: c.label.replace(" ", "-"))
 def test_mosaic_gpu_compiles_for_h100_every_configuration(configuration):
     check_h100(configuration)
 
@@ -93,18 +93,18 @@ def check_tpu(generation: str, configuration: Configuration) -> None:
     assert result.compiled.executable.as_text().count("tpu_custom_call") == 3  # forward, states, backward
     _, args = program(configuration)
     inputs = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(args))
-    assert result.compiled.memory().argument_size_in_bytes == inputs
+    assert result.compiled.memory().argument_size_in_bytes >= inputs  # TPU layouts pad to tiles
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
-@pytest.mark.parametrize("configuration", REPRESENTATIVE["tpu"], ids=lambda c: c.label)
+@pytest.mark.parametrize("configuration", REPRESENTATIVE["tpu"], ids=lambda c: c.label.replace(" ", "-"))
 def test_tpu_kernels_compile(generation, configuration):
     check_tpu(generation, configuration)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
-@pytest.mark.parametrize("configuration", FULL["tpu"], ids=lambda c: c.label)
+@pytest.mark.parametrize("configuration", FULL["tpu"], ids=lambda c: c.label.replace(" ", "-"))
 def test_tpu_kernels_compile_every_configuration(generation, configuration):
     check_tpu(generation, configuration)
 
