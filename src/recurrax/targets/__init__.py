@@ -31,7 +31,8 @@ environments. Before JAX starts: `prepare_environment()` (or set `ENVIRONMENT` y
     for kernel in program.kernels:
         print(kernel.name, kernel.registers, kernel.spill_stores, kernel.smem_bytes)
 
-Compiling checks the toolchain (passes, PTX, ptxas, register allocation, SMEM and VMEM
+One GPU architecture per process (the CUDA plugin's kernel cache ignores the target):
+`compile_for` refuses a second one. Compiling checks the toolchain (passes, PTX, ptxas, register allocation, SMEM and VMEM
 limits), not numbers or speed.
 """
 

@@ -116,6 +116,11 @@ class CompiledProgram:
         return serialize_executable.serialize(self.executable)
 
 
+_GPU_ARCH: list[str] = []
+"""The GPU architecture this process compiles for: the CUDA plugin caches Mosaic GPU kernels
+by a hash that does not include the target, so after `h100` a `b200` compile of the same kernel
+would silently reuse the sm_90a build (measured: the wgmma kernels then "compile" for b200)."""
+
 _REPORTS: dict[bytes, KernelResources] = {}
 """ptxas reports by Mosaic kernel hash (the plugin compiles a kernel once per process)."""
 
@@ -129,9 +134,15 @@ def compile_for(name: str | Target, fn: Callable, *args) -> CompiledProgram:
     - `args`: pytrees of arrays or `jax.ShapeDtypeStruct`s; leaves without a sharding on the
       target's mesh are replicated over it (`mesh_for`).
 
-    Raises the toolchain's error (ptxas, Mosaic, VMEM) when the program does not compile.
+    Raises the toolchain's error (ptxas, Mosaic, VMEM) when the program does not compile, and
+    `RuntimeError` for a second GPU architecture in one process (h100 and h200 share sm_90a).
     """
     chosen = get_target(name)
+    if chosen.backend == "gpu":
+        if _GPU_ARCH and _GPU_ARCH[0] != chosen.arch:
+            raise RuntimeError(f"this process compiled for {_GPU_ARCH[0]}; compile for {chosen.arch} in another process "
+                               "(the CUDA plugin's kernel cache does not tell GPU architectures apart)")
+        _GPU_ARCH[:] = [chosen.arch]
     mesh = mesh_for(chosen)
     specs = jax.tree.map(functools.partial(_spec_on, mesh), args)
     report = chosen.backend == "gpu"
