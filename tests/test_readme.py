@@ -50,12 +50,12 @@ def test_extras_table_matches_pyproject():
     extras = project["optional-dependencies"]
     rows = {row[0].strip("`"): row[1] for row in _table_rows("extra")}
     assert set(rows) - {"(none)"} == set(extras), "the extras table and pyproject.toml list different extras"
-    assert set(re.findall(r"`([^`]+)`", rows["(none)"])) == _requirement_names(project["dependencies"])
+    assert _requirement_names(re.findall(r"`([^`]+)`", rows["(none)"])) == _requirement_names(project["dependencies"])
     for name, requirements in extras.items():
         if name == "all":
             continue
         own = [r for r in requirements if not r.startswith("recurrax[")]
-        named = set(re.findall(r"`([^`]+)`", rows[name]))
+        named = _requirement_names(re.findall(r"`([^`]+)`", rows[name]))
         pulled = {re.search(r"\[(.*)\]", r).group(1) for r in requirements if r.startswith("recurrax[")}
         assert named == _requirement_names(own) | pulled, (name, named)
 
