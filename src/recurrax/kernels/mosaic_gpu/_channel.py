@@ -137,15 +137,17 @@ def scores(rows: Rows) -> jax.Array:
     C, K = rows.lhs.shape
     shape = (C, PANEL)
     token, block = _token_and_block(shape)
-    P = plgpu.layout_cast(jnp.zeros((C, C), F32), WGMMA)
-    for s in range(1, BLOCKS):  # keys of earlier sub-blocks, anchored at r = s·c − 1
+
+    def anchored(s, P):  # keys of earlier sub-blocks, anchored at r = s·c − 1
         for p in panels(K):
             A, a_r = rows.A(p), along_cols(rows.a_row(s * SUB - 1, p), shape)
             rows.lhs[:, panel_cols(p)] = decayed(block == s, rows.tile(rows.q_s, p), A - a_r).astype(rows.lhs.dtype)
             rows.rhs[:, panel_cols(p)] = decayed(token <= s * SUB - 1, rows.tile(rows.k_s, p),
                                                  a_r - A).astype(rows.rhs.dtype)
         plgpu.commit_smem()
-        P = P + matmul(rows.lhs, rows.rhs.T, (C, C))
+        return P + matmul(rows.lhs, rows.rhs.T, (C, C))
+
+    P = lax.fori_loop(1, BLOCKS, anchored, plgpu.layout_cast(jnp.zeros((C, C), F32), WGMMA))
     column = iota((C, C), 1)
     for p in panels(K):
         q, A = rows.tile(rows.q_s, p), rows.A(p)
@@ -167,17 +169,20 @@ def _column(x, j):
 
 def dq_within(dP, dP_smem, rows: Rows, p: int) -> jax.Array:
     """[C, PANEL] panel p of Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j}; `dP_smem` holds dP in the
-    input dtype. Uses `rows.rhs`."""
+    input dtype (the same-block terms reload it from there rather than keep the [C, C]
+    float32 `dP` in registers). Uses `rows.rhs`."""
     C = dP.shape[0]
     shape = (C, PANEL)
     token, block = _token_and_block(shape)
-    dq = plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA)
-    for s in range(1, BLOCKS):  # keys j ≤ r = s·c − 1 for queries of block s
+    rhs = rows.rhs.at[:, panel_cols(p)]
+
+    def anchored(s, dq):  # keys j ≤ r = s·c − 1 for queries of block s
         A, a_r = rows.A(p), along_cols(rows.a_row(s * SUB - 1, p), shape)
-        rhs = rows.rhs.at[:, panel_cols(p)]
         rhs[...] = decayed(token <= s * SUB - 1, rows.tile(rows.k_s, p), a_r - A).astype(rows.rhs.dtype)
         plgpu.commit_smem()
-        dq = dq + decayed(block == s, matmul(dP_smem, rhs, shape), A - a_r)
+        return dq + decayed(block == s, matmul(dP_smem, rhs, shape), A - a_r)
+
+    dq = lax.fori_loop(1, BLOCKS, anchored, plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA))
     A = rows.A(p)
 
     def same_block(j, dq):
@@ -191,18 +196,21 @@ def dq_within(dP, dP_smem, rows: Rows, p: int) -> jax.Array:
 
 def dk_within(dPt, dPt_smem, rows: Rows, p: int) -> jax.Array:
     """[C, PANEL] panel p of Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (rows: keys j); `dPt` = dPᵀ,
-    and `dPt_smem` holds it in the input dtype. Uses `rows.rhs`."""
+    and `dPt_smem` holds it in the input dtype (reloaded from there, as in `dq_within`).
+    Uses `rows.rhs`."""
     C = dPt.shape[0]
     shape = (C, PANEL)
     token, block = _token_and_block(shape)
-    dk = plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA)
-    for s in range(BLOCKS - 1):  # queries i > r = (s + 1)·c − 1 for keys of block s
+    rhs = rows.rhs.at[:, panel_cols(p)]
+
+    def anchored(s, dk):  # queries i > r = (s + 1)·c − 1 for keys of block s
         r = (s + 1) * SUB - 1
         A, a_r = rows.A(p), along_cols(rows.a_row(r, p), shape)
-        rhs = rows.rhs.at[:, panel_cols(p)]
         rhs[...] = decayed(token > r, rows.tile(rows.q_s, p), A - a_r).astype(rows.rhs.dtype)
         plgpu.commit_smem()
-        dk = dk + decayed(block == s, matmul(dPt_smem, rhs, shape), a_r - A)
+        return dk + decayed(block == s, matmul(dPt_smem, rhs, shape), a_r - A)
+
+    dk = lax.fori_loop(0, BLOCKS - 1, anchored, plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA))
     A = rows.A(p)
 
     def same_block(i, dk):
