@@ -5,7 +5,7 @@
 | C       | chunk length, 64 (the wgmma M)                                             |
 | S       | [K, BV] float32 state entering chunk n (recomputed by the forward kernel)  |
 | S⁺      | the state leaving chunk n: S of chunk n + 1, or h_T after the last chunk   |
-| dS      | [K, BV] float32 gradient of S⁺, carried in registers from the last chunk   |
+| dS      | [K, BV] float32 gradient of S⁺, carried from the last chunk in SMEM (the state stage; per channel with one slot: registers) |
 | A_i, A_L| chunk-local cumulative log decay (per head), and A of the chunk's last token |
 | D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
 
@@ -28,8 +28,9 @@ block writes its partial sum ([nV, B, Tp, H, K] float32) and the caller adds the
 
 The gate gradient is not formed here: the driver derives it from dq and dk, plus the
 per-chunk "boundary" term Σ_V S⁺ ⊙ dS (`recurrax.kernels._driver.gate_gradient`). S⁺ of
-chunk n is S of chunk n + 1, which the previous step of this reverse loop loaded, so it is
-carried in registers rather than read twice.
+chunk n is S of chunk n + 1 and dS the gradient that chunk n + 1's step returns, so the step
+of chunk n + 1 writes chunk n's term at its end, from S still in its SMEM slot (no register
+carry); a sequence's last chunk takes h_T ⊙ dh_T.
 
 Inputs of chunk n − 1 (q, k, v, do, A tiles, and the float32 state S) are fetched by TMA
 while chunk n computes, in a second SMEM slot when shared memory allows (see

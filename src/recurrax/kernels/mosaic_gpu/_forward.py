@@ -3,7 +3,7 @@
 | symbol  | meaning                                                                    |
 |---------|----------------------------------------------------------------------------|
 | C       | chunk length, 64 (the wgmma M); token i of chunk n is global token n·C + i  |
-| S       | [K, BV] float32 state entering chunk n, carried in registers (WGMMA layout) |
+| S       | [K, BV] float32 state entering chunk n, carried in SMEM (`state_s`)     |
 | A_i     | chunk-local inclusive cumulative log decay (per head: a scalar per token)  |
 | A_L     | A of the chunk's last token                                                |
 | D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
