@@ -15,9 +15,12 @@ computes) where two slots fit in 227 KiB of SMEM; outputs and states leave by TM
 The state `[K, 64]` float32 (and its gradient in the backward) is carried from chunk to chunk
 in SMEM, not in registers.
 
-**Register budget** (ptxas, sm_90a; `tests/test_kernel_budget.py`): no spills in the forward
-kernels at K 64 and 128, nor in the backward without or with a per-head decay at K = 64;
-the backward spills at most a quarter of what it did at K = 128 (per key channel ≤ 1.3 KB).
+**Register budget** (ptxas, sm_90a; `tests/test_kernel_budget.py`,
+`benchmarks/results/kernel_resources.md`): no spills in the forward kernels at K 64 and 128,
+nor in the backward without or with a per-head decay at K = 64; per key channel the K = 64
+backward still spills up to ~70 B. At K = 128 the backward spills 0–96 B without decay,
+~0.3 KB per head, 0.66–0.79 KB per key channel (a quarter or less of before, the per-head
+one just over).
 Levers used: one wgmma accumulator per output (row scalings moved into the left operand),
 carries in SMEM, per-channel [C, K] tiles made one 64-channel panel at a time where used,
 index tiles broadcast from row/column vectors, loops ptxas cannot unroll. Not used: wgmma's

@@ -5,7 +5,7 @@
 | C       | chunk length, 64 (the wgmma M)                                             |
 | S       | [K, BV] float32 state entering chunk n (recomputed by the forward kernel)  |
 | S⁺      | the state leaving chunk n: S of chunk n + 1, or h_T after the last chunk   |
-| dS      | [K, BV] float32 gradient of S⁺, carried from the last chunk in SMEM (the state stage; per channel with one slot: registers) |
+| dS      | [K, BV] float32 gradient of S⁺, carried from the last chunk in SMEM (the state stage) |
 | A_i, A_L| chunk-local cumulative log decay (per head), and A of the chunk's last token |
 | D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
 
@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
                       kernel_params, padded_meta, slots_that_fit)
 from . import _channel as channel
-from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, iota, matmul,
+from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, iota, matmul,
                      matmuls, swizzled)
 
 
@@ -58,7 +58,8 @@ def _scratch(K: int, dtype, slots: int, gate: str, meta_cols: int, copies: int) 
     C, BV = CHUNK, BLOCK_V
     decay = decay_scratch(gate, slots, K, dtype)
     if gate != "key":  # (per key channel S_lo holds S, then dS)
-        decay.update(dS_lo=swizzled((K, BV), dtype), dec=swizzled((C, BV), dtype))  # scale · e^{A} ⊙ do, e^{A_L − A} ⊙ v
+        # dec: scale · e^{A} ⊙ do, then e^{A_L − A} ⊙ v
+        decay.update(dS_lo=swizzled((K, BV), dtype), dec=swizzled((C, BV), dtype))
     if not _stage_in_state_slot(gate, slots):  # h_T, then dh_T in; dh0 out
         decay["state_stage"] = plgpu.SMEM((K, BV), F32)
     return dict(

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import _channel as channel
-from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, matmul, matmuls,
+from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, matmuls,
                      swizzled)
 from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
                       kernel_params, padded_meta, slots_that_fit)
