@@ -3,6 +3,7 @@
     python benchmarks/kernel_resources.py --cuda-python /work/venv-cuda/bin/python \
         --tpu-python /work/venv-tpu/bin/python      # -> benchmarks/results/kernel_resources.md
     python benchmarks/kernel_resources.py --targets v5e v6e ...   # rerun some; the others' sections stay
+    python benchmarks/kernel_resources.py --targets h100 --before 410f1b1   # + that commit's figures beside
 
 - **H100 (sm_90a)**: the `mosaic_gpu` kernels of every gate kind, K = V ∈ {64, 128}, dense and
   packed, forward and gradient programs, bf16 (`recurrax.tools.compile.REPRESENTATIVE["gpu"]`):
@@ -86,12 +87,42 @@ def _sections(text: str) -> dict[str, str]:
     return {name: f"## {name}\n{body.rstrip()}\n" for name, body in zip(parts[1::2], parts[2::2]) if name in TARGETS}
 
 
+def _h100_rows(text: str) -> dict[tuple[str, ...], list[str]]:
+    """{(kernel, gate, K, layout, program): [registers, spills]} of a file's h100 table."""
+    rows = {}
+    for line in _sections(text).get("h100", "").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 7 and cells[2].isdigit():
+            rows[tuple(cells[:5])] = cells[5:7]
+    return rows
+
+
+def with_before(section: str, revision: str) -> str:
+    """The h100 section with the registers and spills of `revision`'s committed table beside
+    each kernel (a before/after table)."""
+    committed = subprocess.run(["git", "show", f"{revision}:{RESULTS.relative_to(REPO)}"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout
+    before = _h100_rows(committed)
+    lines = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| kernel |"):
+            line += f" registers at {revision} | spill stores / loads (B) at {revision} |"
+        elif line.startswith("|---"):
+            line += "---|---|"
+        elif line.startswith("|") and len(cells) >= 7:
+            line += " " + " | ".join(before.get(tuple(cells[:5]), ["?", "?"])) + " |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuda-python", default=sys.executable, help="interpreter with recurrax[compile-cuda]")
     parser.add_argument("--tpu-python", default=sys.executable, help="interpreter with recurrax[compile-tpu]")
     parser.add_argument("--one", choices=sorted(TARGETS), help=argparse.SUPPRESS)  # the child's job
     parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=sorted(TARGETS))
+    parser.add_argument("--before", metavar="REVISION", help="git revision whose h100 figures go beside the new ones")
     args = parser.parse_args()
     if args.one:
         print(one(args.one))
@@ -104,7 +135,10 @@ def main() -> None:
         child = subprocess.run([python, __file__, "--one", target], env=environment, capture_output=True, text=True)
         if child.returncode:
             raise SystemExit(f"{target} failed:\n{child.stderr[-4000:]}")
-        sections[target] = f"## {target}\n\n{child.stdout.strip()}\n"
+        body = child.stdout.strip()
+        if args.before and target == "h100":
+            body = with_before(body, args.before)
+        sections[target] = f"## {target}\n\n{body}\n"
     sections = [sections[target] for target in TARGETS if target in sections]
     today = datetime.date.today().isoformat()
     RESULTS.write_text(

@@ -12,7 +12,20 @@ One warpgroup per (row, head, 64 value columns); chunks of 64 tokens (the wgmma 
 product is a `wgmma` with SMEM operands and a float32 accumulator; input tiles come by TMA
 straight from the `[B, T, H, D]` layout, double-buffered (chunk n + 1 loads while n
 computes) where two slots fit in 227 KiB of SMEM; outputs and states leave by TMA stores.
-The state is `[K, 64]` float32 in registers.
+The state `[K, 64]` float32 (and its gradient in the backward) is carried from chunk to chunk
+in SMEM, not in registers.
+
+**Register budget** (ptxas, sm_90a; `tests/test_kernel_budget.py`,
+`benchmarks/results/kernel_resources.md`): no spills in the forward kernels at K 64 and 128,
+nor in the backward without or with a per-head decay at K = 64; per key channel the K = 64
+backward still spills up to ~70 B. At K = 128 the backward spills 0–96 B without decay,
+~0.3 KB per head, 0.66–0.79 KB per key channel (a quarter or less of before, the per-head
+one just over).
+Levers used: one wgmma accumulator per output (row scalings moved into the left operand),
+carries in SMEM, per-channel [C, K] tiles made one 64-channel panel at a time where used,
+index tiles broadcast from row/column vectors, loops ptxas cannot unroll. Not used: wgmma's
+register left operand (Mosaic GPU interpret mode, JAX 0.12, takes only SMEM operands, so
+the tests could not check it).
 
 **Declared support** (`SUPPORT`, fail-closed): bfloat16 and float16 inputs (wgmma needs
 16-bit operands); no decay, a per-head decay (`g` per head, `g_gamma`) or a per-key-channel

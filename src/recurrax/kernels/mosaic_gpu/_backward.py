@@ -5,7 +5,7 @@
 | C       | chunk length, 64 (the wgmma M)                                             |
 | S       | [K, BV] float32 state entering chunk n (recomputed by the forward kernel)  |
 | S⁺      | the state leaving chunk n: S of chunk n + 1, or h_T after the last chunk   |
-| dS      | [K, BV] float32 gradient of S⁺, carried in registers from the last chunk   |
+| dS      | [K, BV] float32 gradient of S⁺, carried from the last chunk in SMEM (the state stage) |
 | A_i, A_L| chunk-local cumulative log decay (per head), and A of the chunk's last token |
 | D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
 
@@ -28,8 +28,9 @@ block writes its partial sum ([nV, B, Tp, H, K] float32) and the caller adds the
 
 The gate gradient is not formed here: the driver derives it from dq and dk, plus the
 per-chunk "boundary" term Σ_V S⁺ ⊙ dS (`recurrax.kernels._driver.gate_gradient`). S⁺ of
-chunk n is S of chunk n + 1, which the previous step of this reverse loop loaded, so it is
-carried in registers rather than read twice.
+chunk n is S of chunk n + 1 and dS the gradient that chunk n + 1's step returns, so the step
+of chunk n + 1 writes chunk n's term at its end, from S still in its SMEM slot (no register
+carry); a sequence's last chunk takes h_T ⊙ dh_T.
 
 Inputs of chunk n − 1 (q, k, v, do, A tiles, and the float32 state S) are fetched by TMA
 while chunk n computes, in a second SMEM slot when shared memory allows (see
@@ -49,14 +50,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
                       kernel_params, padded_meta, slots_that_fit)
 from . import _channel as channel
-from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, iota, matmul, swizzled
+from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, iota, matmul,
+                     matmuls, swizzled)
 
 
 def _scratch(K: int, dtype, slots: int, gate: str, meta_cols: int, copies: int) -> dict:
     C, BV = CHUNK, BLOCK_V
     decay = decay_scratch(gate, slots, K, dtype)
     if gate != "key":  # (per key channel S_lo holds S, then dS)
-        decay.update(dS_lo=swizzled((K, BV), dtype), do_dec=swizzled((C, BV), dtype))  # scale · e^{A} ⊙ do
+        # dec: scale · e^{A} ⊙ do, then e^{A_L − A} ⊙ v
+        decay.update(dS_lo=swizzled((K, BV), dtype), dec=swizzled((C, BV), dtype))
     if not _stage_in_state_slot(gate, slots):  # h_T, then dh_T in; dh0 out
         decay["state_stage"] = plgpu.SMEM((K, BV), F32)
     return dict(
@@ -89,7 +92,7 @@ def smem_bytes(K: int, dtype, slots: int, gate: str = "head") -> int:
     """Shared memory the backward kernel allocates (without the 16-column meta table)."""
     C, BV, isz = CHUNK, BLOCK_V, jnp.dtype(dtype).itemsize
     per_slot = 2 * C * K * isz + 2 * C * BV * isz + K * BV * 4
-    work = K * BV * isz if gate == "key" else 2 * K * BV * isz + C * BV * isz  # S_lo (, dS_lo, do_dec)
+    work = K * BV * isz if gate == "key" else 2 * K * BV * isz + C * BV * isz  # S_lo (, dS_lo, dec)
     stage = 0 if _stage_in_state_slot(gate, slots) else K * BV * 4
     fixed = work + C * C * isz + C * K * 4 + C * BV * 4 + K * 4 + stage
     return slots * per_slot + fixed + decay_bytes(gate, slots, K, dtype)
@@ -110,6 +113,21 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         sc["state_stage"] = sc["S_s"].at[0]
     dtype = sc["q_s"].dtype
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
+
+    def read_dS(dS):
+        """dS, [K, BV] float32: the loop's carry, or (None) the state staging tile's content."""
+        return plgpu.load(sc["state_stage"], layout=WGMMA) if dS is None else dS
+
+    def write_dS(dS):
+        """The next carry: dS itself, or None after writing it to the staging tile, which
+        (unless it is the state slot, `_stage_in_state_slot`) carries dS from chunk to chunk
+        in SMEM rather than in 32–64 registers a thread. dh_T arrives there; dh0 leaves from
+        there (after a dh0 store, the next chunk in the loop is a last one, whose `load_final`
+        waits for that store before writing the stage)."""
+        if shared_stage:
+            return dS
+        sc["state_stage"][...] = dS
+        return None
     cols = pl.ds(j * BV, BV)
 
     def fetch(n, slot):
@@ -125,12 +143,13 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         plgpu.copy_gmem_to_smem(states_ref.at[b, h, n, :, cols], sc["S_s"].at[slot], bar)
         fetch_decay(a_ref, sc, gate, b, h, rows, slot, bar)
 
-    def load_final(row):
-        """(h_T, dh_T) of state row `row`, through the one staging tile, into registers."""
+    def load_final(row, refs):
+        """The [K, BV] tiles of state row `row` of `refs` (h_T, dh_T), through the one staging
+        tile, into registers."""
         stage = sc["state_stage"]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a TMA store may still read the stage
         finals = []
-        for ref in (hT_ref, dhT_ref):
+        for ref in refs:
             plgpu.commit_smem()  # earlier register reads of the stage come before the TMA write
             plgpu.copy_gmem_to_smem(ref.at[row, h, :, cols], stage, sc["state_bar"])
             plgpu.barrier_wait(sc["state_bar"])
@@ -149,96 +168,116 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
             boundary = plgpu.layout_cast(jnp.sum(S_after * dS, axis=1), ROWS)  # [K]
             store_tile(sc["bound_stage"], boundary, boundary_ref.at[j, b, h, n])
 
-    def key_chunk_step(n, slot, dS, S_after):
-        """Per-key-channel decay: gradients of chunk n (stored) and (dS entering chunk n, S),
+    def key_chunk_step(n, slot, dS):
+        """Per-key-channel decay: gradients of chunk n (stored) and dS entering chunk n,
         with the decays inside the K sums (`_channel`):
         dq = scale · e^{A} ⊙ (do Sᵀ) + Σ_j dP_ij k_j ⊙ e^{A_i − A_j},
         dk = e^{A_L − A} ⊙ (v dSᵀ) + Σ_i dP_ij q_i ⊙ e^{A_i − A_j},
-        dv = (k ⊙ e^{A_L − A}) dS + scale · Pᵀ do,  dS ← e^{A_L} ⊙_rows dS + scale · (q ⊙ e^{A})ᵀ do."""
+        dv = (k ⊙ e^{A_L − A}) dS + scale · Pᵀ do,  dS ← e^{A_L} ⊙_rows dS + scale · (q ⊙ e^{A})ᵀ do.
+        dq and dk are made one panel of key channels at a time, dv and dS' each take one
+        wgmma accumulator (scale in the left operands)."""
         rows = pl.ds(n * C, C)
         q_s, k_s, v_s, do_s = (sc[name].at[slot] for name in ("q_s", "k_s", "v_s", "do_s"))
-        lo, scores, lhs, rhs = sc["S_lo"], sc["scores"], sc["lhs"], sc["rhs"]
-        S = plgpu.load(sc["S_s"].at[slot], layout=WGMMA)  # [K, BV]
-        store_boundary(n, S_after, dS)
-        A = channel.gmem_load(a_ref.at[b, rows, h], WGMMA)  # [C, K]
-        a_last_rows = channel.gmem_load(a_ref.at[b, n * C + C - 1, h], ROWS)  # [K] along dS's rows
-        to_end = jnp.exp(along_cols(plgpu.load(sc["a_s"].at[slot, C - 1], layout=COLS), (C, K)) - A)
-        q, k = (plgpu.load(x, layout=WGMMA).astype(F32) for x in (q_s, k_s))
-        within = channel.Rows(sc["a_s"].at[slot], q_ref.at[b, rows, h], k_ref.at[b, rows, h], lhs, rhs)
+        lo, scores, lhs, rhs, stage = sc["S_lo"], sc["scores"], sc["lhs"], sc["rhs"], sc["dqk_stage"]
+        within = channel.Rows(sc["a_s"].at[slot], a_ref.at[b, rows, h], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
+                              q_s, k_s, lhs, rhs)
         token, column = iota((C, C), 0), iota((C, C), 1)
 
-        lo[...] = S.astype(dtype)
+        def store_panels(make, dst):
+            """The [C, K] float32 tile made by `make(p)` per panel, to `dst` by TMA."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage's previous TMA store has read it
+            for p in channel.panels(K):
+                stage[:, channel.panel_cols(p)] = make(p)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage, dst)
+
+        lo[...] = plgpu.load(sc["S_s"].at[slot], layout=WGMMA).astype(dtype)
         dP = jnp.where(column <= token, scale * matmul(do_s, v_s.T, (C, C)), 0.0)
         scores[...] = dP.astype(dtype)
         plgpu.commit_smem()
-        dq = channel.dq_within(dP, scores, k, A, within) + scale * jnp.exp(A) * matmul(do_s, lo.T, (C, K))
-        store_tile(sc["dqk_stage"], dq, dq_ref.at[j, b, rows, h])
 
-        lo[...] = dS.astype(dtype)
+        def dq(p):
+            inter = matmul(do_s, lo.at[channel.panel_cols(p)].T, (C, channel.PANEL))  # do Sᵀ on panel p
+            return channel.dq_within(dP, scores, within, p) + scale * jnp.exp(within.A(p)) * inter
+
+        store_panels(dq, dq_ref.at[j, b, rows, h])
+
+        lo[...] = read_dS(dS).astype(dtype)
         dPt = jnp.where(token <= column, scale * matmul(v_s, do_s.T, (C, C)), 0.0)
         scores[...] = dPt.astype(dtype)
         plgpu.commit_smem()
-        dk = channel.dk_within(dPt, scores, q, A, within) + to_end * matmul(v_s, lo.T, (C, K))
-        store_tile(sc["dqk_stage"], dk, dk_ref.at[j, b, rows, h])
 
-        scores[...] = (scale * channel.scores(q, k, A, within)).astype(dtype)
-        rhs[...] = (k * to_end).astype(dtype)
+        def dk(p):
+            inter = matmul(v_s, lo.at[channel.panel_cols(p)].T, (C, channel.PANEL))  # v dSᵀ on panel p
+            return channel.dk_within(dPt, scores, within, p) + within.to_end(p) * inter
+
+        store_panels(dk, dk_ref.at[j, b, rows, h])
+
+        scores[...] = (scale * channel.scores(within)).astype(dtype)  # Pᵀ's operand (read transposed)
+        for p in channel.panels(K):
+            rhs[:, channel.panel_cols(p)] = (within.tile(k_s, p) * within.to_end(p)).astype(dtype)
         plgpu.commit_smem()
-        dv = matmul(scores.T, do_s, (C, BV), init=matmul(rhs, lo, (C, BV)))
-        store_tile(sc["dv_stage"], dv, dv_ref.at[b, rows, h, cols])
+        store_tile(sc["dv_stage"], matmuls([(scores.T, do_s), (rhs, lo)], (C, BV)), dv_ref.at[b, rows, h, cols])
 
-        lhs[...] = (q * jnp.exp(A)).astype(dtype)
+        for p in channel.panels(K):
+            lhs[:, channel.panel_cols(p)] = (scale * within.tile(q_s, p) * jnp.exp(within.A(p))).astype(dtype)
         plgpu.commit_smem()
-        decayed = dS * along_rows(jnp.exp(a_last_rows), (K, BV))
-        return decayed + scale * matmul(lhs.T, do_s, (K, BV)), S
+        a_last_rows = channel.gmem_load(a_ref.at[b, n * C + C - 1, h], ROWS)  # [K] along dS's rows
+        decayed = read_dS(dS) * along_rows(jnp.exp(a_last_rows), (K, BV))
+        return write_dS(matmul(lhs.T, do_s, (K, BV), init=decayed))
 
-    def chunk_step(n, slot, dS, S_after):
-        """Gradients of chunk n (stored); returns (dS entering chunk n, S entering chunk n)."""
+    def chunk_step(n, slot, dS):
+        """Gradients of chunk n (stored); returns dS entering chunk n.
+
+        Row scalings of a product's rows are applied to its left operand (`dec`: scale ·
+        e^{A} ⊙ do, then e^{A_L − A} ⊙ v), so dq and dk each take one wgmma accumulator
+        for both of their products (fewer live register tiles)."""
         if gate == "key":
-            return key_chunk_step(n, slot, dS, S_after)
+            return key_chunk_step(n, slot, dS)
         rows = pl.ds(n * C, C)
         q_s, k_s, v_s, do_s = (sc[name].at[slot] for name in ("q_s", "k_s", "v_s", "do_s"))
-        S = plgpu.load(sc["S_s"].at[slot], layout=WGMMA)  # [K, BV]
-        store_boundary(n, S_after, dS)
+        S_lo, dS_lo, dec = sc["S_lo"], sc["dS_lo"], sc["dec"]
         if a_ref is None:
-            a_rows = a_cols = None
-            from_start = to_end = None
+            a_rows = a_cols = from_start = to_end = None
         else:
             a_rows = plgpu.load(sc["a_s"].at[slot], layout=ROWS)
             a_cols = plgpu.load(sc["a_cols_s"].at[slot], layout=COLS)
-            a_last = sc["a_s"][slot, C - 1]
-            from_start, to_end = jnp.exp(a_rows), jnp.exp(a_last - a_rows)  # e^{A_i}, e^{A_L − A_j}
+            from_start, to_end = jnp.exp(a_rows), jnp.exp(sc["a_s"][slot, C - 1] - a_rows)  # e^{A_i}, e^{A_L − A_j}
 
         def rows_times(vec, x):
             return x if vec is None else x * along_rows(vec, x.shape)
 
-        sc["S_lo"][...] = S.astype(dtype)
-        sc["dS_lo"][...] = dS.astype(dtype)
-        do = plgpu.load(do_s, layout=WGMMA).astype(F32)
-        sc["do_dec"][...] = (scale * rows_times(from_start, do)).astype(dtype)
-
         def masked_scores(lhs, rhs_t, transposed):
             """scale · (lhs rhsᵀ) ⊙ D (or Dᵀ) -> the `scores` SMEM tile, as a wgmma operand."""
             product = matmul(lhs, rhs_t.T, (C, C))
-            decay = causal_decay(a_rows, a_cols, C, transposed=transposed)
-            sc["scores"][...] = (scale * product * decay).astype(dtype)
+            sc["scores"][...] = causal_decay(scale * product, a_rows, a_cols, transposed=transposed).astype(dtype)
             plgpu.commit_smem()
             return sc["scores"]
 
+        S_lo[...] = plgpu.load(sc["S_s"].at[slot], layout=WGMMA).astype(dtype)
+        dS_lo[...] = read_dS(dS).astype(dtype)
+        dec[...] = (scale * rows_times(from_start, plgpu.load(do_s, layout=WGMMA).astype(F32))).astype(dtype)
         plgpu.commit_smem()
-        inter = scale * rows_times(from_start, matmul(do_s, sc["S_lo"].T, (C, K)))
-        dq = matmul(masked_scores(do_s, v_s, False), k_s, (C, K), init=inter)  # + dP k
+        dq = matmuls([(dec, S_lo.T), (masked_scores(do_s, v_s, False), k_s)], (C, K))  # + dP k
         store_tile(sc["dqk_stage"], dq, dq_ref.at[j, b, rows, h])
-        inter = rows_times(to_end, matmul(v_s, sc["dS_lo"].T, (C, K)))
-        dk = matmul(masked_scores(v_s, do_s, True), q_s, (C, K), init=inter)  # + dPᵀ q
+        decayed = read_dS(dS) if a_ref is None else read_dS(dS) * jnp.exp(sc["a_s"][slot, C - 1])
+        dS = write_dS(matmul(q_s.T, dec, (K, BV), init=decayed))  # the old dS lives on in dS_lo
+        if to_end is None:
+            v_dec = v_s
+        else:
+            dec[...] = rows_times(to_end, plgpu.load(v_s, layout=WGMMA).astype(F32)).astype(dtype)
+            plgpu.commit_smem()
+            v_dec = dec
+        dk = matmuls([(v_dec, dS_lo.T), (masked_scores(v_s, do_s, True), q_s)], (C, K))  # + dPᵀ q
         store_tile(sc["dqk_stage"], dk, dk_ref.at[j, b, rows, h])
-        inter = rows_times(to_end, matmul(k_s, sc["dS_lo"], (C, BV)))
+        inter = rows_times(to_end, matmul(k_s, dS_lo, (C, BV)))
         dv = matmul(masked_scores(k_s, q_s, True), do_s, (C, BV), init=inter)  # + Pᵀ do
         store_tile(sc["dv_stage"], dv, dv_ref.at[b, rows, h, cols])
-        decayed = dS if a_ref is None else dS * jnp.exp(a_last)
-        return matmul(q_s.T, sc["do_dec"], (K, BV), init=decayed), S
+        return dS
 
-    def step(i, carry):
+    def step(i, dS, boundary_before):
+        """Chunk n = N − 1 − i; with a decay and where `boundary_before`, also chunk n − 1's
+        boundary Σ_V S ⊙ dS (S entering chunk n is the state leaving n − 1, still in its slot)."""
         n = N - 1 - i
         slot = lax.rem(i, slots)
         if slots == 1:
@@ -250,23 +289,45 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
             def _():
                 fetch(n - 1, 1 - slot)
 
-        return chunk_step(n, slot, *carry)
+        dS = chunk_step(n, slot, dS)
 
-    def packed_step(i, carry):
-        """A sequence's last chunk starts from its final state and its cotangent; its first
-        chunk writes the gradient of its initial state."""
+        if boundary_ref is not None:
+
+            @pl.when(boundary_before)
+            def _():
+                store_boundary(n - 1, plgpu.load(sc["S_s"].at[slot], layout=WGMMA), read_dS(dS))
+
+        return dS
+
+    def entering_final(row, n):
+        """dh_T of state row `row` as the carry (`write_dS`; and chunk n's boundary Σ_V h_T ⊙ dh_T)."""
+        if boundary_ref is None:
+            dh_T = load_final(row, [dhT_ref])[0]
+        else:
+            h_T, dh_T = load_final(row, [hT_ref, dhT_ref])
+            store_boundary(n, h_T, dh_T)
+        return dh_T if shared_stage else None  # (else dh_T is in the staging tile already)
+
+    def packed_step(i, dS):
+        """A sequence's last chunk starts from its final state's cotangent; its first chunk
+        writes the gradient of its initial state."""
         n = N - 1 - i
         seq, first, last = sc["meta_s"][0, n], sc["meta_s"][1, n], sc["meta_s"][2, n]
+        if shared_stage:
+            dS = lax.cond(last > 0, lambda: entering_final(seq, n), lambda: dS)
+        else:
+            pl.when(last > 0)(lambda: entering_final(seq, n))
+        after_last = sc["meta_s"][2, jnp.maximum(n - 1, 0)] > 0  # chunk n − 1 ends a sequence
+        dS_entering = step(i, dS, (n > 0) & jnp.logical_not(after_last))
+        pl.when(first > 0)(lambda: store_dh0(dS_entering, dh0_ref.at[seq, h, :, cols]))
+        return dS_entering
 
-        dS, S_after = carry
-        S_after, dS = lax.cond(last > 0, lambda: load_final(seq), lambda: [S_after, dS])
-        dS_entering, S = step(i, (dS, S_after))
-
-        @pl.when(first > 0)
-        def _():
-            store_tile(sc["state_stage"], dS_entering, dh0_ref.at[seq, h, :, cols])
-
-        return dS_entering, S
+    def store_dh0(dS, dst):
+        if dS is None:  # already in the staging tile
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(sc["state_stage"], dst)
+        else:
+            store_tile(sc["state_stage"], dS, dst)
 
     if slots == 2:
         fetch(N - 1, 0)
@@ -274,11 +335,13 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         plgpu.copy_gmem_to_smem(meta_ref, sc["meta_s"], sc["meta_bar"])
         plgpu.barrier_wait(sc["meta_bar"])
         zeros = plgpu.layout_cast(jnp.zeros((K, BV), F32), WGMMA)
-        lax.fori_loop(0, N, packed_step, (zeros, zeros))
+        # unused trailing chunks (owned by the last sequence, neither first nor last) start from dS = 0
+        pl.when(sc["meta_s"][2, N - 1] == 0)(lambda: store_boundary(N - 1, zeros, zeros))
+        lax.fori_loop(0, N, packed_step, zeros if shared_stage else write_dS(zeros))
     else:
-        S_final, dS_final = load_final(b)
-        dS, _ = lax.fori_loop(0, N, step, (dS_final, S_final))
-        store_tile(sc["state_stage"], dS, dh0_ref.at[b, h, :, cols])
+        dS = entering_final(b, N - 1)
+        dS = lax.fori_loop(0, N, lambda i, dS: step(i, dS, i < N - 1), dS)
+        store_dh0(dS, dh0_ref.at[b, h, :, cols])
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -8,6 +8,7 @@
 | r        | an anchor token: the last token of a sub-block                              |
 | P        | [C, C] decayed causal scores P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk}, j ≤ i     |
 | dP       | [C, C] scale · (do vᵀ) masked to j ≤ i (the decay sits inside the K sums)   |
+| panel    | 64 key channels (`PANEL`): [C, K] tiles are built, summed and returned per panel |
 
 A per-channel decay sits inside the contraction over k, so P is no `(q kᵀ) ⊙ D`. The exact
 split that keeps every exponent ≤ 0 (gates ≤ 0; nothing can overflow):
@@ -28,11 +29,18 @@ dq_i ∋ Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j} (anchors before i's block, a
 dk_j ∋ Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (anchors r = the last token of j's block, the
 factors e^{A_r − A_j} and e^{A_i − A_r}, i > r).
 
-Every function takes `Rows`: where the row vectors come from and the SMEM operand tiles.
+Register budget: every [C, K] float32 tile (q, k, A and what is made of them) is formed one
+panel of 64 channels at a time, loaded from memory where it is used rather than held
+through the chunk step: at K = 128 four whole [C, K] tiles alone are 256 registers a
+thread, which ptxas can only spill. Products with a masked factor are masked by `where`
+(`decayed`), so a NaN or inf of a later token never reaches an earlier one through a zero
+factor.
+
+Every function takes `Rows`: where the tiles and row vectors come from and the SMEM operand tiles.
 Row vectors are loaded from GMEM (q, k: `plgpu.load` of one token's [K]) and from an SMEM
 copy of A (the anchors and A_j): loading one SMEM buffer in two register layouts (the
 [C, K] tile and its rows) does not lower on Mosaic GPU (JAX 0.12), so the [C, K] tile of A
-is read from GMEM.
+is read from GMEM; the q and k tiles come from their swizzled SMEM slots.
 """
 
 from __future__ import annotations
@@ -43,13 +51,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._tiles import CHUNK, COLS, F32, along_cols, along_rows, iota, matmul
+from ._tiles import CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, iota, matmul
 
 SUB = 16
 """c, the sub-block length: anchors every 16 tokens, as fla's chunk_gla."""
 BLOCKS = CHUNK // SUB
+PANEL = 64
+"""Key channels per register tile (one 128-byte swizzle row of 16-bit values)."""
+
+
+def panels(K: int) -> range:
+    return range(K // PANEL)
+
+
+def panel_cols(p: int):
+    return pl.ds(p * PANEL, PANEL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +76,40 @@ class Rows:
     """One chunk's operands for the per-channel sums.
 
     - `a`: [C, K] float32 SMEM ref, A (for its rows A_j and the anchors A_r);
+    - `a_tile`: [C, K] float32 GMEM ref of A, for its [C, PANEL] register tiles;
     - `q`, `k`: [C, K] GMEM refs (views of the chunk's tokens), for the rows q_i, k_j;
+    - `q_s`, `k_s`: the chunk's [C, K] swizzled SMEM tiles of q and k (16-bit);
     - `lhs`, `rhs`: [C, K] swizzled SMEM tiles in the input dtype, wgmma operands.
     """
 
     a: Any
+    a_tile: Any
     q: Any
     k: Any
+    q_s: Any
+    k_s: Any
     lhs: Any
     rhs: Any
 
-    def a_row(self, t):
-        return plgpu.load(self.a.at[t], layout=COLS)
+    def a_row(self, t, p: int):
+        """A_t on panel p, in the COLS layout."""
+        return plgpu.load(self.a.at[t, panel_cols(p)], layout=COLS)
 
-    def row(self, ref, t):
-        return gmem_load(ref.at[t], COLS).astype(F32)
+    def row(self, ref, t, p: int):
+        """Token t's row of a GMEM ref on panel p, float32, in the COLS layout."""
+        return gmem_load(ref.at[t, panel_cols(p)], COLS).astype(F32)
+
+    def A(self, p: int):
+        """[C, PANEL] float32 A on panel p."""
+        return gmem_load(self.a_tile.at[:, panel_cols(p)], WGMMA)
+
+    def tile(self, ref, p: int):
+        """[C, PANEL] float32 panel p of a swizzled [C, K] SMEM tile (`q_s`, `k_s`)."""
+        return plgpu.load(ref.at[:, panel_cols(p)], layout=WGMMA).astype(F32)
+
+    def to_end(self, p: int):
+        """[C, PANEL] e^{A_L − A} on panel p (A_L: the chunk's last token)."""
+        return jnp.exp(along_cols(self.a_row(CHUNK - 1, p), (CHUNK, PANEL)) - self.A(p))
 
 
 def gmem_load(ref, layout):
@@ -81,36 +119,47 @@ def gmem_load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def exp_masked(keep, exponent):
-    """e^{exponent} where `keep`, exactly 0 elsewhere (masked before `exp`: no overflow)."""
-    return jnp.exp(jnp.where(keep, exponent, -jnp.inf))
+def decayed(keep, x, exponent):
+    """x ⊙ e^{exponent} where `keep`, exactly 0 elsewhere: masked by `where` before `exp` (no
+    overflow) and after the product (a NaN or inf of x there stays out)."""
+    return jnp.where(keep, x * jnp.exp(jnp.where(keep, exponent, -jnp.inf)), 0.0)
 
 
 def _token_and_block(shape):
-    token = iota(shape, 0)
-    return token, token // SUB
+    """[C, n] int32 tiles: each row's token and sub-block, broadcast from a ROWS vector (one
+    value per row a thread holds, not one per element)."""
+    token = plgpu.broadcasted_iota(jnp.int32, (shape[0],), 0, layout=ROWS)
+    return along_rows(token, shape), along_rows(token // SUB, shape)  # (the block: one division a row)
 
 
-def scores(q, k, A, rows: Rows) -> jax.Array:
+def scores(rows: Rows) -> jax.Array:
     """[C, C] float32 P (module table), masked to j ≤ i; uses `rows.lhs` and `rows.rhs`."""
-    C, K = A.shape
-    token, block = _token_and_block((C, K))
-    P = plgpu.layout_cast(jnp.zeros((C, C), F32), plgpu.Layout.WGMMA)
-    for s in range(1, BLOCKS):  # keys of earlier sub-blocks, anchored at r = s·c − 1
-        a_r = along_cols(rows.a_row(s * SUB - 1), (C, K))
-        rows.lhs[...] = (q * exp_masked(block == s, A - a_r)).astype(rows.lhs.dtype)
-        rows.rhs[...] = (k * exp_masked(token <= s * SUB - 1, a_r - A)).astype(rows.rhs.dtype)
+    C, K = rows.lhs.shape
+    shape = (C, PANEL)
+    token, block = _token_and_block(shape)
+
+    def anchored(s, P):  # keys of earlier sub-blocks, anchored at r = s·c − 1
+        for p in panels(K):
+            A, a_r = rows.A(p), along_cols(rows.a_row(s * SUB - 1, p), shape)
+            rows.lhs[:, panel_cols(p)] = decayed(block == s, rows.tile(rows.q_s, p), A - a_r).astype(rows.lhs.dtype)
+            rows.rhs[:, panel_cols(p)] = decayed(token <= s * SUB - 1, rows.tile(rows.k_s, p),
+                                                 a_r - A).astype(rows.rhs.dtype)
         plgpu.commit_smem()
-        P = P + matmul(rows.lhs, rows.rhs.T, (C, C))
+        return P + matmul(rows.lhs, rows.rhs.T, (C, C))
+
+    P = lax.fori_loop(1, BLOCKS, anchored, plgpu.layout_cast(jnp.zeros((C, C), F32), WGMMA))
     column = iota((C, C), 1)
+    for p in panels(K):
+        q, A = rows.tile(rows.q_s, p), rows.A(p)
 
-    def same_block(j, P):
-        k_j, a_j = along_cols(rows.row(rows.k, j), (C, K)), along_cols(rows.a_row(j), (C, K))
-        keep = (token >= j) & (block == j // SUB)
-        P_j = jnp.sum(q * k_j * exp_masked(keep, A - a_j), axis=1)  # [C]
-        return P + jnp.where(column == j, along_rows(P_j, (C, C)), 0.0)  # the anchored terms are 0 there
+        def same_block(j, P):
+            k_j, a_j = along_cols(rows.row(rows.k, j, p), shape), along_cols(rows.a_row(j, p), shape)
+            keep = (token >= j) & (block == j // SUB)
+            P_j = jnp.sum(decayed(keep, q * k_j, A - a_j), axis=1)  # [C]
+            return P + jnp.where(column == j, along_rows(P_j, (C, C)), 0.0)  # the anchored terms are 0 there
 
-    return lax.fori_loop(0, C, same_block, P)
+        P = lax.fori_loop(0, C, same_block, P)
+    return P
 
 
 def _column(x, j):
@@ -118,41 +167,56 @@ def _column(x, j):
     return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1)
 
 
-def dq_within(dP, dP_smem, k, A, rows: Rows) -> jax.Array:
-    """[C, K] Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j}; `dP_smem` holds dP in the input dtype."""
-    C, K = A.shape
-    token, block = _token_and_block((C, K))
-    dq = plgpu.layout_cast(jnp.zeros((C, K), F32), plgpu.Layout.WGMMA)
-    for s in range(1, BLOCKS):  # keys j ≤ r = s·c − 1 for queries of block s
-        a_r = along_cols(rows.a_row(s * SUB - 1), (C, K))
-        rows.rhs[...] = (k * exp_masked(token <= s * SUB - 1, a_r - A)).astype(rows.rhs.dtype)
+def dq_within(dP, dP_smem, rows: Rows, p: int) -> jax.Array:
+    """[C, PANEL] panel p of Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j}; `dP_smem` holds dP in the
+    input dtype (the same-block terms reload it from there rather than keep the [C, C]
+    float32 `dP` in registers). Uses `rows.rhs`."""
+    C = dP.shape[0]
+    shape = (C, PANEL)
+    token, block = _token_and_block(shape)
+    rhs = rows.rhs.at[:, panel_cols(p)]
+
+    def anchored(s, dq):  # keys j ≤ r = s·c − 1 for queries of block s
+        A, a_r = rows.A(p), along_cols(rows.a_row(s * SUB - 1, p), shape)
+        rhs[...] = decayed(token <= s * SUB - 1, rows.tile(rows.k_s, p), a_r - A).astype(rows.rhs.dtype)
         plgpu.commit_smem()
-        dq = dq + exp_masked(block == s, A - a_r) * matmul(dP_smem, rows.rhs, (C, K))
+        return dq + decayed(block == s, matmul(dP_smem, rhs, shape), A - a_r)
+
+    dq = lax.fori_loop(1, BLOCKS, anchored, plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA))
+    A = rows.A(p)
 
     def same_block(j, dq):
-        k_j, a_j = along_cols(rows.row(rows.k, j), (C, K)), along_cols(rows.a_row(j), (C, K))
+        k_j, a_j = along_cols(rows.row(rows.k, j, p), shape), along_cols(rows.a_row(j, p), shape)
         keep = (token >= j) & (block == j // SUB)
-        return dq + along_rows(_column(dP, j), (C, K)) * k_j * exp_masked(keep, A - a_j)
+        dP_j = _column(plgpu.load(dP_smem, layout=WGMMA).astype(F32), j)
+        return dq + decayed(keep, along_rows(dP_j, shape) * k_j, A - a_j)
 
     return lax.fori_loop(0, C, same_block, dq)
 
 
-def dk_within(dPt, dPt_smem, q, A, rows: Rows) -> jax.Array:
-    """[C, K] Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (rows: keys j); `dPt` = dPᵀ, and
-    `dPt_smem` holds it in the input dtype."""
-    C, K = A.shape
-    token, block = _token_and_block((C, K))
-    dk = plgpu.layout_cast(jnp.zeros((C, K), F32), plgpu.Layout.WGMMA)
-    for s in range(BLOCKS - 1):  # queries i > r = (s + 1)·c − 1 for keys of block s
+def dk_within(dPt, dPt_smem, rows: Rows, p: int) -> jax.Array:
+    """[C, PANEL] panel p of Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (rows: keys j); `dPt` = dPᵀ,
+    and `dPt_smem` holds it in the input dtype (reloaded from there, as in `dq_within`).
+    Uses `rows.rhs`."""
+    C = dPt.shape[0]
+    shape = (C, PANEL)
+    token, block = _token_and_block(shape)
+    rhs = rows.rhs.at[:, panel_cols(p)]
+
+    def anchored(s, dk):  # queries i > r = (s + 1)·c − 1 for keys of block s
         r = (s + 1) * SUB - 1
-        a_r = along_cols(rows.a_row(r), (C, K))
-        rows.rhs[...] = (q * exp_masked(token > r, A - a_r)).astype(rows.rhs.dtype)
+        A, a_r = rows.A(p), along_cols(rows.a_row(r, p), shape)
+        rhs[...] = decayed(token > r, rows.tile(rows.q_s, p), A - a_r).astype(rows.rhs.dtype)
         plgpu.commit_smem()
-        dk = dk + exp_masked(block == s, a_r - A) * matmul(dPt_smem, rows.rhs, (C, K))
+        return dk + decayed(block == s, matmul(dPt_smem, rhs, shape), a_r - A)
+
+    dk = lax.fori_loop(0, BLOCKS - 1, anchored, plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA))
+    A = rows.A(p)
 
     def same_block(i, dk):
-        q_i, a_i = along_cols(rows.row(rows.q, i), (C, K)), along_cols(rows.a_row(i), (C, K))
+        q_i, a_i = along_cols(rows.row(rows.q, i, p), shape), along_cols(rows.a_row(i, p), shape)
         keep = (token <= i) & (block == i // SUB)
-        return dk + along_rows(_column(dPt, i), (C, K)) * q_i * exp_masked(keep, a_i - A)
+        dPt_i = _column(plgpu.load(dPt_smem, layout=WGMMA).astype(F32), i)
+        return dk + decayed(keep, along_rows(dPt_i, shape) * q_i, a_i - A)
 
     return lax.fori_loop(0, C, same_block, dk)

@@ -3,7 +3,7 @@
 | symbol  | meaning                                                                    |
 |---------|----------------------------------------------------------------------------|
 | C       | chunk length, 64 (the wgmma M); token i of chunk n is global token n·C + i  |
-| S       | [K, BV] float32 state entering chunk n, carried in registers (WGMMA layout) |
+| S       | [K, BV] float32 state entering chunk n, carried in SMEM (`state_s`)     |
 | A_i     | chunk-local inclusive cumulative log decay (per head: a scalar per token)  |
 | A_L     | A of the chunk's last token                                                |
 | D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import _channel as channel
-from ._tiles import BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_cols, along_rows, causal_decay, matmul, swizzled
+from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, matmuls,
+                     swizzled)
 from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
                       kernel_params, padded_meta, slots_that_fit)
 
@@ -111,17 +112,24 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
         fetch_decay(a_ref, sc, gate, b, h, rows, slot, bar)
 
     def load_state(row):
+        """S := h0 of state row `row` (TMA into `state_s`, where S lives: see `write_state`)."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a TMA store may still read state_s
         plgpu.commit_smem()  # and register reads of it come before the TMA write
         plgpu.copy_gmem_to_smem(h0_ref.at[row, h, :, cols], state_s, state_bar)
         plgpu.barrier_wait(state_bar)
+
+    def read_state():
         return plgpu.load(state_s, layout=WGMMA)
 
+    def write_state(S):
+        """S is carried from chunk to chunk in `state_s` (float32 SMEM), not in 32–64
+        registers a thread through the whole chunk step."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a TMA store of S may still read it
+        state_s[...] = S
+
     def store_state(dst):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        state_s[...] = dst[0]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_s, dst[1])
+        plgpu.copy_smem_to_gmem(state_s, dst)
 
     def store_output(o, rows):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's o left o_stage
@@ -129,42 +137,43 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_stage, o_ref.at[b, rows, h, cols])
 
-    def key_chunk_step(n, slot, S):
+    def key_chunk_step(n, slot):
         """Per-key-channel decay: outputs of chunk n (stored) and the state leaving it:
-        o = scale · [(q ⊙ e^{A}) S + P v], S' = e^{A_L} ⊙_rows S + (k ⊙ e^{A_L − A})ᵀ v."""
+        o = scale · [(q ⊙ e^{A}) S + P v], S' = e^{A_L} ⊙_rows S + (k ⊙ e^{A_L − A})ᵀ v.
+        scale goes into both left operands, so o takes one wgmma accumulator; [C, K] tiles
+        are made one panel at a time (`_channel`)."""
         rows = pl.ds(n * C, C)
         lhs, rhs = sc["lhs"], sc["rhs"]
-        A = channel.gmem_load(a_ref.at[b, rows, h], WGMMA)  # [C, K] (module note in `_channel`)
-        a_last_rows = channel.gmem_load(a_ref.at[b, n * C + C - 1, h], ROWS)  # [K] along S's rows
-        a_last = along_cols(plgpu.load(sc["a_s"].at[slot, C - 1], layout=COLS), (C, K))
-        k = plgpu.load(k_s.at[slot], layout=WGMMA).astype(F32)
+        within = channel.Rows(sc["a_s"].at[slot], a_ref.at[b, rows, h], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
+                              q_s.at[slot], k_s.at[slot], lhs, rhs)
         if emit_output:
-            q = plgpu.load(q_s.at[slot], layout=WGMMA).astype(F32)
-            S_lo[...] = S.astype(dtype)
-            lhs[...] = (q * jnp.exp(A)).astype(dtype)
+            P_s[...] = (scale * channel.scores(within)).astype(dtype)
+            S_lo[...] = read_state().astype(dtype)
+            for p in channel.panels(K):
+                q = within.tile(q_s.at[slot], p)
+                lhs[:, channel.panel_cols(p)] = (scale * q * jnp.exp(within.A(p))).astype(dtype)
             plgpu.commit_smem()
-            inter = matmul(lhs, S_lo, (C, BV))  # (q ⊙ e^{A}) S
-            within = channel.Rows(sc["a_s"].at[slot], q_ref.at[b, rows, h], k_ref.at[b, rows, h], lhs, rhs)
-            P_s[...] = channel.scores(q, k, A, within).astype(dtype)
-            plgpu.commit_smem()
-            store_output(scale * matmul(P_s, v_s.at[slot], (C, BV), init=inter), rows)
-        rhs[...] = (k * jnp.exp(a_last - A)).astype(dtype)
+            store_output(matmuls([(lhs, S_lo), (P_s, v_s.at[slot])], (C, BV)), rows)
+        for p in channel.panels(K):
+            rhs[:, channel.panel_cols(p)] = (within.tile(k_s.at[slot], p) * within.to_end(p)).astype(dtype)
         plgpu.commit_smem()
-        return matmul(rhs.T, v_s.at[slot], (K, BV), init=S * along_rows(jnp.exp(a_last_rows), (K, BV)))
+        a_last_rows = channel.gmem_load(a_ref.at[b, n * C + C - 1, h], ROWS)  # [K] along S's rows
+        decayed = read_state() * along_rows(jnp.exp(a_last_rows), (K, BV))
+        write_state(matmul(rhs.T, v_s.at[slot], (K, BV), init=decayed))
 
-    def chunk_step(n, slot, S):
-        """Outputs of chunk n (stored) and the state leaving it."""
+    def chunk_step(n, slot):
+        """Outputs of chunk n (stored) and the state leaving it (in `state_s`)."""
         if emit_states:
-            store_state((S, states_ref.at[b, h, n, :, cols]))
+            store_state(states_ref.at[b, h, n, :, cols])
         if gate == "key":
-            return key_chunk_step(n, slot, S)
+            return key_chunk_step(n, slot)
         rows = pl.ds(n * C, C)
         a_s, a_cols_s, v_dec_s = sc.get("a_s"), sc.get("a_cols_s"), sc["v_dec_s"]
         if a_ref is None:
             a_rows = a_last = None
         else:
             a_rows, a_last = plgpu.load(a_s.at[slot], layout=ROWS), a_s[slot, C - 1]
-        S_lo[...] = S.astype(dtype)
+        S_lo[...] = read_state().astype(dtype)
         v = plgpu.load(v_s.at[slot], layout=WGMMA).astype(F32)  # [C, BV]
         v_dec = v if a_ref is None else v * along_rows(jnp.exp(a_last - a_rows), (C, BV))
         v_dec_s[...] = v_dec.astype(dtype)
@@ -172,16 +181,16 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
         if emit_output:
             a_cols = None if a_ref is None else plgpu.load(a_cols_s.at[slot], layout=COLS)
             scores = matmul(q_s.at[slot], k_s.at[slot].T, (C, C))  # q kᵀ
-            P_s[...] = (scores * causal_decay(a_rows, a_cols, C)).astype(dtype)
+            P_s[...] = causal_decay(scores, a_rows, a_cols).astype(dtype)
             plgpu.commit_smem()
             inter = matmul(q_s.at[slot], S_lo, (C, BV))  # q S
             if a_ref is not None:
                 inter = inter * along_rows(jnp.exp(a_rows), (C, BV))
             store_output(scale * matmul(P_s, v_s.at[slot], (C, BV), init=inter), rows)
-        decayed = S if a_ref is None else S * jnp.exp(a_last)
-        return matmul(k_s.at[slot].T, v_dec_s, (K, BV), init=decayed)  # S' = e^{A_L} S + kᵀ v_dec
+        decayed = read_state() if a_ref is None else read_state() * jnp.exp(a_last)
+        write_state(matmul(k_s.at[slot].T, v_dec_s, (K, BV), init=decayed))  # S' = e^{A_L} S + kᵀ v_dec
 
-    def dense_step(n, S):
+    def dense_step(n, carry):
         slot = lax.rem(n, slots)
         if slots == 1:
             fetch(n, 0)
@@ -192,30 +201,26 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
             def _():
                 fetch(n + 1, 1 - slot)
 
-        return chunk_step(n, slot, S)
+        chunk_step(n, slot)
+        return carry
 
-    def packed_step(n, S):
+    def packed_step(n, carry):
         seq, first, last = meta_s[0, n], meta_s[1, n], meta_s[2, n]
-
-        S = lax.cond(first > 0, lambda: load_state(seq), lambda: S)
-        S_next = dense_step(n, S)
-
-        @pl.when(last > 0)
-        def _():
-            store_state((S_next, hT_ref.at[seq, h, :, cols]))
-
-        return S_next
+        pl.when(first > 0)(lambda: load_state(seq))
+        dense_step(n, carry)
+        pl.when(last > 0)(lambda: store_state(hT_ref.at[seq, h, :, cols]))
+        return carry
 
     if slots == 2:
         fetch(0, 0)
     if varlen:
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, meta_bar)
         plgpu.barrier_wait(meta_bar)
-        zeros = plgpu.layout_cast(jnp.zeros((K, BV), F32), WGMMA)
-        lax.fori_loop(0, N, packed_step, zeros)
+        lax.fori_loop(0, N, packed_step, ())  # (every sequence's first chunk loads its h0)
     else:
-        S = lax.fori_loop(0, N, dense_step, load_state(b))
-        store_state((S, hT_ref.at[b, h, :, cols]))
+        load_state(b)
+        lax.fori_loop(0, N, dense_step, ())
+        store_state(hT_ref.at[b, h, :, cols])
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -50,17 +50,28 @@ def matmul(a, b, shape: tuple[int, int], init: jax.Array | None = None) -> jax.A
     mode (JAX 0.12) does not run. The optimisation barrier keeps later arithmetic after
     the accumulator's read (its `wgmma.wait_group` carries no data dependency).
     """
-
-    def scoped(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    out = lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+    out = matmuls([(a, b)], shape)
     return out if init is None else init + out
 
 
+def matmuls(pairs, shape: tuple[int, int]) -> jax.Array:
+    """Σ a @ b over `pairs` [M, N] float32, every product into one wgmma accumulator: no
+    second [M, N] register tile for a partial sum (operands as for `matmul`)."""
+
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return lax.optimization_barrier(pl.run_scoped(scoped, plgpu.ACC(shape, F32)))
+
+
 def iota(shape: tuple[int, int], axis: int) -> jax.Array:
-    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=WGMMA)
+    """[M, N] int32 WGMMA tile of row (axis 0) or column (axis 1) indices, broadcast from a
+    ROWS / COLS vector: a thread keeps one value per row / column it holds, not one per
+    element (fewer registers than a WGMMA-layout iota)."""
+    vec = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=ROWS if axis == 0 else COLS)
+    return lax.broadcast_in_dim(vec, shape, [axis])
 
 
 def along_rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -73,21 +84,21 @@ def along_cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return lax.broadcast_in_dim(vec, shape, [1])
 
 
-def causal_decay(a_rows, a_cols, size: int, *, transposed: bool = False) -> jax.Array:
-    """[C, C] D_ij = e^{A_i − A_j} for j ≤ i, exactly 0 elsewhere (or Dᵀ with `transposed`).
+def causal_decay(x, a_rows, a_cols, *, transposed: bool = False) -> jax.Array:
+    """x ⊙ D for a [C, C] tile x, D_ij = e^{A_i − A_j} for j ≤ i (or x ⊙ Dᵀ with `transposed`).
 
-    `a_rows`/`a_cols`: A in the ROWS / COLS layouts, or both None for no decay (the
-    causal mask as 0/1). The exponent is masked to −inf before `exp`, so the entries above
-    the diagonal (positive exponents) never overflow.
+    `a_rows`/`a_cols`: A in the ROWS / COLS layouts, or both None for no decay (the causal
+    mask alone). The exponent is masked to −inf before `exp`, so the entries above the
+    diagonal (positive exponents) never overflow, and the product is masked by `where`, not
+    by a zero factor: a NaN or inf of x there (from a later token) stays out of the result.
     """
-    shape = (size, size)
-    i, j = iota(shape, 0), iota(shape, 1)
+    i, j = iota(x.shape, 0), iota(x.shape, 1)
     keep = j <= i if not transposed else i <= j
     if a_rows is None:
-        return jnp.where(keep, 1.0, 0.0).astype(F32)
-    later, earlier = (along_rows(a_rows, shape), along_cols(a_cols, shape))
+        return jnp.where(keep, x, 0.0)
+    later, earlier = (along_rows(a_rows, x.shape), along_cols(a_cols, x.shape))
     exponent = later - earlier if not transposed else earlier - later
-    return jnp.exp(jnp.where(keep, exponent, -jnp.inf))
+    return jnp.where(keep, x * jnp.exp(jnp.where(keep, exponent, -jnp.inf)), 0.0)
 
 
 @functools.cache
