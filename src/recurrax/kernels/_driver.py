@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import varlen
+from .._finite import guarded
 from ..problem import Gate, Problem
 
 F32 = jnp.float32
@@ -242,6 +243,10 @@ def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, kernels: 
     """
     if problem.log_decay_value is not None:
         raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
+    return guarded(functools.partial(_kernel_recurrent, float(scale), bool(reverse), kernels), bool(reverse), problem)
+
+
+def _kernel_recurrent(scale: float, reverse: bool, kernels: ChunkKernels, problem: Problem):
     state_dtype = problem.initial_state.dtype
     if reverse:  # the same recurrence on the flipped token axis (and sequence order)
         problem = problem.mirrored()
