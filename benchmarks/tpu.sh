@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The prepared TPU run (a TPU VM, about 8 minutes): check recurrax's TPU implementations
+# The prepared TPU run (a TPU VM, about 9 minutes): compile the TPU kernels for the chip first (`recurrax
+# compile`, deviceless: Mosaic's passes, the VMEM check and XLA's memory analysis -> results/tpu_compile.md;
+# COMPILE_TARGET=v5e or v6e, v5e by default), then check recurrax's TPU implementations
 # (`pallas_tpu`, read from the registry) and XLA chunk against the float64 reference (run on the
 # host CPU: TPUs have no float64), time bf16 forward and forward+backward of them at the GPU run's
 # three shapes, and write benchmarks/results/tpu.md and tpu.png (also copied to $OUT with the JSON).
@@ -18,9 +20,10 @@ PY=${PYTHON:-python3}
 SMOKE=()
 out_dir=
 budgets=(150 250)   # seconds: check, time-jax (timeouts add 60, 90)
+compile_seconds=60  # the compile step's timeout; its table is written row by row
 while [ $# -gt 0 ]; do
     case "$1" in
-        --smoke|smoke) SMOKE=(--smoke --oracle-on-host); budgets=(30 40) ;;
+        --smoke|smoke) SMOKE=(--smoke --oracle-on-host); budgets=(30 40); compile_seconds=40 ;;
         --out) out_dir=$2; shift ;;
         *) echo "usage: bash benchmarks/tpu.sh [--smoke] [--out DIR]" >&2; exit 2 ;;
     esac
@@ -46,6 +49,11 @@ step() {  # step NAME BUDGET MARGIN
         --backend tpu --check-baseline --no-jla "${SMOKE[@]}"
     report "$1"
 }
+JAX_PLATFORMS=cpu timeout "$compile_seconds" "$PY" -m recurrax.tools.cli compile --target "${COMPILE_TARGET:-v5e}" \
+    > "$out_dir/tpu_compile.md" 2> "$tmp/compile.err" || echo "tpu.sh: compile step stopped: $(tail -n 3 "$tmp/compile.err")" >&2
+cat "$out_dir/tpu_compile.md"
+if [ -n "${OUT:-}" ]; then cp "$out_dir/tpu_compile.md" "$OUT"/ 2>/dev/null; fi
+echo "tpu.sh: compile done at $((SECONDS - start)) s" >&2
 step check "${budgets[0]}" 60
 step time-jax "${budgets[1]}" 90
 cat "$out_dir/tpu.md"

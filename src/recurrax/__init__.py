@@ -2,19 +2,22 @@
 
 Public entry points: `recurrent` (the operation), `recurrent_step` (decoding),
 `parallel.recurrent` (sequence parallelism); `Problem` (the canonical form) and the registry
-(`kernel_registry`, `Platform`, `Backend`, `Request`, `Support`). `docs/architecture.md`
+(`kernel_registry`, `Platform`, `Backend`, `Request`, `Support`, `Chip`); `target(name)`, a
+context in which dispatch judges a named chip, and `targets` (compiling for it without one). `docs/architecture.md`
 maps the package.
 """
 
 from . import implementations as _implementations  # noqa: F401  (registers the table's implementations)
-from . import decays, parallel
+from . import decays, parallel, targets
 from ._recurrent import recurrent
 from .decode import recurrent_step
 from .problem import Gate, Problem, runtime_checks
-from .registry import Backend, Implementation, Platform, Request, Support, kernel_registry
+from .registry import Backend, Chip, Implementation, Platform, Request, Support, kernel_registry
+from .targets import target
 
 __all__ = [
     "Backend",
+    "Chip",
     "Gate",
     "Implementation",
     "Platform",
@@ -27,5 +30,7 @@ __all__ = [
     "recurrent",
     "recurrent_step",
     "runtime_checks",
+    "target",
+    "targets",
 ]
 __version__ = "0.1.0"

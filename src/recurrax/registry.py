@@ -10,9 +10,11 @@ saying why.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -54,6 +56,8 @@ class Request:
     - `varlen`: whether the call is packed with `cu_seqlens`.
     - `backend`: the JAX backend the call runs on (`"cpu"`, `"gpu"`, `"tpu"`).
     - `qk_head_dim`, `v_head_dim`, `seq_len`: sizes, for implementations with tiling limits.
+    - `chip`: the device the call is compiled for (`current_chip()`); `None` in a hand-made
+      request means this host's first device.
     """
 
     dtype: str
@@ -63,19 +67,29 @@ class Request:
     qk_head_dim: int
     v_head_dim: int
     seq_len: int
+    chip: Chip | None = None
+
+    @property
+    def device(self) -> Chip:
+        """The chip to judge architecture support against: `chip`, else this host's; one of
+        another backend than `backend` counts as an unknown chip of `backend`."""
+        chip = self.chip if self.chip is not None else host_chip()
+        return chip if chip.backend == self.backend else Chip(self.backend)
 
     @classmethod
     def of(cls, problem: Problem) -> Request:
-        """The static facts of a canonical problem on the current backend."""
+        """The static facts of a canonical problem on the current chip (`current_chip()`)."""
         _, T, _, K = problem.query.shape
+        chip = current_chip()
         return cls(
             dtype=jnp.dtype(problem.query.dtype).name,
             gates=problem.gates,
             varlen=problem.cu_seqlens is not None,
-            backend=current_backend(),
+            backend=chip.backend,
             qk_head_dim=K,
             v_head_dim=problem.value.shape[-1],
             seq_len=T,
+            chip=chip,
         )
 
 
@@ -239,6 +253,106 @@ kernel_registry = KernelRegistry()
 
 
 def current_backend() -> str:
-    """The default JAX backend's name: `cpu`, `gpu` or `tpu`."""
-    platform = jax.default_backend()
-    return "gpu" if platform in ("cuda", "rocm") else platform
+    """The backend calls are judged for: `cpu`, `gpu` or `tpu` (`current_chip().backend`)."""
+    return current_chip().backend
+
+
+# ----------------------------------------------------------------------------- the chip a call is for
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """The device a call is compiled for, as dispatch judges architecture support.
+
+    **Arguments:**
+    - `backend`: `"cpu"`, `"gpu"` or `"tpu"`.
+    - `kind`: JAX's `device_kind` (`"NVIDIA H100 80GB HBM3"`, `"TPU v5 lite"`, ...).
+    - `compute_capability`: `(major, minor)` of an NVIDIA GPU; `None` when unknown.
+    - `generation`: a TPU's generation (`"v5e"`, `"v6e"`, `"v5p"`, ...); `None` when unknown.
+    """
+
+    backend: str
+    kind: str = ""
+    compute_capability: tuple[int, int] | None = None
+    generation: str | None = None
+
+
+GPU_CAPABILITIES = (
+    ("GH200", (9, 0)), ("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("H20", (9, 0)),
+    ("GB300", (10, 3)), ("B300", (10, 3)), ("GB200", (10, 0)), ("B200", (10, 0)),
+    ("RTX PRO 6000 Blackwell", (12, 0)), ("RTX 50", (12, 0)),
+    ("A100", (8, 0)), ("A800", (8, 0)), ("A10", (8, 6)), ("A40", (8, 6)), ("L40", (8, 9)), ("L4", (8, 9)),
+)  # fmt: skip
+"""Compute capability by a substring of an NVIDIA `device_kind` (first match wins): what an
+abstract mesh, which names its device but not the capability, is judged by."""
+
+TPU_GENERATIONS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                   "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "v7x", "TPU v7x": "v7x"}
+"""TPU generation by JAX's `device_kind`."""
+
+
+def chip_of(platform: str, kind: str, compute_capability: Any = None) -> Chip:
+    """The `Chip` of a device named by its platform and `device_kind` (and, for a real GPU, its
+    `compute_capability` attribute, e.g. `"9.0"`)."""
+    backend = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+    if backend == "tpu":
+        return Chip("tpu", kind, generation=TPU_GENERATIONS.get(kind))
+    if backend != "gpu":
+        return Chip(backend, kind)
+    capability = _parsed_capability(compute_capability)
+    if capability is None:
+        capability = next((cc for name, cc in GPU_CAPABILITIES if name in kind), None)
+    return Chip("gpu", kind, compute_capability=capability)
+
+
+def _parsed_capability(value: Any) -> tuple[int, int] | None:
+    try:
+        major, minor = (str(value).split(".") + ["0"])[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def host_chip() -> Chip:
+    """This process's first JAX device as a `Chip`."""
+    device = jax.devices()[0]
+    return chip_of(device.platform, device.device_kind, getattr(device, "compute_capability", None))
+
+
+_TARGET: contextvars.ContextVar[Chip | None] = contextvars.ContextVar("recurrax_target_chip", default=None)
+
+
+@contextlib.contextmanager
+def judging_for(chip: Chip) -> Iterator[Chip]:
+    """Within this context, dispatch judges support for `chip` instead of this host's device
+    (`recurrax.target(name)` enters it for a named chip)."""
+    token = _TARGET.set(chip)
+    try:
+        yield chip
+    finally:
+        _TARGET.reset(token)
+
+
+def judging_a_target() -> bool:
+    """Whether a `judging_for` / `recurrax.target` context is active."""
+    return _TARGET.get() is not None
+
+
+def current_chip() -> Chip:
+    """The chip dispatch judges a call for: the one set by `judging_for` / `recurrax.target`;
+    else the device of the abstract mesh in use (`jax.sharding.use_abstract_mesh`, e.g. a
+    deviceless topology's); else this host's first device."""
+    explicit = _TARGET.get()
+    if explicit is not None:
+        return explicit
+    mesh_chip = _abstract_mesh_chip()
+    return mesh_chip if mesh_chip is not None else host_chip()
+
+
+def _abstract_mesh_chip() -> Chip | None:
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
+    if device is None or not getattr(device, "platform", None):
+        return None
+    return chip_of(device.platform, device.device_kind or "")

@@ -1,4 +1,4 @@
-"""Pallas Mosaic GPU kernels of the chunk algorithm (Hopper and newer, compute capability ≥ 9.0).
+"""Pallas Mosaic GPU kernels of the chunk algorithm (Hopper: compute capability 9.x).
 
 | module       | what it holds                                                                 |
 |--------------|-------------------------------------------------------------------------------|
@@ -18,7 +18,9 @@ The state is `[K, 64]` float32 in registers.
 16-bit operands); no decay, a per-head decay (`g` per head, `g_gamma`) or a per-key-channel
 decay (`gk`, `g` per channel, and their sums); not `gv`; packed `cu_seqlens`, `reverse`,
 initial states, any T; K ∈ {64, 128} and V a multiple of 64 (K = 256: the backward's tiles
-exceed SMEM); compute capability ≥ 9.0. Tested on a CPU in Mosaic GPU interpret mode (JAX ≥ 0.12) with race
+exceed SMEM); compute capability 9.x only (`ARCHITECTURES`: wgmma is Hopper's; on 10.x and
+12.x dispatch goes to the Triton kernels or `chunk`). Compiled for sm_90a on a CPU by
+`recurrax.targets` (ptxas). Tested on a CPU in Mosaic GPU interpret mode (JAX ≥ 0.12) with race
 detection on; never run on a GPU from here.
 """
 
@@ -34,10 +36,16 @@ from ._forward import chunk_forward
 from ._layout import MosaicCall
 from ._tiles import CHUNK, has_interpret_mode
 
-__all__ = ["SUPPORT", "MosaicKernels", "has_interpret_mode", "mosaic_gpu_interpret", "mosaic_gpu_recurrent",
+__all__ = ["ARCHITECTURES", "SUPPORT", "MosaicKernels", "has_interpret_mode", "mosaic_gpu_interpret", "mosaic_gpu_recurrent",
            "unavailable"]
 
 QK_HEAD_DIMS = (64, 128)
+
+
+ARCHITECTURES = frozenset({9})
+"""Compute capability majors the kernels compile for: 9.x (Hopper, sm_90a). Blackwell (10.x,
+12.x) has no `wgmma` ("Instruction 'wgmma.fence' not supported on .target 'sm_100a'"), so
+there dispatch takes the Triton kernels or `chunk`."""
 
 
 def _shapes_and_device(request: Request) -> str | None:
@@ -45,20 +53,20 @@ def _shapes_and_device(request: Request) -> str | None:
         return f"qk_head_dim={request.qk_head_dim} is not one of {QK_HEAD_DIMS}"
     if request.v_head_dim % 64:
         return f"v_head_dim={request.v_head_dim} is not a multiple of 64"
-    return _compute_capability_refusal()
+    return _compute_capability_refusal(request)
 
 
-def _compute_capability_refusal() -> str | None:
-    import jax
-
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    try:
-        major = int(str(capability).split(".")[0])
-    except ValueError:
-        return f"the GPU's compute capability {capability!r} is unknown (Mosaic GPU needs ≥ 9.0)"
-    return None if major >= 9 else f"compute capability {capability} < 9.0 (Mosaic GPU needs Hopper or newer)"
-
-
+def _compute_capability_refusal(request: Request) -> str | None:
+    chip = request.device
+    if chip.backend != "gpu":
+        return None  # the registry refuses other backends with its own reason
+    capability = chip.compute_capability
+    if capability is None:
+        return f"the compute capability of {chip.kind!r} is unknown (Mosaic GPU kernels need 9.x, Hopper)"
+    if capability[0] not in ARCHITECTURES:
+        return (f"compute capability {capability[0]}.{capability[1]} is not 9.x: the kernels use Hopper's wgmma, "
+                "which sm_100 and later lack")
+    return None
 SUPPORT = Support(
     dtypes=frozenset({"bfloat16", "float16"}),
     gates=frozenset({Gate.HEAD, Gate.KEY}),

@@ -16,12 +16,14 @@ tests, forward and backward): float32, bfloat16 and float16 inputs (float16 is u
 float32: TPUs have no float16 matmul); no decay, per head (`g` per head, `g_gamma`), per key
 channel (`g` per channel, `gk`) and their sums, not `gv`; head dims K, V ∈ {64, 128, 256};
 packed `cu_seqlens`, `reverse`, initial states, any T; tiles C = 128, c = 16,
-BV = min(V, 128). A chunk of 64 cannot be made legal (the transposed [K, C] blocks need C to
+BV = min(V, 128); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on a CPU,
+`recurrax compile`); on other generations dispatch runs `chunk`. A chunk of 64 cannot be made legal (the transposed [K, C] blocks need C to
 be a multiple of 128) and is refused at trace time.
 
 Never run on a TPU from here: lowering to Mosaic on a CPU (`jax.export`) checks the
-Pallas-level rules (block shapes, a lowering for every primitive) but not Mosaic's own
-layout passes, which run only in the TPU compiler.
+Pallas-level rules (block shapes, a lowering for every primitive); compiling with libtpu for a
+deviceless v5e / v6e (`recurrax.targets`, `tests/test_compile.py`) also runs Mosaic's layout
+passes and the VMEM check.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ._backward import chunk_backward
 from ._forward import chunk_forward
 from ._tiles import TpuCall, TpuTiles, mosaic_problems
 
-__all__ = ["HEAD_DIMS", "SUPPORT", "TILES", "TpuKernels", "TpuTiles", "mosaic_problems", "tpu_interpret",
+__all__ = ["GENERATIONS", "HEAD_DIMS", "SUPPORT", "TILES", "TpuKernels", "TpuTiles", "mosaic_problems", "tpu_interpret",
            "tpu_recurrent", "unavailable"]
 
 HEAD_DIMS = (64, 128, 256)
@@ -43,15 +45,28 @@ TILES = TpuTiles(chunk=128, sub=16, block_v=128)
 """The declared tiling (what `tpu_recurrent` runs)."""
 
 
-def _head_dims(request: Request) -> str | None:
-    return head_dims_refusal(request, HEAD_DIMS, f"one of {HEAD_DIMS}")
+GENERATIONS = ("v5e", "v6e")
+"""The TPU generations the kernels are compiled for (libtpu, `recurrax compile`) and tested
+on: others (v4, v5p, v7x, unknown) are refused, so dispatch runs XLA `chunk` there."""
+
+
+def _head_dims_and_generation(request: Request) -> str | None:
+    return head_dims_refusal(request, HEAD_DIMS, f"one of {HEAD_DIMS}") or _generation_refusal(request)
+
+
+def _generation_refusal(request: Request) -> str | None:
+    chip = request.device
+    if chip.backend != "tpu" or chip.generation in GENERATIONS:
+        return None  # interpret mode elsewhere has no generation; other backends the registry refuses
+    return (f"TPU {chip.generation or repr(chip.kind)} is not among the generations the kernels are compiled "
+            f"and tested for {GENERATIONS}")
 
 
 SUPPORT = Support(
     dtypes=frozenset({"float32", "bfloat16", "float16"}),
     gates=frozenset({Gate.HEAD, Gate.KEY}),
     varlen=True,
-    check=_head_dims,
+    check=_head_dims_and_generation,
 )
 
 

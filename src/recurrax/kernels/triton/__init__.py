@@ -12,7 +12,9 @@ float32 / bfloat16 / float16 inputs; no decay, per-head decay (`g` per head, `g_
 per-key-channel decay (`g` per channel, `gk`) and their combinations; any T (padded to
 the chunk); packed variable-length input; any grouped-head layout; `reverse`; initial
 states. Refused: value-side decay (`gv`), float64, and head dims that are not powers of
-two in [16, 256] (Triton tiles are power-of-two shaped and its dots need ≥ 16).
+two in [16, 256] (Triton tiles are power-of-two shaped and its dots need ≥ 16), and GPUs of
+compute capability below 8.0 (`MIN_CAPABILITY`) or unknown. They are what dispatch picks on
+Blackwell (10.x, 12.x), where the Mosaic GPU kernels (wgmma) do not exist.
 """
 
 from __future__ import annotations
@@ -27,20 +29,37 @@ from ._common import TritonCall, TritonTiles
 from ._forward import chunk_forward
 from ._tiling import INTERPRET_TILES, gpu_tiles
 
-__all__ = ["SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]
+__all__ = ["MIN_CAPABILITY", "SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]
 
 HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
 
 
-def _head_dims(request: Request) -> str | None:
-    return head_dims_refusal(request, HEAD_DIMS, "a power of two in [16, 256]")
+MIN_CAPABILITY = (8, 0)
+"""Ampere or newer: the kernels' bf16 dots need sm_80. Compiled on a CPU for 9.0 (H100) and
+10.0 (B200) by `recurrax compile`; never run on a GPU from here."""
+
+
+def _head_dims_and_device(request: Request) -> str | None:
+    return head_dims_refusal(request, HEAD_DIMS, "a power of two in [16, 256]") or _capability_refusal(request)
+
+
+def _capability_refusal(request: Request) -> str | None:
+    chip = request.device
+    if chip.backend != "gpu":
+        return None  # interpret mode (CPU) has no architecture; other backends the registry refuses
+    if chip.compute_capability is None:
+        return f"the compute capability of {chip.kind!r} is unknown (the Triton kernels need ≥ 8.0)"
+    if chip.compute_capability < MIN_CAPABILITY:
+        major, minor = chip.compute_capability
+        return f"compute capability {major}.{minor} < 8.0 (the Triton kernels need Ampere or newer: bf16 dots)"
+    return None
 
 
 SUPPORT = Support(
     dtypes=frozenset({"float32", "bfloat16", "float16"}),
     gates=frozenset({Gate.HEAD, Gate.KEY}),
     varlen=True,
-    check=_head_dims,
+    check=_head_dims_and_device,
 )
 
 

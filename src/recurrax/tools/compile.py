@@ -1,0 +1,189 @@
+"""`recurrax compile --target h100|h200|b200|v5e|v6e`: compile what dispatch picks for a chip
+this machine does not have, and print what each kernel needs (registers, spills, shared memory)
+and how long compiling took.
+
+A configuration is one call of `recurrax.recurrent` (gates, head dims, dtype, dense or packed)
+compiled as a forward program (output and final state) or a gradient program
+(`value_and_grad` of a scalar loss). `REPRESENTATIVE` is what CI compiles; `--full` the product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+
+import recurrax
+from recurrax import kernel_registry, targets
+
+from .cases import Case, make_inputs, split_args
+
+GATE_SETS = {"none": (), "head": ("g_head", "g_gamma"), "channel": ("g_channel",), "both": ("g_head", "gk")}
+"""Every key-side gate kind: none, per head (g and g_gamma), per key channel, both."""
+CU_SEQLENS = (0, 50, 50, 200)  # an empty sequence, boundaries inside chunks
+T = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """One program to compile: a `recurrent` call and whether its gradient is taken."""
+
+    gates: str
+    K: int
+    V: int
+    dtype: str = "bfloat16"
+    packed: bool = False
+    reverse: bool = False
+    gradient: bool = True
+
+    @property
+    def label(self) -> str:
+        flags = [self.dtype, "packed" if self.packed else "dense"] + (["reverse"] if self.reverse else [])
+        return f"{self.gates} K{self.K} V{self.V} {' '.join(flags)} {'gradient' if self.gradient else 'forward'}"
+
+    def case(self) -> Case:
+        return Case(B=1 if self.packed else 2, T=T, H=2, Hkv=1, K=self.K, V=self.V, gates=GATE_SETS[self.gates],
+                    dtype=self.dtype, reverse=self.reverse, cu_seqlens=CU_SEQLENS if self.packed else None)
+
+
+def _product(gates, dims, dtypes, packed, reverse, gradient) -> list[Configuration]:
+    return [Configuration(g, K, V, d, p, r, grad)
+            for g, (K, V), d, p, r, grad in itertools.product(gates, dims, dtypes, packed, reverse, gradient)]
+
+
+GPU_DIMS = ((64, 64), (128, 128))
+TPU_DIMS = tuple((K, V) for K in (64, 128, 256) for V in (64, 128, 256))
+REPRESENTATIVE = {
+    "gpu": _product(GATE_SETS, GPU_DIMS, ["bfloat16"], [False, True], [False], [False, True]),
+    "tpu": (_product(GATE_SETS, [(128, 128)], ["bfloat16", "float32", "float16"], [False], [False], [True])
+            + _product(["head", "channel"], [(64, 64), (128, 256), (256, 128)], ["bfloat16"], [False], [False], [True])
+            + [Configuration(g, 64, 128, "bfloat16", p, r) for g in GATE_SETS
+               for p, r in ((True, False), (False, True), (True, True))]),
+}
+"""What CI compiles. GPU: every gate kind × K = V ∈ {64, 128} × dense / packed × forward /
+gradient, bf16 (32 programs). TPU: the configurations `tests/test_kernels_tpu.py` exports."""
+FULL = {
+    "gpu": _product(GATE_SETS, [(64, 64), (64, 128), (128, 64), (128, 128)], ["bfloat16", "float16"],
+                    [False, True], [False, True], [False, True]),
+    "tpu": _product(GATE_SETS, TPU_DIMS, ["bfloat16", "float32", "float16"], [False, True], [False, True], [True]),
+}
+"""The declared product (slow)."""
+
+
+def program(configuration: Configuration, implementation: str | None = None):
+    """`(fn, args)`: the configuration's program and its inputs, for `targets.compile_for`."""
+    diff, rest = split_args(make_inputs(configuration.case()))
+    arrays = {name: value for name, value in rest.items() if hasattr(value, "shape")}
+    static = {name: value for name, value in rest.items() if not hasattr(value, "shape")}
+
+    def forward(diff, arrays):
+        return recurrax.recurrent(**diff, **arrays, **static, implementation=implementation)
+
+    def loss(diff, arrays):
+        output, state = forward(diff, arrays)
+        return jnp.sum(output.astype(jnp.float32)) + jnp.sum(state)
+
+    fn = jax.value_and_grad(loss) if configuration.gradient else forward
+    return fn, (diff, arrays)
+
+
+def selection(target: str, configuration: Configuration, implementation: str | None = None):
+    """Which implementation dispatch picks for the configuration on `target`, and why."""
+    kwargs = make_inputs(configuration.case())
+    with recurrax.target(target):
+        return kernel_registry.select(**kwargs, implementation=implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One compiled configuration: the implementation dispatch picked and the program."""
+
+    configuration: Configuration
+    implementation: str
+    compiled: targets.CompiledProgram
+
+
+def compile_configuration(target: str, configuration: Configuration, implementation: str | None = None) -> Result:
+    """Compile one configuration for `target` with what dispatch picks (or `implementation`)."""
+    chosen = selection(target, configuration, implementation).name
+    fn, args = program(configuration, implementation)
+    return Result(configuration, chosen, targets.compile_for(target, fn, *args))
+
+
+def table(results: Iterable[Result]) -> str:
+    """A markdown table: a row per kernel (GPU) or per program (TPU)."""
+    lines = ["| configuration | implementation | compile s | kernel | registers | spill stores / loads (B) "
+             "| shared memory per block | XLA temp / code (per device) |", "|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        memory = result.compiled.memory()
+        xla = f"{_kib(memory.temp_size_in_bytes)} / {_kib(memory.generated_code_size_in_bytes)}" if memory else "n/a"
+        head = f"| {result.configuration.label} | {result.implementation} | {result.compiled.seconds:.1f} "
+        if not result.compiled.kernels:
+            lines.append(head + f"| — | — | — | — | {xla} |")
+        for kernel in result.compiled.kernels:
+            smem = "?" if kernel.smem_bytes is None else _kib(kernel.smem_bytes)
+            lines.append(head + f"| {kernel.name} | {kernel.registers} | {kernel.spill_stores} / {kernel.spill_loads} "
+                         f"| {smem} | {xla} |")
+        for name in result.compiled.unreported:
+            lines.append(head + f"| {name} | (compiled earlier in this process, not reported) | | | {xla} |")
+    return "\n".join(lines)
+
+
+def _kib(size: int) -> str:
+    return f"{size / 1024:.1f} KiB"
+
+
+def _configurations(args: argparse.Namespace, backend: str) -> list[Configuration]:
+    chosen = (FULL if args.full else REPRESENTATIVE)[backend]
+    if args.shapes:
+        dims = {tuple(int(x) for x in shape.lower().split("x")) for shape in args.shapes}
+        chosen = list(dict.fromkeys(dataclasses.replace(c, K=K, V=V) for c in chosen for K, V in dims))
+    if args.gates:
+        chosen = [c for c in chosen if c.gates in args.gates]
+    if args.forward_only:
+        chosen = [c for c in chosen if not c.gradient]
+    return chosen[: args.limit] if args.limit else chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recurrax compile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, choices=sorted(targets.TARGETS), help="the chip to compile for")
+    parser.add_argument("--shapes", nargs="*", metavar="KxV", help="head dims instead of the set's, e.g. 64x64 128x128")
+    parser.add_argument("--gates", nargs="*", choices=sorted(GATE_SETS), help="only these gate kinds")
+    parser.add_argument("--implementation", help="force an implementation instead of dispatch's pick")
+    parser.add_argument("--full", action="store_true", help="the declared product instead of the representative set")
+    parser.add_argument("--forward-only", action="store_true", help="no gradient programs")
+    parser.add_argument("--limit", type=int, help="compile at most this many configurations")
+    parser.add_argument("--serialize", metavar="DIR", help="write each executable (serialize_executable) to DIR")
+    args = parser.parse_args(argv)
+    target = targets.get_target(args.target)
+    missing = targets.toolchain_missing(target)
+    if missing:
+        print(f"cannot compile for {target.name}: {missing}")
+        return 2
+    configurations = _configurations(args, target.backend)
+    print(f"target {target.name} ({target.chip.kind}, {target.arch}); dispatch on the first configuration:")
+    print(selection(target.name, configurations[0], args.implementation))
+    results = []
+    for configuration in configurations:
+        result = compile_configuration(target.name, configuration, args.implementation)
+        results.append(result)
+        if args.serialize:
+            _write(args.serialize, target.name, result)
+        print(table([result]).splitlines()[-1], flush=True)
+    print()
+    print(table(results))
+    return 0
+
+
+def _write(folder: str, target: str, result: Result) -> None:
+    import pathlib
+    import pickle
+
+    path = pathlib.Path(folder) / f"{target}-{result.configuration.label.replace(' ', '-')}.pkl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(result.compiled.serialize()))

@@ -1,0 +1,148 @@
+"""Targets and dispatch by chip, without any toolchain: ptxas reports parsed, chips named by
+device kind, and which implementation dispatch picks for a faked compute capability or TPU
+generation (the kernels' architecture declarations, fail-closed)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import recurrax
+from recurrax import Chip, kernel_registry
+from recurrax.kernels.mosaic_gpu import has_interpret_mode
+from recurrax.registry import chip_of, current_chip, judging_for
+from recurrax.targets import TARGETS, get_target, parse_ptxas
+
+REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'recurrax_mgpu_chunk_fwd_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for recurrax_mgpu_chunk_fwd_mosaic_gpu_kernel
+    8 bytes stack frame, 300 bytes spill stores, 296 bytes spill loads
+ptxas info    : Used 255 registers, used 2 barriers, 1 bytes smem
+ptxas info    : Compile time = 143.755 ms
+ptxas info    : Compiling entry function 'recurrax_mgpu_chunk_bwd_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for recurrax_mgpu_chunk_bwd_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 148 registers, used 1 barriers
+"""
+
+
+def test_ptxas_report_is_parsed_per_kernel():
+    fwd, bwd = parse_ptxas("unrelated output\n" + REPORT)
+    assert (fwd.name, fwd.arch, fwd.registers) == ("recurrax_mgpu_chunk_fwd_mosaic_gpu_kernel", "sm_90a", 255)
+    assert (fwd.stack_bytes, fwd.spill_stores, fwd.spill_loads, fwd.smem_bytes, fwd.spills) == (8, 300, 296, 1, True)
+    assert (bwd.registers, bwd.spill_stores, bwd.spill_loads, bwd.smem_bytes, bwd.spills) == (148, 0, 0, 0, False)
+
+
+@pytest.mark.parametrize(
+    ("platform", "kind", "capability", "expected"),
+    [
+        ("gpu", "NVIDIA H100 80GB HBM3", None, Chip("gpu", "NVIDIA H100 80GB HBM3", (9, 0))),
+        ("cuda", "NVIDIA B200", None, Chip("gpu", "NVIDIA B200", (10, 0))),
+        ("gpu", "NVIDIA GB200", None, Chip("gpu", "NVIDIA GB200", (10, 0))),
+        ("gpu", "NVIDIA GeForce RTX 5090", None, Chip("gpu", "NVIDIA GeForce RTX 5090", (12, 0))),
+        ("gpu", "Some new GPU", "12.1", Chip("gpu", "Some new GPU", (12, 1))),  # a device's attribute wins
+        ("gpu", "Some new GPU", None, Chip("gpu", "Some new GPU", None)),
+        ("tpu", "TPU v5 lite", None, Chip("tpu", "TPU v5 lite", generation="v5e")),
+        ("tpu", "TPU v6 lite", None, Chip("tpu", "TPU v6 lite", generation="v6e")),
+        ("tpu", "TPU v5", None, Chip("tpu", "TPU v5", generation="v5p")),
+        ("cpu", "cpu", None, Chip("cpu", "cpu")),
+    ],
+)
+def test_chip_of_a_device_kind(platform, kind, capability, expected):
+    assert chip_of(platform, kind, capability) == expected
+
+
+BF16 = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+CHANNEL = dict(gk=jnp.zeros((1, 64, 2, 64), jnp.float32))
+
+
+def picked(chip: Chip, **gates) -> str:
+    with judging_for(chip):
+        return kernel_registry.select(BF16, BF16, BF16, **gates).name
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [((9, 0), "mosaic_gpu"), ((9, 5), "mosaic_gpu"), ((8, 0), "pallas_gpu"), ((10, 0), "pallas_gpu"),
+     ((10, 3), "pallas_gpu"), ((12, 0), "pallas_gpu"), ((7, 5), "chunk"), (None, "chunk")],
+)
+def test_gpu_dispatch_by_compute_capability(capability, expected):
+    """mosaic_gpu only on 9.x (wgmma); Blackwell and Ampere get the Triton kernels; older or
+    unknown GPUs XLA chunk."""
+    if expected != "chunk" and expected not in kernel_registry.names():
+        pytest.skip(f"{expected} is not available in this JAX")
+    assert picked(Chip("gpu", "a GPU", capability)) == expected
+    assert picked(Chip("gpu", "a GPU", capability), **CHANNEL) == expected
+
+
+def test_blackwell_without_the_triton_backend_runs_chunk():
+    """Where this JAX lacks Pallas Triton, a 10.x GPU falls back to chunk, not to mosaic_gpu."""
+    from recurrax.registry import KernelRegistry
+
+    registry = KernelRegistry()
+    for impl in kernel_registry.implementations():
+        if impl.name != "pallas_gpu":
+            registry.register(impl.name, impl.platform, impl.backend, priority=impl.priority, supports=impl.support)(impl.fn)
+    registry.mark_unavailable("pallas_gpu", "no Triton backend")
+    with judging_for(Chip("gpu", "NVIDIA B200", (10, 0))):
+        assert registry.select(BF16, BF16, BF16).name == "chunk"
+
+
+def test_forcing_mosaic_gpu_on_blackwell_says_why():
+    with recurrax.target("b200"), pytest.raises(ValueError, match="compute capability 10.0 is not 9.x.*wgmma"):
+        kernel_registry.select(BF16, BF16, BF16, implementation="mosaic_gpu")
+
+
+@pytest.mark.parametrize(
+    ("generation", "expected"), [("v5e", "pallas_tpu"), ("v6e", "pallas_tpu"), ("v5p", "chunk"), ("v4", "chunk"),
+                                 (None, "chunk")],
+)
+def test_tpu_dispatch_by_generation(generation, expected):
+    """pallas_tpu only on the generations it is compiled and tested for."""
+    assert picked(Chip("tpu", "a TPU", generation=generation)) == expected
+    if expected == "chunk":
+        with judging_for(Chip("tpu", "a TPU", generation=generation)), pytest.raises(ValueError, match="v5e"):
+            kernel_registry.select(BF16, BF16, BF16, implementation="pallas_tpu")
+
+
+def test_named_targets_are_judged_as_their_chips():
+    assert [picked(get_target(name).chip) for name in ("h100", "h200", "b200", "v5e", "v6e")] == (
+        ["mosaic_gpu", "mosaic_gpu", "pallas_gpu" if "pallas_gpu" in kernel_registry.names() else "chunk",
+         "pallas_tpu", "pallas_tpu"])
+    assert [TARGETS[name].arch for name in ("h100", "b200", "v5e")] == ["sm_90a", "sm_100a", "v5e"]
+    assert get_target("v5e:2x2").topology == "2x2"
+    with pytest.raises(ValueError, match="unknown target"):
+        get_target("a100")
+
+
+def test_the_host_is_judged_outside_a_target():
+    assert current_chip().backend == jax.default_backend() == "cpu"
+    assert picked(current_chip()) == kernel_registry.select(BF16, BF16, BF16).name == "chunk"
+
+
+@pytest.mark.skipif(not hasattr(jax.sharding, "AbstractDevice"), reason="JAX < 0.12 has no abstract devices")
+def test_an_abstract_mesh_names_the_chip():
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert current_chip() == Chip("gpu", "NVIDIA H100 80GB HBM3", (9, 0))
+    assert current_chip().backend == "cpu"
+
+
+@pytest.mark.skipif(not has_interpret_mode(), reason=f"the Mosaic GPU kernels need JAX >= 0.12 (this is {jax.__version__})")
+def test_mosaic_gpu_is_traced_for_h100_on_this_cpu():
+    """Under `recurrax.target("h100")`, forcing mosaic_gpu through the public call traces its
+    kernels (running or compiling them needs the chip or `recurrax.targets.compile_for`)."""
+    spec = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    with recurrax.target("h100"):
+        traced = jax.jit(lambda q: recurrax.recurrent(q, q, q, implementation="mosaic_gpu")[0]).trace(spec)
+    assert "recurrax_mgpu_chunk_fwd" in str(traced.jaxpr)
+    with pytest.raises(ValueError, match="runs on gpu, this call is on cpu"):
+        jax.jit(lambda q: recurrax.recurrent(q, q, q, implementation="mosaic_gpu")[0]).trace(spec)
+
+
+def test_the_cli_sets_the_targets_environment():
+    from recurrax.targets import ENVIRONMENT
+    from recurrax.tools.cli import TOOLCHAIN_ENVIRONMENT
+
+    assert TOOLCHAIN_ENVIRONMENT == ENVIRONMENT
