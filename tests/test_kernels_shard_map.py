@@ -36,11 +36,11 @@ from recurrax.tools.cases import call
 
 TPU = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64))
 SMALL = dict(H=2, Hkv=2, K=16, V=16, dtype="float32")
-TOL = 1e-6
+TOL = 1e-5
 """float32: the same kernels on each shard's rows or heads; only the sums over shards (the
-gradient of a replicated `g_gamma`) round in another order (measured ≤ 2e-7)."""
+gradient of a replicated `g_gamma`) round in another order (measured ≤ 2e-6)."""
 
-BATCH = Case(B=2, T=20, gates=("g_gamma", "g_head"), **SMALL)
+BATCH = Case(B=2, T=16, gates=("g_gamma", "g_head"), **SMALL)
 """Rows split over the mesh; `g_gamma` replicated (its gradient is summed over shards)."""
 PACKED = Case(T=20, gates=("g_channel",), cu_seqlens=(0, 3, 3, 20), reverse=True, **SMALL)
 """Packed sequences, heads split over the mesh; `cu_seqlens` replicated."""
@@ -112,17 +112,32 @@ def test_tpu_kernels_under_shard_map(case):
     assert_sharded_equals_unsharded(TPU, case)
 
 
-def _traced_types(fn, case: Case, devices: int = 2):
-    """The output types of the sharded forward-and-backward, traced with `check_vma=True`."""
-    sharded, args = _vjp(fn, make_inputs(case), _mesh(devices))
-    return sharded.trace(*args).out_info
+def _kernel_output_axes(fn, case: Case) -> list[frozenset]:
+    """The mesh axes every kernel launch's outputs vary over, in the sharded forward and
+    backward traced with `check_vma=True` on two devices."""
+    sharded, args = _vjp(fn, make_inputs(case), _mesh(2))
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(v.aval.manual_axis_type.varying for v in eqn.outvars)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(sharded)(*args).jaxpr)
+    return found
 
 
 @pytest.mark.parametrize("case", CASES, ids=["rows", "packed-heads"])
 def test_triton_kernels_under_shard_map(case):
-    """Traced with `check_vma=True` (the types the kernels declare), run without the check."""
-    out = jax.tree.leaves(_traced_types(triton_interpret, case))
-    assert all(leaf.shape for leaf in out)
+    """Traced with `check_vma=True`: forward, state and backward kernels, every output varying
+    over the mesh axis; run without the check (the module docstring says why)."""
+    axes = _kernel_output_axes(triton_interpret, case)
+    assert len(axes) >= 3 + 3 and all(found == {"x"} for found in axes), axes
     assert_sharded_equals_unsharded(triton_interpret, case, check_vma=False)
 
 

@@ -83,17 +83,17 @@ def _reached(bad: Bool[Array, "B T H"], segments, num_segments: int, later: bool
     per segment [R, H]: any bad token). Segments are rows (dense) or packed sequences."""
     T = bad.shape[1]
     index = jnp.arange(T)[None, :, None]
-    if later:
-        first = jnp.where(bad, index, -1)
+    if later:  # the last bad token of the segment
+        marks = jnp.where(bad, index, -1)
         pick = jnp.max if segments is None else functools.partial(jax.ops.segment_max, num_segments=num_segments)
-    else:
-        first = jnp.where(bad, index, T)
+    else:  # the first
+        marks = jnp.where(bad, index, T)
         pick = jnp.min if segments is None else functools.partial(jax.ops.segment_min, num_segments=num_segments)
     if segments is None:
-        bound = pick(first, axis=1, keepdims=True)  # [B, 1, H]
+        bound = pick(marks, axis=1, keepdims=True)  # [B, 1, H]
         per_segment = bad.any(1)
     else:
-        bound = pick(first[0], segments)[segments][None]  # [1, T, H]
+        bound = pick(marks[0], segments)[segments][None]  # [1, T, H]
         per_segment = jax.ops.segment_max(bad[0].astype(jnp.int32), segments, num_segments=num_segments) > 0
     reached = index >= bound if not later else index <= bound
     return reached, per_segment
