@@ -107,3 +107,49 @@ def test_tpu_kernels_compile(generation, configuration):
 @pytest.mark.parametrize("configuration", FULL["tpu"], ids=lambda c: c.label)
 def test_tpu_kernels_compile_every_configuration(generation, configuration):
     check_tpu(generation, configuration)
+
+
+# ----------------------------------------------------------------------------- TPU tiles: the VMEM check against libtpu
+
+
+def largest_accepted_chunk(generation: str, K: int, V: int, dtype, gate) -> int:
+    """The largest chunk (128 · 2^i) whose forward and backward the VMEM check accepts."""
+    from recurrax.kernels.tpu._vmem import vmem_problem
+
+    accepted = [C for C in (128, 256, 512, 1024, 2048, 4096)
+                if not any(vmem_problem(C, K, min(V, 128), dtype, gate, b, generation) for b in (False, True))]
+    return accepted[-1]
+
+
+def check_largest_chunk(generation: str, K: int, V: int, dtype: str, gates: str) -> None:
+    """What the VMEM check accepts, libtpu compiles (forward and backward kernels)."""
+    import jax.numpy as jnp
+
+    from recurrax.kernels.tpu import TpuTiles, tpu_recurrent
+    from recurrax.problem import Gate
+    from recurrax.tools.cases import Case, canonical, make_inputs, split_args
+    from recurrax.tools.compile import GATE_SETS
+
+    need(generation)
+    gate = {"head": Gate.HEAD, "both": Gate.KEY}[gates]
+    C = largest_accepted_chunk(generation, K, V, jnp.dtype(dtype), gate)
+    diff, rest = split_args(make_inputs(Case(B=1, T=2 * C, H=1, Hkv=1, K=K, V=V, gates=GATE_SETS[gates], dtype=dtype)))
+
+    def loss(diff):
+        problem, config, _ = canonical({**rest, **diff})
+        output, state = tpu_recurrent(problem, scale=config.scale, reverse=False, tiles=TpuTiles(chunk=C))
+        return jnp.sum(output.astype(jnp.float32)) + jnp.sum(state)
+
+    compiled = targets.compile_for(generation, jax.grad(loss), diff)
+    assert compiled.executable.as_text().count("tpu_custom_call") == 3
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_largest_tpu_chunk_the_vmem_check_accepts_compiles(generation):
+    check_largest_chunk(generation, 128, 128, "bfloat16", "head")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_largest_tpu_chunk_the_vmem_check_accepts_compiles_float32_k256(generation):
+    check_largest_chunk(generation, 256, 256, "float32", "both")

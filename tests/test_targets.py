@@ -146,3 +146,54 @@ def test_the_cli_sets_the_targets_environment():
     from recurrax.tools.cli import TOOLCHAIN_ENVIRONMENT
 
     assert TOOLCHAIN_ENVIRONMENT == ENVIRONMENT
+
+
+# ----------------------------------------------------------------------------- TPU tiles judged against VMEM
+
+
+def test_vmem_tiles_are_counted_in_words_of_eight_by_128():
+    from recurrax.kernels.tpu._vmem import tile_bytes
+
+    assert tile_bytes(2048, 1, 4) == 2048 * 128 * 4  # a column pads to 128 lanes
+    assert tile_bytes(1, 2048, 4) == 8 * 2048 * 4  # a row pads to 8 sublanes
+    assert tile_bytes(10, 100, 2) == 16 * 128 * 2  # 16-bit types pack 16 rows
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", None])
+def test_the_declared_tpu_tiles_fit_every_declared_configuration(generation):
+    from recurrax.kernels.tpu import HEAD_DIMS, TILES
+    from recurrax.kernels.tpu._vmem import vmem_problem
+    from recurrax.problem import Gate
+
+    for K in HEAD_DIMS:
+        for V in HEAD_DIMS:
+            for dtype in (jnp.bfloat16, jnp.float32):
+                for gate in (None, Gate.HEAD, Gate.KEY):
+                    for backward in (False, True):
+                        bv = min(V, TILES.block_v)
+                        assert vmem_problem(TILES.chunk, K, bv, dtype, gate, backward, generation) is None
+
+
+def test_a_chunk_of_2048_is_refused_before_mosaic_for_v5e():
+    """libtpu: "CompileTimeScopedVmemOom ... size 17.24M and limit 16.00M" for this forward on v5e."""
+    from recurrax.kernels.tpu import TpuTiles, tpu_recurrent
+    from recurrax.problem import Problem
+
+    def forward(q, g):
+        return tpu_recurrent(Problem.create(query=q, key=q, value=q, g=g), scale=1.0, reverse=False, tiles=TpuTiles(chunk=2048))[0]
+
+    specs = (jax.ShapeDtypeStruct((1, 4096, 1, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 4096, 1), jnp.float32))
+    with recurrax.target("v5e"), pytest.raises(ValueError, match="chunk=2048 needs about .* MiB of VMEM.*16 MiB.*v5e"):
+        jax.jit(forward).trace(*specs)
+
+
+def test_recurrax_compile_says_which_extra_is_missing(capsys):
+    from recurrax.targets import toolchain_missing
+    from recurrax.tools.compile import main
+
+    missing = toolchain_missing("v6e")
+    if missing is None:
+        pytest.skip("libtpu is installed here")
+    assert main(["--target", "v6e"]) == 2
+    assert capsys.readouterr().out.strip() == f"cannot compile for v6e: {missing}"
+    assert "compile-tpu" in missing

@@ -5,6 +5,7 @@
 | `_tiles`     | `TpuTiles`, `TpuCall`, head-major layouts, Mosaic-legal BlockSpecs, tile maths |
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states               |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms          |
+| `_vmem`      | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
 
 The array contract at the boundary is the driver's (`kernels/_driver.py`, token-major); the
 wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, h, value block, chunk) with the

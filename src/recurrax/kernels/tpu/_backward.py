@@ -183,7 +183,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: TpuC
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
     s = tiles.shapes_of(q, v, static)
-    tiles.check_tiles(s, static, kdt)
+    tiles.check_tiles(s, static, kdt, True)  # backward
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = h_T.shape[0]
     has_decay = static.gate is not None

@@ -149,11 +149,22 @@ def mosaic_problems(s: Shapes, dtype) -> list[str]:
     return problems
 
 
-def check_tiles(s: Shapes, static: TpuCall, dtype) -> None:
-    """Refuse, at trace time, tiles Mosaic would refuse (interpret mode takes any)."""
+def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[str]:
+    """[why] when the tiles overflow the scoped VMEM of the TPU generation dispatch judges for."""
+    from ...registry import current_chip
+    from ._vmem import vmem_problem
+
+    chip = current_chip()
+    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, chip.generation if chip.backend == "tpu" else None)
+    return [problem] if problem else []
+
+
+def check_tiles(s: Shapes, static: TpuCall, dtype, backward: bool = False) -> None:
+    """Refuse, at trace time, tiles Mosaic would refuse or that overflow the target's scoped
+    VMEM (`_vmem.py`; interpret mode takes any)."""
     if static.interpret:
         return
-    problems = mosaic_problems(s, dtype)
+    problems = mosaic_problems(s, dtype) + vmem_problems(s, static.gate, dtype, backward)
     if problems:
         raise ValueError("TPU chunk kernels: " + "; ".join(problems))
 

@@ -1,0 +1,69 @@
+"""Whether a tiling's VMEM fits the TPU compiler's scoped-VMEM limit, judged before Mosaic.
+
+| symbol | meaning                                                                     |
+|--------|-----------------------------------------------------------------------------|
+| C, K   | chunk length, key head dim                                                  |
+| BV     | value columns of one program                                                |
+| kdt    | the kernels' operand dtype (bf16, or f32)                                   |
+
+Mosaic TPU allocates, per kernel, every block of the pipeline twice (double buffering), the
+scratch, and the kernel body's temporaries, all in VMEM tiles of (8, 128) 32-bit words (16
+rows for 16-bit types); the sum must fit the generation's scoped-VMEM limit (`SCOPED_VMEM_BYTES`,
+the compiler's default) or compiling fails with "CompileTimeScopedVmemOom". `vmem_bytes`
+counts the blocks of `_forward` / `_backward` and bounds the temporaries by [C, C] float32
+matrices (one live in the forward, two in the backward) plus [C, max(K, BV)] float32 ones.
+Calibrated against libtpu: `TpuTiles(chunk=2048)` bf16, K = V = 128, a per-head decay, needs
+17.24 MiB in the forward kernel (estimate 25.6 MiB) and fails on v5e's 16 MiB; the largest
+chunks the estimate accepts compile (`tests/test_compile.py`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ...problem import Gate
+
+MiB = 1 << 20
+SCOPED_VMEM_BYTES = {"v5e": 16 * MiB, "v6e": 32 * MiB}
+"""The compiler's default scoped-VMEM limit per generation; unknown ones get the smallest."""
+F32_BYTES = 4
+
+
+def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """Bytes of a [rows, cols] block in VMEM tiles ((8, 128) words; 16-bit types pack 16 rows)."""
+    sublanes = 8 * (4 // itemsize)
+    return -(-rows // sublanes) * sublanes * -(-cols // 128) * 128 * itemsize
+
+
+def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool) -> int:
+    """An upper estimate of one kernel's scoped VMEM (bytes) for these tiles."""
+    item = jnp.dtype(dtype).itemsize
+    rows_k, cols_k = tile_bytes(C, K, item), tile_bytes(K, C, item)
+    rows_v, state = tile_bytes(C, BV, item), tile_bytes(K, BV, F32_BYTES)
+    decay = {Gate.HEAD: tile_bytes(C, 1, F32_BYTES) + tile_bytes(1, C, F32_BYTES),
+             Gate.KEY: tile_bytes(C, K, F32_BYTES) + tile_bytes(K, C, F32_BYTES)}.get(gate, 0)
+    if backward:  # q, k, qᵀ, v, decay, do, states, h_T, dh_T -> dq, dk, dv (f32), dh0, boundary; dS, S⁺
+        inputs = 2 * rows_k + cols_k + 2 * rows_v + decay + 3 * state
+        outputs = 2 * tile_bytes(C, K, F32_BYTES) + tile_bytes(C, BV, F32_BYTES) + state + tile_bytes(K, 1, F32_BYTES)
+        scratch, square = 2 * state, 2
+    else:  # q, k, kᵀ, v, decay, h0 -> o, h_T, states; S
+        inputs = 2 * rows_k + cols_k + rows_v + decay + state
+        outputs = rows_v + 2 * state
+        scratch, square = state, 1
+    temporaries = square * tile_bytes(C, C, F32_BYTES) + 2 * tile_bytes(C, max(K, BV), F32_BYTES)
+    return 2 * (inputs + outputs) + scratch + temporaries
+
+
+def vmem_limit(generation: str | None) -> int:
+    """The scoped-VMEM limit tiles are judged against: the generation's, else the smallest."""
+    return SCOPED_VMEM_BYTES.get(generation, min(SCOPED_VMEM_BYTES.values()))
+
+
+def vmem_problem(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, generation: str | None) -> str | None:
+    """Why these tiles overflow the generation's scoped VMEM, or None."""
+    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward), vmem_limit(generation)
+    if need <= limit:
+        return None
+    kernel = "backward" if backward else "forward"
+    return (f"chunk={C} needs about {need / MiB:.1f} MiB of VMEM in the {kernel} kernel, over the "
+            f"{limit / MiB:.0f} MiB scoped-VMEM limit of {generation or 'the smallest supported TPU'}")
