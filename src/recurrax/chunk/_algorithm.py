@@ -35,10 +35,12 @@ per chunk, O(B·T·H·(K+V) + B·H·(T/C)·K·V).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxtyping import Array, Float
 
 from .. import varlen
+from .._finite import guarded
 from ..problem import Problem
 from ..registry import ALL_GATES, FLOAT_DTYPES, Support
 from ._state_scan import ChunkCall, LogDecays, chunked
@@ -60,6 +62,10 @@ def chunk_recurrent(
     if tiling is None:
         tiling = default_tiling(problem.log_decay_key is not None or problem.log_decay_value is not None)
     tiling.check()
+    return guarded(functools.partial(_chunk_recurrent, tiling, scale, reverse), bool(reverse), problem)
+
+
+def _chunk_recurrent(tiling: Tiling, scale, reverse, problem: Problem):
     gates = LogDecays(problem.log_decay_head, problem.log_decay_key, problem.log_decay_value)
     arrays = (problem.query, problem.key, problem.value)
     if problem.cu_seqlens is None:

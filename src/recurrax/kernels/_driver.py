@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import varlen
+from .._finite import guarded
 from ..problem import Gate, Problem
 
 F32 = jnp.float32
@@ -88,10 +89,12 @@ class KernelCall:
     kernels: Any  # a ChunkKernels
 
     def forward(self, q, k, v, a, h0, table, **emit):
-        return self.kernels.forward(q, k, v, a, h0, table, scale=self.scale, gate=self.gate, **emit)
+        outputs = self.kernels.forward(q, k, v, a, h0, table, scale=self.scale, gate=self.gate, **emit)
+        return list(_vary_over(varying_axes(q), *outputs))
 
-    def backward(self, *args):
-        return self.kernels.backward(*args, scale=self.scale, gate=self.gate)
+    def backward(self, q, *args):
+        gradients = self.kernels.backward(q, *args, scale=self.scale, gate=self.gate)
+        return _vary_over(varying_axes(q), *gradients)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -135,6 +138,40 @@ def _chunk_bwd(call: KernelCall, residuals, cotangents):
 
 
 _chunk.defvjp(_chunk_fwd, _chunk_bwd)
+
+
+def varying_axes(*arrays) -> frozenset:
+    """The mesh axes any of `arrays` (None skipped) varies over inside `jax.shard_map`;
+    empty outside it."""
+    axes = frozenset()
+    for x in arrays:
+        if x is not None:
+            axes |= jax.typeof(x).manual_axis_type.varying
+    return axes
+
+
+def _vary_over(axes: frozenset, *arrays) -> tuple:
+    """`arrays` (None kept) cast to vary over `axes` too (`lax.pcast`, whose transpose sums
+    the gradient over the axes an array did not vary over)."""
+
+    def cast(x):
+        missing = () if x is None else tuple(sorted(axes - varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return tuple(cast(x) for x in arrays)
+
+
+def vary_alike(*arrays) -> tuple:
+    """`arrays` made to vary over the union of their mesh axes, so a kernel's outputs (and
+    their gradients) vary like all of its inputs. Identity outside `jax.shard_map`."""
+    return _vary_over(varying_axes(*arrays), *arrays)
+
+
+def output_type(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A kernel output's declaration, varying over the mesh axes of `like` (an input)
+    inside `jax.shard_map`, which `check_vma=True` asks for."""
+    varying = jax.sharding.ManualAxisType(varying=varying_axes(like))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying)
 
 
 def head_dims_refusal(request, allowed, words: str) -> str | None:
@@ -181,7 +218,7 @@ def _dense(call: KernelCall, q, k, v, g, h0):
     """[B, T, ...] rows: pad T to a multiple of C (padding leaves the state unchanged)."""
     T, C = q.shape[1], call.kernels.chunk
     Tp = -(-T // C) * C
-    o, h_T = _chunk(call, *(varlen.pad_tokens(x, Tp) for x in (q, k, v, g)), h0, None, None)
+    o, h_T = _chunk(call, *vary_alike(*(varlen.pad_tokens(x, Tp) for x in (q, k, v, g)), h0), None, None)
     return o[:, :T], h_T
 
 
@@ -191,7 +228,7 @@ def _packed(call: KernelCall, q, k, v, g, h0, cu_seqlens):
     layout = varlen.chunk_layout(cu_seqlens, q.shape[1], call.kernels.chunk)
     to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
     owners = layout.owners
-    o, h_T = _chunk(call, *(to_slots(x) for x in (q, k, v, g)), h0, owners.table(), owners.empty)
+    o, h_T = _chunk(call, *vary_alike(*(to_slots(x) for x in (q, k, v, g)), h0, owners.table(), owners.empty))
     return varlen.from_chunk_layout(o[0], layout)[None], h_T
 
 
@@ -206,6 +243,10 @@ def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, kernels: 
     """
     if problem.log_decay_value is not None:
         raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
+    return guarded(functools.partial(_kernel_recurrent, float(scale), bool(reverse), kernels), bool(reverse), problem)
+
+
+def _kernel_recurrent(scale: float, reverse: bool, kernels: ChunkKernels, problem: Problem):
     state_dtype = problem.initial_state.dtype
     if reverse:  # the same recurrence on the flipped token axis (and sequence order)
         problem = problem.mirrored()

@@ -49,6 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
                       kernel_params, padded_meta, slots_that_fit)
+from .._driver import output_type
 from . import _channel as channel
 from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, iota, matmul,
                      matmuls, swizzled)
@@ -366,13 +367,13 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static):
     meta = None if meta is None else padded_meta(meta)
     slots = slots_that_fit(lambda s: smem_bytes(K, q.dtype, s, gate), f"backward at K={K}, gate {gate}")
     out_type = [
-        jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
-        jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
-        jax.ShapeDtypeStruct((B, Tp, H, V), F32),
-        jax.ShapeDtypeStruct((R, H, K, V), F32),
+        output_type((nV, B, Tp, H, K), F32, q),
+        output_type((nV, B, Tp, H, K), F32, q),
+        output_type((B, Tp, H, V), F32, q),
+        output_type((R, H, K, V), F32, q),
     ]
     if gate != "none":
-        out_type.append(jax.ShapeDtypeStruct((nV, B, H, N, K), F32))
+        out_type.append(output_type((nV, B, H, N, K), F32, q))
     args = [q, k, v] + decay_operands(a, gate) + ([meta] if meta is not None else []) + [do, states, h_T, dh_T]
     body = functools.partial(
         _backward_body, gate=gate, scale=static.scale, varlen=meta is not None, shape=(B, Tp, H, K, V, N), slots=slots

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .._driver import output_type
 from . import _channel as channel
 from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, matmuls,
                      swizzled)
@@ -247,10 +248,10 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True
     dtype = q.dtype
     out_type = []
     if emit_output:
-        out_type.append(jax.ShapeDtypeStruct((B, Tp, H, V), dtype))
-    out_type.append(jax.ShapeDtypeStruct((R, H, K, V), F32))
+        out_type.append(output_type((B, Tp, H, V), dtype, q))
+    out_type.append(output_type((R, H, K, V), F32, q))
     if emit_states:
-        out_type.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
+        out_type.append(output_type((B, H, N, K, V), F32, q))
     meta = None if meta is None else padded_meta(meta)
     BV = BLOCK_V
     slots = slots_that_fit(lambda s: smem_bytes(K, dtype, s, gate), f"forward at K={K}, gate {gate}")

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
+from .._driver import output_type
 from ._tiles import TpuCall
 from . import _tiles as tiles
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
@@ -196,14 +197,14 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: TpuC
 
     out_specs = [specs.partial_rows(), specs.partial_rows(), specs.rows_v(), specs.state()]
     out_shape = [
-        jax.ShapeDtypeStruct((s.nV, s.B, s.H, s.Tp, s.K), F32),
-        jax.ShapeDtypeStruct((s.nV, s.B, s.H, s.Tp, s.K), F32),
-        jax.ShapeDtypeStruct((s.B, s.H, s.Tp, s.V), F32),
-        jax.ShapeDtypeStruct((R, s.H, s.K, s.V), F32),
+        output_type((s.nV, s.B, s.H, s.Tp, s.K), F32, q),
+        output_type((s.nV, s.B, s.H, s.Tp, s.K), F32, q),
+        output_type((s.B, s.H, s.Tp, s.V), F32, q),
+        output_type((R, s.H, s.K, s.V), F32, q),
     ]
     if has_decay:
         out_specs.append(specs.partial_column())
-        out_shape.append(jax.ShapeDtypeStruct((s.nV, s.B, s.H, s.N, s.K, 1), F32))
+        out_shape.append(output_type((s.nV, s.B, s.H, s.N, s.K, 1), F32, q))
     scratch = [pltpu.VMEM((s.K, s.BV), F32), pltpu.VMEM((s.K, s.BV), F32)]  # dS, S⁺
     dq, dk, dv, dh0, *boundary = pl.pallas_call(
         functools.partial(_backward_kernel, static=static, specs=specs),

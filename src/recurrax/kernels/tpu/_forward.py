@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
+from .._driver import output_type
 from ._tiles import TpuCall
 from . import _tiles as tiles
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
@@ -190,12 +191,12 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: TpuCall, emit_output: bo
     out_specs, out_shape = [], []
     if emit_output:
         out_specs.append(specs.rows_v())
-        out_shape.append(jax.ShapeDtypeStruct((s.B, s.H, s.Tp, s.V), kdt))
+        out_shape.append(output_type((s.B, s.H, s.Tp, s.V), kdt, k))
     out_specs.append(specs.state())
-    out_shape.append(jax.ShapeDtypeStruct((R, s.H, s.K, s.V), F32))
+    out_shape.append(output_type((R, s.H, s.K, s.V), F32, k))
     if emit_states:
         out_specs.append(specs.chunk_states())
-        out_shape.append(jax.ShapeDtypeStruct((s.B, s.H, s.N, s.K, s.V), F32))
+        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, k))
 
     kernel = functools.partial(
         _forward_kernel, static=static, specs=specs, emit_output=emit_output, emit_states=emit_states

@@ -201,6 +201,13 @@ def decay_layouts(a, gate: Gate) -> tuple:
 # ----------------------------------------------------------------------------- block specs
 
 
+def _block_spec(block_shape, index_map) -> pl.BlockSpec:
+    """`pl.BlockSpec` whose index map returns int32: a Python int there is int64 under
+    `jax_enable_x64`, which Mosaic's compiler cannot legalize (`jax.export` does not see it)."""
+    as_int32 = lambda *grid: tuple(jnp.int32(i) if isinstance(i, int) else i for i in index_map(*grid))  # noqa: E731
+    return pl.BlockSpec(block_shape, as_int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Specs:
     """BlockSpec factories over the grid (b, h, j, n [, meta]).
@@ -220,29 +227,29 @@ class Specs:
         return meta[0, self.chunk(n)] if self.varlen else b
 
     def rows(self, width: int):  # [B, H, Tp, width] -> [C, width], width the whole last dim
-        return pl.BlockSpec((None, None, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
+        return _block_spec((None, None, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
 
     def rows_v(self):  # [B, H, Tp, V] -> [C, BV]
-        return pl.BlockSpec((None, None, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
+        return _block_spec((None, None, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
 
     def cols(self, height: int):  # [B, H, height, Tp] -> [height, C]
-        return pl.BlockSpec((None, None, height, self.s.C), lambda b, h, j, n, *m: (b, h, 0, self.chunk(n)))
+        return _block_spec((None, None, height, self.s.C), lambda b, h, j, n, *m: (b, h, 0, self.chunk(n)))
 
     def state(self):  # [R, H, K, V] -> [K, BV] of this row or sequence
-        return pl.BlockSpec(
+        return _block_spec(
             (None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (self.seq(b, n, m[0] if m else None), h, 0, j)
         )
 
     def chunk_states(self):  # [B, H, N, K, V] -> [K, BV] entering this chunk
-        return pl.BlockSpec(
+        return _block_spec(
             (None, None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0, j)
         )
 
     def partial_rows(self):  # [nV, B, H, Tp, K] -> [C, K] of this value block
-        return pl.BlockSpec((None, None, None, self.s.C, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
+        return _block_spec((None, None, None, self.s.C, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
 
     def partial_column(self):  # [nV, B, H, N, K, 1] -> [K, 1] of this chunk and value block
-        return pl.BlockSpec(
+        return _block_spec(
             (None, None, None, None, self.s.K, 1), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
         )
 

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .._driver import output_type
 from ._common import (
     F32,
     Gate,
@@ -257,14 +258,14 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Trit
     in_specs += [specs["tokens_v"](Tp, BV), specs["states"](N, K, BV), state_spec, state_spec]
     out_specs = [specs["partial_k"](Tp, K), specs["partial_k"](Tp, K), specs["tokens_v"](Tp, BV), state_spec]
     out_shape = [
-        jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
-        jax.ShapeDtypeStruct((nV, B, Tp, H, K), F32),
-        jax.ShapeDtypeStruct((B, Tp, H, V), F32),
-        jax.ShapeDtypeStruct((R, H, K, V), F32),
+        output_type((nV, B, Tp, H, K), F32, q),
+        output_type((nV, B, Tp, H, K), F32, q),
+        output_type((B, Tp, H, V), F32, q),
+        output_type((R, H, K, V), F32, q),
     ]
     if a_spec is not None:
         out_specs.append(specs["partial_chunks"](N, K))
-        out_shape.append(jax.ShapeDtypeStruct((nV, B, H, N, K), F32))
+        out_shape.append(output_type((nV, B, H, N, K), F32, q))
     args = (q, k, v) + ((a,) if a_spec is not None else ()) + ((meta,) if meta is not None else ())
     args += (do, states, h_T, dh_T)
     dq, dk, dv, dh0, *boundary = pl.pallas_call(

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .._driver import output_type
 from ._common import (
     F32,
     Gate,
@@ -208,12 +209,12 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: TritonCall, emit_output:
     out_specs, out_shape = [], []
     if emit_output:
         out_specs.append(specs["tokens_v"](Tp, BV))
-        out_shape.append(jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype))
+        out_shape.append(output_type((B, Tp, H, V), q.dtype, q))
     out_specs.append(state_spec)
-    out_shape.append(jax.ShapeDtypeStruct((R, H, K, V), F32))
+    out_shape.append(output_type((R, H, K, V), F32, q))
     if emit_states:
         out_specs.append(specs["states"](N, K, BV))
-        out_shape.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
+        out_shape.append(output_type((B, H, N, K, V), F32, q))
     args = (q, k, v) + ((a,) if a_spec is not None else ()) + ((meta,) if meta is not None else ()) + (h0,)
     kernel = functools.partial(
         _forward_kernel, static=static, varlen=meta is not None, emit_output=emit_output, emit_states=emit_states

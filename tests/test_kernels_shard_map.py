@@ -1,0 +1,181 @@
+"""The Pallas kernels inside `jax.shard_map` with `check_vma=True` (the default), on two host
+CPU devices: outputs and every gradient equal to the unsharded call of the same kernels.
+
+The driver makes a kernel's inputs vary over the same mesh axes (`kernels._driver.vary_alike`,
+whose transpose sums the gradient of a replicated input such as `g_gamma`) and every kernel
+declares its outputs with those axes (`output_type`). What each interpret mode allows:
+
+- TPU kernels (TPU interpret mode): run sharded, forward and backward.
+- Mosaic GPU kernels (Mosaic GPU interpret mode, JAX ≥ 0.12): traced and lowered on the
+  two-device mesh; run on a one-device mesh (its interpreter simulates the devices of a mesh
+  as one multi-GPU launch and stops on two: "Barrier remains allocated", with or without
+  `check_vma`).
+- Triton kernels (Pallas's generic interpret mode): traced on the mesh with `check_vma=True`
+  (the declared output types are checked there); run with `check_vma=False`, because that
+  interpreter re-traces the kernel's loops at lowering under the mesh's `check_vma` and
+  JAX then rejects its own loop carries ("Scan carry input and output got mismatched varying
+  manual axes", JAX 0.10 and 0.12). The compiled Triton lowering has no such step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cases import Case, make_inputs, max_rel_error, split_args
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from recurrax.kernels.mosaic_gpu import has_interpret_mode, mosaic_gpu_interpret
+from recurrax.kernels.tpu import TpuTiles, tpu_interpret
+from recurrax.kernels.triton import triton_interpret
+from recurrax.tools.cases import call
+
+TPU = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64))
+SMALL = dict(H=2, Hkv=2, K=16, V=16, dtype="float32")
+TOL = 1e-5
+"""float32: the same kernels on each shard's rows or heads; only the sums over shards (the
+gradient of a replicated `g_gamma`) round in another order (measured ≤ 2e-6)."""
+
+BATCH = Case(B=2, T=16, gates=("g_gamma", "g_head"), **SMALL)
+"""Rows split over the mesh; `g_gamma` replicated (its gradient is summed over shards)."""
+PACKED = Case(T=20, gates=("g_channel",), cu_seqlens=(0, 3, 3, 20), reverse=True, **SMALL)
+"""Packed sequences, heads split over the mesh; `cu_seqlens` replicated."""
+
+
+def _specs(kwargs: dict, packed: bool, axis: str) -> dict:
+    """Partition spec per argument: rows (dense) or heads (packed) split over `axis`."""
+    if packed:
+        return {"query": P(None, None, axis), "key": P(None, None, axis), "value": P(None, None, axis),
+                "g": P(None, None, axis), "initial_state": P(None, axis), "cu_seqlens": P()}
+    specs = {name: P(axis) for name in kwargs}
+    specs["g_gamma"] = P()
+    return specs
+
+
+def _vjp(fn, kwargs: dict, mesh: Mesh | None, check_vma: bool = True):
+    """(output, final state, gradients) of `fn`, under `shard_map` when `mesh` is given; the
+    cotangents are drawn from the unsharded output shapes, the same for both."""
+    diff, rest = split_args(kwargs)
+    rest = {k: v for k, v in rest.items() if v is not None}
+    static = {k: rest.pop(k) for k in ("reverse", "softmax_scale") if k in rest}
+    local = lambda diff, rest: call(fn, **diff, **rest, **static)  # noqa: E731
+    if mesh is not None:
+        specs = _specs(kwargs, "cu_seqlens" in rest, mesh.axis_names[0])
+        in_specs = ({k: specs[k] for k in diff}, {k: specs[k] for k in rest})
+        out_specs = (specs["query"], specs["initial_state"])
+        local = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    o_shape, s_shape = jax.eval_shape(lambda d, r: call(fn, **d, **r, **static), diff, rest)
+    rng = np.random.default_rng(1)
+    do = jnp.asarray(rng.standard_normal(o_shape.shape), o_shape.dtype)
+    ds = jnp.asarray(rng.standard_normal(s_shape.shape), s_shape.dtype)
+
+    def forward_backward(diff, rest):
+        (o, state), pullback = jax.vjp(lambda d: local(d, rest), diff)
+        return o, state, pullback((do, ds))[0]
+
+    return jax.jit(forward_backward), (diff, rest)
+
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""Interpret-mode programs are large; XLA's optimisation level 0 halves their compile time."""
+
+
+def _run(program, args):
+    return program.lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+def _mesh(devices: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:devices]), ("x",))
+
+
+def assert_sharded_equals_unsharded(fn, case: Case, devices: int = 2, check_vma: bool = True):
+    kwargs = make_inputs(case)
+    sharded, args = _vjp(fn, kwargs, _mesh(devices), check_vma)
+    single, _ = _vjp(fn, kwargs, None)
+    (o, state, grads), (o_1, state_1, grads_1) = _run(sharded, args), _run(single, args)
+    errors = {"output": max_rel_error(o, o_1), "final_state": max_rel_error(state, state_1)}
+    errors.update({"d" + name: max_rel_error(grad, grads_1[name]) for name, grad in grads.items()})
+    bad = {name: error for name, error in errors.items() if not error <= TOL}
+    assert not bad, f"{case}: {bad} (tol {TOL})"
+    assert all(np.isfinite(np.asarray(x)).all() for x in (o, state, *grads.values()))
+
+
+CASES = [BATCH, pytest.param(PACKED, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["rows", "packed-heads"])
+def test_tpu_kernels_under_shard_map(case):
+    assert_sharded_equals_unsharded(TPU, case)
+
+
+def _kernel_output_axes(fn, case: Case) -> list[frozenset]:
+    """The mesh axes every kernel launch's outputs vary over, in the sharded forward and
+    backward traced with `check_vma=True` on two devices."""
+    sharded, args = _vjp(fn, make_inputs(case), _mesh(2))
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(v.aval.manual_axis_type.varying for v in eqn.outvars)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(sharded)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("case", CASES, ids=["rows", "packed-heads"])
+def test_triton_kernels_under_shard_map(case):
+    """Traced with `check_vma=True`: forward, state and backward kernels, every output varying
+    over the mesh axis; run without the check (the module docstring says why)."""
+    axes = _kernel_output_axes(triton_interpret, case)
+    assert len(axes) >= 3 + 3 and all(found == {"x"} for found in axes), axes
+    assert_sharded_equals_unsharded(triton_interpret, case, check_vma=False)
+
+
+MOSAIC_CASE = Case(B=2, T=70, H=1, Hkv=1, K=64, V=64, gates=("g_gamma", "g_head"), dtype="bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_interpret_mode(), reason=f"JAX {jax.__version__} has no Mosaic GPU interpret mode")
+def test_mosaic_gpu_kernels_under_shard_map():
+    """Traced and lowered on two devices; run on a one-device mesh (see the module docstring)."""
+    sharded, args = _vjp(mosaic_gpu_interpret, make_inputs(MOSAIC_CASE), _mesh(2))
+    sharded.trace(*args).lower()
+    assert_sharded_equals_unsharded(mosaic_gpu_interpret, MOSAIC_CASE, devices=1)
+
+
+@pytest.mark.compile
+def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips():
+    """Forward and gradient of the TPU kernels (picked by dispatch for the target) inside
+    `shard_map` over a 4-chip v5e slice, rows split over the chips, compiled by libtpu
+    without a TPU (`recurrax.targets`; Mosaic's passes and the VMEM check run here)."""
+    from test_compile import need
+
+    import recurrax
+    from recurrax import targets
+
+    need("v5e:2x2")
+    mesh = targets.mesh_for("v5e:2x2")
+    B, T, H, K, V = 4, 256, 2, 128, 128
+    rows = jax.sharding.NamedSharding(mesh, P("x"))
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, H, K, V)]
+    dtypes = [jnp.bfloat16] * 3 + [jnp.float32] * 2
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in zip(shapes, dtypes)]
+
+    def local(q, k, v, gk, h0):
+        return recurrax.recurrent(q, k, v, gk=gk, initial_state=h0)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=(P("x"), P("x")))
+    loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in sharded(*a))  # noqa: E731
+    program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(5))), *args)
+    text = program.executable.as_text()
+    assert all(f"recurrax_tpu_chunk_{kind}" in text for kind in ("fwd", "states", "bwd"))
