@@ -57,6 +57,7 @@ def page_text(site: Path) -> str:
 PUBLIC_MODULES = {
     "recurrax": "src/recurrax/__init__.py",
     "recurrax.parallel": "src/recurrax/parallel.py",
+    "recurrax.targets": "src/recurrax/targets/__init__.py",
     "recurrax.nn": "src/recurrax/nn/__init__.py",
     "recurrax.nn.pretrained": "src/recurrax/nn/pretrained/__init__.py",
 }
@@ -65,7 +66,7 @@ PUBLIC_MODULES = {
 
 @needs_docs
 def test_builds_strictly_with_every_page(site):
-    for page in ("recurrent", "parallel", "problem", "registry", "decays", "nn", "pretrained"):
+    for page in ("recurrent", "parallel", "problem", "registry", "targets", "decays", "nn", "pretrained"):
         assert (site / "api" / page / "index.html").exists(), page
 
 
