@@ -177,3 +177,17 @@ def test_support_is_fail_closed():
     assert "qk_head_dim=32" in refusal(K=32)
     assert "v_head_dim=96" in refusal(V=96)
     assert "compute capability" in refusal(gates=("g_head",))  # this host has no Hopper GPU
+
+
+def test_hard_reset_gives_the_minus_1e4_result():
+    """A gate of −inf (log 0) at one token runs as −1e4 (`recurrax._finite`, applied by the
+    kernel driver): output, final state and every gradient equal the −1e4 run, and are finite."""
+    kwargs = make_inputs(Case(T=64, **{**BF16, "H": 1}, gates=("g_channel",)))
+    runs = {}
+    for value in (-np.inf, -1e4):
+        g = np.array(kwargs["g"])
+        g[0, 9, 0, :5] = value  # token 9, five key channels
+        runs[value] = run_vjp(MOSAIC, {**kwargs, "g": g})
+    for reset, floor in zip(jax.tree.leaves(runs[-np.inf]), jax.tree.leaves(runs[-1e4])):
+        assert np.isfinite(np.asarray(reset, np.float64)).all()
+        np.testing.assert_array_equal(np.asarray(reset), np.asarray(floor))
