@@ -163,9 +163,7 @@ def _sample(logits, keys, sampling):
 def _capacity(model, needed: int) -> int:
     """Attention-cache capacity: `needed` rounded up to a power of two (fewer recompilations),
     or 1 for models without softmax-attention layers (their caches do not depend on it)."""
-    from ._attention import Attention
-
-    if not any(isinstance(block.attn, Attention) for block in model.model.layers):
+    if not model.uses_attention:
         return 1
     return max(16, 1 << (needed - 1).bit_length())
 

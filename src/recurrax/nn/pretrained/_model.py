@@ -122,6 +122,11 @@ class CausalLM(nnx.Module):
         """The config.json dict this model was built from."""
         return json.loads(self.config_json)
 
+    @property
+    def uses_attention(self) -> bool:
+        """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
+        return any(isinstance(block.attn, Attention) for block in self.model.layers)
+
     def __call__(
         self,
         tokens: Int[Array, "B T"] | Int[Array, " N"],
