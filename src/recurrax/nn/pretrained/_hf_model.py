@@ -28,7 +28,6 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Int
 
 from ._attention import KVCache
 from ._hf_config import resolve_hf
@@ -160,9 +159,10 @@ class HFBackbone(nnx.Module):
         return getattr(self, self.final_norm_name)
 
 
-class HFCausalLM(nnx.Module):
+class HFCausalLM(CausalLM):
     """A `transformers` `Mamba2ForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`,
-    `GraniteMoeHybridForCausalLM` or `FalconH1ForCausalLM`, called like `CausalLM`.
+    `GraniteMoeHybridForCausalLM` or `FalconH1ForCausalLM`: a `CausalLM` (same calls, cache
+    and `config`) with the family's own layers.
 
     **Arguments:**
     - `config`: `transformers`' config.json as a dict (its `model_type` chooses the family).
@@ -170,7 +170,7 @@ class HFCausalLM(nnx.Module):
     - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
     """
 
-    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):  # noqa: PLW0231
         rngs = nnx.Rngs(0) if rngs is None else rngs
         spec = resolve_hf(config)
         self.config_json = json.dumps(config, sort_keys=True)
@@ -184,11 +184,6 @@ class HFCausalLM(nnx.Module):
                                                                     dtype=dtype, rngs=rngs)
 
     @property
-    def config(self) -> dict:
-        """The config.json dict this model was built from."""
-        return json.loads(self.config_json)
-
-    @property
     def body(self) -> HFBackbone:
         """The backbone (`backbone` or `model`, as the family names it)."""
         return getattr(self, self.backbone_name)
@@ -198,45 +193,20 @@ class HFCausalLM(nnx.Module):
         """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
         return any(block.kind in ("attention", "parallel") for block in self.body.layers)
 
-    def __call__(
-        self,
-        tokens: Int[Array, "B T"] | Int[Array, " N"],
-        cache: ModelCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-    ):
-        """Next-token logits for every token; with `cache`, continue from it and return it too.
+    def _embed(self, tokens):
+        h = self.body.embedding(tokens)
+        return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
 
-        **Arguments:** as `CausalLM.__call__`: `tokens` `[B, T]` (or packed `[N]` with
-        `cu_seqlens`), `cache` from `init_cache(rows, capacity)`.
+    def _layers(self):
+        return self.body.layers
 
-        **Returns:** float32 `logits` `[B, T, vocab]` (packed: `[N, vocab]`), or `(logits, new_cache)`.
-        """
-        packed = cu_seqlens is not None
-        if (packed and tokens.ndim != 1) or (not packed and tokens.ndim != 2):
-            raise ValueError(f"tokens must be [batch, seq_len] (or packed [total_tokens] with cu_seqlens), "
-                             f"got shape {tokens.shape}")
-        body = self.body
-        h = body.embedding(tokens[None] if packed else tokens)
-        if self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
-        context = dict(cu_seqlens=cu_seqlens, positions=CausalLM._positions(h, cache, cu_seqlens))
-        layer_caches = (None,) * len(body.layers) if cache is None else cache.layers
-        if len(layer_caches) != len(body.layers):
-            raise ValueError(f"cache must hold {len(body.layers)} layer caches, got {len(layer_caches)}")
-        new_caches = []
-        for block, layer_cache in zip(body.layers, layer_caches):
-            h, new_cache = block(h, layer_cache, **context)
-            new_caches.append(new_cache)
-        h = body.final_norm(h).astype(self.dtype)
-        logits = (self.lm_head(h) if self.lm_head is not None else body.embedding.attend(h)).astype(jnp.float32)
-        if self.logits_multiplier != 1.0:
-            logits = logits * self.logits_multiplier
-        logits = logits[0] if packed else logits
-        if cache is None:
-            return logits
-        seen = tokens.shape[1] if not packed else cu_seqlens[1:] - cu_seqlens[:-1]
-        return logits, ModelCache(tuple(new_caches), cache.positions + seen)
+    def _layer_context(self):
+        return [{}] * len(self.body.layers)
+
+    def _head(self, h):
+        h = self.body.final_norm(h).astype(self.dtype)
+        logits = (self.lm_head(h) if self.lm_head is not None else self.body.embedding.attend(h)).astype(jnp.float32)
+        return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
         """An empty cache for `rows` sequences; attention layers hold `capacity` tokens per row

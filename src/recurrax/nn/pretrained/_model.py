@@ -151,16 +151,17 @@ class CausalLM(nnx.Module):
         if not packed and tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq_len] (or packed [total_tokens] with cu_seqlens), "
                              f"got shape {tokens.shape}")
-        h = self.model.embeddings(tokens[None] if packed else tokens)  # [B, T, D]
+        h = self._embed(tokens[None] if packed else tokens)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
-        layer_caches = (None,) * len(self.model.layers) if cache is None else cache.layers
-        if len(layer_caches) != len(self.model.layers):
-            raise ValueError(f"cache must hold {len(self.model.layers)} layer caches, got {len(layer_caches)}")
+        layers = self._layers()
+        layer_caches = (None,) * len(layers) if cache is None else cache.layers
+        if len(layer_caches) != len(layers):
+            raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(layer_caches)}")
         new_caches = []
-        for block, layer_cache, bound in zip(self.model.layers, layer_caches, self.model.layer_lower_bounds()):
-            h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, lower_bound=bound)
+        for block, layer_cache, context in zip(layers, layer_caches, self._layer_context()):
+            h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
             new_caches.append(new_cache)
-        logits = self._head(self.model.norm(h))
+        logits = self._head(h)
         logits = logits[0] if packed else logits
         if cache is None:
             return logits
@@ -177,7 +178,19 @@ class CausalLM(nnx.Module):
         )
         return ModelCache(layers, jnp.zeros((rows,), jnp.int32))
 
+    def _embed(self, tokens):
+        return self.model.embeddings(tokens)
+
+    def _layers(self):
+        return self.model.layers
+
+    def _layer_context(self):
+        """Per-layer keyword arguments of the blocks (HGRN2's lower bounds)."""
+        return [dict(lower_bound=bound) for bound in self.model.layer_lower_bounds()]
+
     def _head(self, h):
+        """Final norm, then the (tied) head: float32 logits."""
+        h = self.model.norm(h)
         if self.lm_head is not None:
             return self.lm_head(h).astype(jnp.float32)
         return self.model.embeddings.attend(h).astype(jnp.float32)
