@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import math
 import threading
 from typing import NamedTuple
 
@@ -320,9 +321,13 @@ def _scale(softmax_scale: object, qk_head_dim: int) -> float:
         _fail("softmax_scale", "a Python number (static configuration)", "a traced value", TypeError)
     if isinstance(softmax_scale, (int, float, np.number)) or np.shape(softmax_scale) == ():
         try:
-            return float(softmax_scale)
+            scale = float(softmax_scale)
         except (TypeError, ValueError):
-            pass
+            scale = None
+        if scale is not None:
+            if not (math.isfinite(scale) and scale > 0):
+                _fail("softmax_scale", "a finite positive number (or None)", repr(softmax_scale))
+            return scale
     _fail("softmax_scale", "a Python number or None", repr(softmax_scale), TypeError)
 
 

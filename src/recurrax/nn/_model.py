@@ -16,6 +16,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
+from ._tokens import check_token_ids
 
 MIXERS = {
     "gla": GatedLinearAttention,
@@ -123,13 +124,16 @@ class LanguageModel(nnx.Module):
         """Next-token logits for every position; with `cache`, continue from it.
 
         **Arguments:**
-        - `tokens`: `[batch, seq_len]` ids, or packed `[total_tokens]` with `cu_seqlens`.
+        - `tokens`: `[batch, seq_len]` ids in `[0, vocab_size)` (others are a `ValueError`;
+          traced ones are checked inside `recurrax.runtime_checks()`), or packed
+          `[total_tokens]` with `cu_seqlens`.
         - `cache`: per-block states after the previous tokens (`init_cache(batch)` for none).
         - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
 
         **Returns:** `logits` `[..., vocab_size]`, or `(logits, new_cache)` with `cache`.
         """
         _check_tokens(tokens, cu_seqlens)
+        check_token_ids(tokens, self.vocab_size)
         x = self.embed(tokens)
         caches = (None,) * len(self.blocks) if cache is None else cache
         if len(caches) != len(self.blocks):

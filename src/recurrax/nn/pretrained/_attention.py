@@ -15,7 +15,14 @@
 as flash-attn computes it for fla (causal, `window_size=(w − 1, 0)`). Decoding keeps every
 row's keys and values in a fixed buffer `[R, L, Hkv, D]`: new ones are written at their
 positions, and a query reads the positions `≤` its own (and inside the window), so stale
-entries of a reused row are never read. The capacity L must exceed the last position.
+entries of a reused row are never read. The capacity L must exceed the last position
+(`CausalLM` checks it).
+
+Memory: dense rows read their own buffer in place (scores `[B, H, T, L]`). A packed call
+(S sequences in one row of N tokens) attends among its own tokens as the parallel pass does
+(scores `[H, N, N]`), and to the entries written before the call one row and one block of
+positions at a time (scores `[H, N, 256]`; skipped when every sequence starts empty, as in
+a prefill); the parts merge by their log-sum-exp. No token copies its row's buffer.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from jaxtyping import Array, Float, Int
 from ...varlen import segments
 from ._mixer import heads, linear
 from ._rotary import apply_rotary, token_positions
+
+
+EARLIER_BLOCK = 256
+"""Cache positions a packed call reads at a time from the entries written before it."""
 
 
 class KVCache(NamedTuple):
@@ -88,7 +99,10 @@ class Attention(nnx.Module):
             keys = cache.keys.at[rows, positions].set(k.astype(cache.keys.dtype), mode="drop")
             values = cache.values.at[rows, positions].set(v.astype(cache.values.dtype), mode="drop")
             new_cache = KVCache(keys, values)
-            o = self._attend_cache(q, keys, values, positions, rows)
+            if seq is None:
+                o = self._attend(q, keys, values, positions, jnp.arange(keys.shape[1])[None], None, None)
+            else:
+                o = self._attend_packed(q, k, v, keys, values, positions, seq, cu_seqlens)
         y = self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
         y = y[0] if x.ndim == 2 else y
         return y if cache is None else (y, new_cache)
@@ -118,24 +132,68 @@ class Attention(nnx.Module):
             visible &= q_seq[:, :, None] == k_seq[:, None, :]
         return self._softmax_attention(q, k, v, visible)
 
-    def _attend_cache(self, q, keys, values, positions, rows):
-        """Each query token reads its row's buffer: q `[B, T, H, D]`, buffers `[R, L, Hkv, D]`."""
-        B, T = q.shape[:2]
-        L = keys.shape[1]
-        flat = lambda a: a.reshape(B * T, 1, *a.shape[2:])  # noqa: E731  one token per "row"
-        k_rows, v_rows = keys[rows.reshape(-1)], values[rows.reshape(-1)]  # [B·T, L, Hkv, D]
-        visible = self._visible(positions.reshape(-1, 1, 1), jnp.arange(L)[None, None, :])  # [B·T, 1, L]
-        o = self._softmax_attention(flat(q), k_rows, v_rows, visible)
-        return o.reshape(B, T, *o.shape[2:])
+    def _attend_packed(self, q, k, v, keys, values, positions, seq, cu_seqlens):
+        """Packed tokens `[1, N]` with a cache: their own tokens, then their rows' earlier entries."""
+        own = self._partial(q, k, v, self._visible(positions[:, :, None], positions[:, None, :])
+                            & (seq[:, :, None] == seq[:, None, :]))
+        starts = positions - (jnp.arange(q.shape[1]) - cu_seqlens[seq])  # each sequence's first position
+        earlier = jax.lax.cond(jnp.any(starts > 0), self._earlier, self._nothing_earlier,
+                               q, keys, values, positions, seq, starts)
+        return _finish(*_merge(own, earlier), q.dtype)
+
+    def _earlier(self, q, keys, values, positions, seq, starts):
+        """Partial attention of packed tokens to their row's entries before `starts`, one row
+        and one block of `EARLIER_BLOCK` positions at a time (scores `[N, H, block]`)."""
+        R, L, Hkv, D = keys.shape
+        width = min(L, EARLIER_BLOCK)
+        blocks = -(-L // width)
+
+        def step(carry, index):
+            row, block = index // blocks, index % blocks
+            first = jnp.minimum(block * width, L - width)  # the last block overlaps; its repeats are masked
+            k, v = (jax.lax.dynamic_slice(a, (row, first, 0, 0), (1, width, Hkv, D)) for a in (keys, values))
+            key_pos = (first + jnp.arange(width))[None, None, :]
+            visible = self._visible(positions[:, :, None], key_pos) & (key_pos < starts[:, :, None])
+            visible &= (key_pos >= block * width) & (seq == row)[:, :, None]
+            return _merge(carry, self._partial(q, k, v, visible)), None
+
+        return jax.lax.scan(step, self._nothing_earlier(q), jnp.arange(R * blocks))[0]
+
+    def _nothing_earlier(self, q, *_):
+        B, T, H, D = q.shape
+        shape = (B, T, self.num_kv_heads, H // self.num_kv_heads)
+        nothing = jnp.zeros((*shape, D), jnp.float32)
+        return nothing, jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
 
     def _softmax_attention(self, q, k, v, visible):
         """`softmax(D^{−1/2} q kᵀ, masked) v` with grouped heads, in float32."""
+        return _finish(*self._partial(q, k, v, visible), q.dtype)
+
+    def _partial(self, q, k, v, visible):
+        """Unnormalised attention `(Σ_j e^{s_j − m} v_j, m, Σ_j e^{s_j − m})`, m the largest
+        visible score (−inf where none): q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, visible `[B, T, S]`."""
         B, T, H, D = q.shape
         G = H // self.num_kv_heads
         qg = q.reshape(B, T, self.num_kv_heads, G, D).astype(jnp.float32)
         scale = D**-0.5 if self.scale is None else self.scale
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
-        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        weights = jax.nn.softmax(scores, axis=-1)
-        o = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(jnp.float32))
-        return o.reshape(B, T, H, D).astype(q.dtype)
+        scores = jnp.einsum("btkgd,bskd->btkgs", qg, k.astype(jnp.float32)) * scale
+        scores = jnp.where(visible[:, :, None, None], scores, -jnp.inf)
+        top = jnp.max(scores, axis=-1)
+        weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])
+        acc = jnp.einsum("btkgs,bskd->btkgd", weights, v.astype(jnp.float32))
+        return acc, top, jnp.sum(weights, axis=-1)
+
+
+def _merge(a, b):
+    """Combine two partial attentions over disjoint keys."""
+    (acc_a, top_a, sum_a), (acc_b, top_b, sum_b) = a, b
+    top = jnp.maximum(top_a, top_b)
+    safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    wa, wb = jnp.exp(top_a - safe), jnp.exp(top_b - safe)
+    return acc_a * wa[..., None] + acc_b * wb[..., None], top, sum_a * wa + sum_b * wb
+
+
+def _finish(acc, top, total, dtype):
+    """`acc / total` as `[B, T, H, D]`."""
+    o = acc / total[..., None]
+    return o.reshape(*o.shape[:2], -1, o.shape[-1]).astype(dtype)

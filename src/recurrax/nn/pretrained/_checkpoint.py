@@ -17,18 +17,27 @@ LinearAttention whose q and k share one feature map (`tie_feature_map_qk`) holds
 are accepted (either spelling suffices) and written as aliases. With
 `tie_word_embeddings` the head is the embedding and `lm_head.weight` is neither written nor
 required (and ignored when present), as in Hugging Face's checkpoints.
+
+Loading checks what it reads: every tensor must be floating point (a `TypeError` naming it)
+and finite (unless `allow_nonfinite=True`), a tensor may be in one shard only, and a bad
+config.json or index is a `ValueError` naming the file and the field. Saving is atomic: the
+files are written into a temporary directory beside the target and then moved into place,
+so a failed save leaves an earlier checkpoint there intact.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ._config_checks import ConfigError
 from ._conv import CausalConv1d
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
@@ -109,12 +118,14 @@ def state_dict(model: CausalLM) -> dict[str, np.ndarray]:
             for name, t in tensors(model).items()}
 
 
-def load_weights(model: CausalLM, weights: dict[str, np.ndarray]) -> CausalLM:
+def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
     """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`).
 
     Raises a `ValueError` listing missing and unexpected names, or naming a parameter whose
-    shape differs (with both shapes); then nothing is changed. Values are cast to each
-    parameter's dtype. `model` may be abstract (`nnx.eval_shape`): every parameter is set.
+    shape differs (with both shapes) or that holds NaN or inf (unless `allow_nonfinite`), and
+    a `TypeError` naming a tensor that is not floating point; then nothing is changed. Values
+    are cast to each parameter's dtype. `model` may be abstract (`nnx.eval_shape`): every
+    parameter is set.
     """
     expected = tensors(model)
     given = dict(weights)
@@ -142,56 +153,158 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray]) -> CausalLM:
         if want != got:
             raise ValueError(f"shape mismatch for {name}: the model expects {list(want)}, "
                              f"the checkpoint has {list(got)}")
+    for name in expected:
+        _check_values(name, np.asarray(given[name]), allow_nonfinite)
     for name, tensor in expected.items():
         value = tensor.from_fla(np.asarray(given[name]))
         tensor.variable.set_value(jnp.asarray(value, dtype=tensor.variable.get_value().dtype))
     return model
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32) -> CausalLM:
+def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
+    """A checkpoint tensor must be floating point and, unless allowed, finite."""
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"checkpoint tensor {name} has dtype {value.dtype}; the model's parameters are floating "
+                        "point (an integer or bool tensor here is not a float checkpoint's)")
+    if not allow_nonfinite:
+        bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+        if bad:
+            raise ValueError(f"checkpoint tensor {name} holds {bad} non-finite values (NaN or inf); pass "
+                             "allow_nonfinite=True to load it anyway")
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfinite: bool = False) -> CausalLM:
     """Load an fla checkpoint directory (Hugging Face layout) into a `CausalLM`. Nothing is downloaded.
 
     **Arguments:**
     - `path`: a local directory with `config.json` and `model.safetensors`, or sharded
       `model.safetensors.index.json` + its shards.
     - `dtype`: parameter and computation dtype of the model (weights are cast to it).
+    - `allow_nonfinite`: load weights holding NaN or inf (refused by default).
+
+    Errors name the file: a config.json or index that is not valid JSON, not an object, or
+    holds a bad value (`ValueError`, naming the field and what it accepts); a tensor in two
+    shards (`ValueError`); a tensor of integers or bools (`TypeError`).
     """
     load_file = _safetensors().load_file
     path = os.fspath(path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {path!r} (from_pretrained reads local directories only)")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = _read_json(config_path)
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
         weights = load_file(single)
     elif os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        weights = {}
-        for shard in shards:
-            weights.update(load_file(os.path.join(path, shard)))
+        weights = _load_shards(path, index, load_file)
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
     model_class = CausalLM
     if is_hf_config(config):
         model_class, weights = HFCausalLM, legacy_names(config, weights)
-    model = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
-    return load_weights(model, weights)
+    try:
+        model = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
+    except (ValueError, TypeError, NotImplementedError) as error:
+        raise type(error)(f"{config_path}: {error}") from error
+    return load_weights(model, weights, allow_nonfinite=allow_nonfinite)
+
+
+def _read_json(file: str) -> dict:
+    """A JSON object from `file`; anything else is a `ValueError` naming the file."""
+    try:
+        with open(file) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file} must hold a JSON object (field: value pairs), got a {type(value).__name__}")
+    return value
+
+
+def _load_shards(path: str, index: str, load_file) -> dict[str, np.ndarray]:
+    """The tensors of the shards an index's `weight_map` lists; a tensor in two shards is an error."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index}: field 'weight_map' must be an object mapping tensor names to shard files, "
+                          f"got {weight_map!r:.200}")
+    weights, source = {}, {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = os.path.join(path, shard)
+        if not os.path.isfile(shard_path):
+            raise FileNotFoundError(f"{index} lists shard {shard!r}, which is not in {path!r}")
+        for name, value in load_file(shard_path).items():
+            if name in weights:
+                raise ValueError(f"checkpoint tensor {name} is in two shards, {source[name]} and {shard}")
+            weights[name], source[name] = value, shard
+    return weights
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
-    """Write `model` as an fla checkpoint: config.json (the config it was built from) and
-    model.safetensors (fla's names, PyTorch layouts, the parameters' dtypes), which fla's own
-    `from_pretrained` reads back."""
+    """Write `model` as an fla checkpoint: config.json (the config it was built from, with the
+    saved dtype), generation_config.json (its bos/eos/pad ids) and model.safetensors (fla's
+    names, PyTorch layouts, the parameters' dtypes), which fla's own `from_pretrained` reads
+    back.
+
+    Atomic: the files are written into a temporary directory beside `path`, then moved into
+    place; a failure leaves an earlier checkpoint in `path` as it was. Files of an earlier
+    save that this one replaces (a sharded index and its shards) are removed; nothing else.
+    """
     save_file = _safetensors().save_file
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config, f, indent=2, sort_keys=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=os.path.dirname(path))
+    try:
+        weights = state_dict(model)
+        save_file(weights, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        _write_json(os.path.join(staging, "config.json"), _saved_config(model.config, weights))
+        _write_json(os.path.join(staging, "generation_config.json"), _generation_config(model.config))
+        stale = _replaced_files(path)
+        for name in SAVED_FILES:  # weights first: a config never describes weights it was not saved with
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+        for name in stale:
+            os.remove(os.path.join(path, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+SAVED_FILES = ("model.safetensors", "config.json", "generation_config.json")
+GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _write_json(file: str, value: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
         f.write("\n")
-    save_file(state_dict(model), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _saved_config(config: dict, weights: dict[str, np.ndarray]) -> dict:
+    """`config` with the dtype the weights were saved in (`dtype`, and `torch_dtype` if present)."""
+    dtypes = sorted({str(np.dtype(w.dtype)) for w in weights.values()})
+    if len(dtypes) != 1:
+        return config
+    config = {**config, "dtype": dtypes[0]}
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtypes[0]
+    return config
+
+
+def _generation_config(config: dict) -> dict:
+    """Hugging Face's generation config derived from the model config: its special token ids."""
+    return {"_from_model_config": True, **{k: config[k] for k in GENERATION_IDS if config.get(k) is not None}}
+
+
+def _replaced_files(path: str) -> list[str]:
+    """Files of an earlier sharded save in `path`: its index and the shards it lists."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return []
+    try:
+        with open(index) as f:
+            shards = set(json.load(f).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError, TypeError):
+        shards = set()
+    listed = {s for s in shards if isinstance(s, str) and os.path.basename(s) == s and s not in SAVED_FILES}
+    return ["model.safetensors.index.json"] + sorted(s for s in listed if os.path.isfile(os.path.join(path, s)))
 
 
 def _safetensors():

@@ -8,6 +8,7 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 
 from __future__ import annotations
 
+from ._config_checks import check_config
 from ._gla import GatedLinearAttention
 from ._hgrn2 import HGRN2Attention
 from ._lightnet import LightNetAttention
@@ -45,10 +46,13 @@ SUPPORTED = tuple(FAMILY_DEFAULTS)
 
 def resolve(config: dict) -> dict:
     """config.json with fla's defaults filled in; rejects what this port does not implement."""
+    if not isinstance(config, dict):
+        raise TypeError(f"the config must be a dict (config.json's object), got {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type not in FAMILY_DEFAULTS:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
     full = {**COMMON_DEFAULTS, **FAMILY_DEFAULTS[model_type], **config}
+    check_config(full)
     if full["attnres_block_size"] is not None:
         raise NotImplementedError("attention residuals (attnres_block_size) are not supported")
     if full["hidden_act"] != "swish":

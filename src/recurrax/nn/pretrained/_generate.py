@@ -4,8 +4,8 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
 | symbol | meaning                                                          |
 |--------|------------------------------------------------------------------|
 | P      | cache slots (sequences decoded together)                         |
-| N      | tokens of one packed prefill, padded up to a power of two ≥ 64   |
-| L      | attention capacity: longest prompt + max_new_tokens              |
+| N      | tokens of one packed prefill, padded up to a bucket ≥ 64         |
+| L      | attention capacity: longest prompt + max_new_tokens, bucketed    |
 
     loop:
       admit: up to (free slots) queued prompts → one packed prefill (cu_seqlens) → their
@@ -16,7 +16,13 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
 Every compiled function has a fixed shape: the prefill takes P sequences (the unused ones
 empty) plus one padding sequence that absorbs the padding tokens, and the decode step always
 runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed), i), j)`,
-so results do not depend on the number of slots or on scheduling.
+so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
+buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
+
+The caches (the pool of P slots and one prefill's P + 1 rows) are sized before anything
+runs; a request whose caches exceed `max_cache_bytes` (default: the free memory of the
+device, or of the host for CPU) is a `ValueError` naming `max_new_tokens`, the longest
+prompt, the slot count and the bytes.
 """
 
 from __future__ import annotations
@@ -25,10 +31,16 @@ from collections import deque
 from functools import partial
 from typing import Sequence
 
+import math
+import numbers
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from .._tokens import check_token_ids
 
 
 def sample_tokens(logits, keys, *, temperature, top_k, top_p):
@@ -70,33 +82,47 @@ def generate(
     seed: int = 0,
     stop_tokens: Sequence[int] = (),
     num_slots: int | None = None,
+    max_cache_bytes: int | None = None,
 ) -> list[list[int]]:
     """Continue every prompt by up to `max_new_tokens` tokens.
 
     **Arguments:**
     - `model`: a `CausalLM` (e.g. from `from_pretrained`).
-    - `prompts`: token-id lists, of any (non-zero) lengths.
-    - `max_new_tokens`: most tokens generated per prompt.
-    - `temperature`: 0 for greedy decoding, else the sampling temperature.
-    - `top_k`, `top_p`: keep the k most likely tokens / the smallest set with mass ≥ p.
-    - `seed`: sampling randomness.
+    - `prompts`: token-id lists (Python or NumPy integers in `[0, vocab_size)`), of any
+      non-zero lengths.
+    - `max_new_tokens`: most tokens generated per prompt (an integer ≥ 0).
+    - `temperature`: 0 for greedy decoding, else the sampling temperature (finite, ≥ 0).
+    - `top_k`, `top_p`: keep the k most likely tokens (an integer ≥ 1) / the smallest set
+      with mass ≥ p (0 < p ≤ 1).
+    - `seed`: sampling randomness (an integer).
     - `stop_tokens`: ids that end a sequence (the stop token is included in its output).
-    - `num_slots`: sequences decoded at once (default: all prompts, at most 8); more prompts
-      wait in a queue and take slots as sequences finish.
+    - `num_slots`: sequences decoded at once (an integer ≥ 1; default: all prompts, at most
+      8); more prompts wait in a queue and take slots as sequences finish.
+    - `max_cache_bytes`: the most bytes the decode caches may take (default: the device's
+      free memory; the host's available memory on CPU).
 
     **Returns:** the new tokens of each prompt, in the order of `prompts`.
+
+    Every argument is checked first: a wrong type is a `TypeError`, a wrong value a
+    `ValueError`, each naming the argument; nothing is coerced.
     """
-    prompts = [list(map(int, p)) for p in prompts]
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"need temperature ≥ 0, top_k ≥ 1, 0 < top_p ≤ 1; got {temperature}, {top_k}, {top_p}")
+    prompts = _checked_prompts(prompts, model.vocab_size)
+    _check_int("max_new_tokens", max_new_tokens, 0)
+    _check_number("temperature", temperature, 0.0)
+    _check_int("top_k", top_k, 1, optional=True)
+    _check_number("top_p", top_p, 0.0, optional=True, high=1.0)
+    _check_int("seed", seed)
+    _check_int("num_slots", num_slots, 1, optional=True)
+    _check_int("max_cache_bytes", max_cache_bytes, 1, optional=True)
+    stop_tokens = _checked_ids("stop_tokens", stop_tokens, model.vocab_size)
     outputs = [[] for _ in prompts]
-    if max_new_tokens <= 0 or not prompts:
+    if max_new_tokens == 0 or not prompts:
         return outputs
     P = num_slots or min(len(prompts), 8)
-    capacity = _capacity(model, max(map(len, prompts)) + max_new_tokens)
-    stops = set(int(t) for t in stop_tokens)
+    longest = max(map(len, prompts))
+    capacity = _capacity(model, longest + max_new_tokens)
+    _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
+    stops = set(stop_tokens)
     graphdef, params = nnx.split(model)
     static = dict(graphdef=graphdef, slots=P, capacity=capacity)
     sampling = (jnp.float32(temperature), jnp.int32(top_k or model.vocab_size), jnp.float32(top_p or 1.0))
@@ -160,20 +186,105 @@ def _sample(logits, keys, sampling):
     return sample_tokens(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
+def bucket(n: int, smallest: int) -> int:
+    """`n` rounded up to one of 8 sizes per octave (at most 1/8 more), at least `smallest`."""
+    if n <= smallest:
+        return smallest
+    step = 1 << max((n - 1).bit_length() - 4, 0)
+    return -(-n // step) * step
+
+
 def _capacity(model, needed: int) -> int:
-    """Attention-cache capacity: `needed` rounded up to a power of two (fewer recompilations),
-    or 1 for models without softmax-attention layers (their caches do not depend on it)."""
+    """Attention-cache capacity: `needed` bucketed (fewer recompilations), or 1 for models
+    without softmax-attention layers (their caches do not depend on it)."""
     if not model.uses_attention:
         return 1
-    return max(16, 1 << (needed - 1).bit_length())
+    return bucket(needed, 16)
+
+
+def cache_bytes(model, rows: int, capacity: int) -> int:
+    """Bytes of `model.init_cache(rows, capacity)`, from shapes only."""
+    shapes = jax.eval_shape(lambda: model.init_cache(rows, capacity))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def available_bytes() -> int:
+    """Free memory of the default device; on CPU the host's available memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_cache_bytes(model, slots: int, capacity: int, max_new_tokens: int, longest: int, limit: int | None):
+    """Refuse a request whose caches (the pool and one prefill's) would not fit."""
+    needed = cache_bytes(model, slots, capacity) + cache_bytes(model, slots + 1, capacity)
+    limit = available_bytes() if limit is None else limit
+    if needed > limit:
+        raise ValueError(
+            f"generate's caches would need {needed:,} bytes (max_new_tokens={max_new_tokens}, longest prompt "
+            f"{longest} tokens, num_slots={slots}: {capacity:,} positions per slot), more than the "
+            f"{limit:,} bytes available (max_cache_bytes); lower max_new_tokens, the prompt lengths or num_slots")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_int(name: str, value, low: int | None = None, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be ≥ {low}, got {value}")
+
+
+def _check_number(name: str, value, low: float, *, optional: bool = False, high: float | None = None) -> None:
+    """A finite real number ≥ `low` (> `low` when `high` is given, then also ≤ `high`)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a real number{' or None' if optional else ''}, got {value!r}")
+    if high is None and not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{name} must be a finite number ≥ {low}, got {value}")
+    if high is not None and not (math.isfinite(value) and low < value <= high):
+        raise ValueError(f"{name} must be a finite number in ({low}, {high}], got {value}")
+
+
+def _checked_ids(name: str, ids, vocab_size: int) -> list[int]:
+    """`ids` as a list of Python ints, each an integer in `[0, vocab_size)`."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of integer token ids, got {type(ids).__name__}")
+    ids = list(ids)
+    for position, token in enumerate(ids):
+        if not _is_int(token):
+            raise TypeError(f"{name}[{position}] must be an integer token id, got {token!r}")
+    check_token_ids(np.asarray(ids, np.int64).reshape(-1), vocab_size, name)
+    return [int(t) for t in ids]
+
+
+def _checked_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
+    checked = [_checked_ids(f"prompts[{i}]", prompt, vocab_size) for i, prompt in enumerate(prompts)]
+    if any(len(p) == 0 for p in checked):
+        raise ValueError(f"every prompt needs at least one token; prompts[{[len(p) for p in checked].index(0)}] "
+                         "is empty")
+    return checked
 
 
 def _pack(prompts: list[list[int]], slots: list[int], P: int):
-    """Packed tokens `[N]` (N a power of two ≥ 64), `cu_seqlens [P + 2]` (prompts, empty
+    """Packed tokens `[N]` (N bucketed, ≥ 64), `cu_seqlens [P + 2]` (prompts, empty
     sequences, one padding sequence), target slots `[P]` (P = dropped) and prompt ids `[P]`."""
     lengths = [len(p) for p in prompts] + [0] * (P - len(prompts))
     total = sum(lengths)
-    N = max(64, 1 << (total - 1).bit_length())
+    N = bucket(total, 64)
     tokens = np.zeros(N, np.int32)
     tokens[:total] = np.concatenate([np.asarray(p, np.int32) for p in prompts])
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths), [N]]).astype(np.int32)

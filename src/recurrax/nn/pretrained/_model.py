@@ -16,7 +16,10 @@ so a checkpoint converts by renaming and transposing. The mixer of layer l is th
 own layer, or fla's softmax `Attention` where the config's `attn` lists l.
 
 Decoding: `model.init_cache(rows, capacity)` and `logits, cache = model(tokens, cache)`; the
-cache holds each layer's cache and every row's position (tokens seen so far).
+cache holds each layer's cache and every row's position (tokens seen so far). Softmax-attention
+layers keep `capacity` tokens per row: a call that would write a position ≥ capacity is a
+`ValueError` naming both (concrete positions), a failed check inside
+`recurrax.runtime_checks()` (traced), and otherwise NaN logits for the tokens past it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from ...problem import runtime_checks_enabled
 from ...varlen import segments
-from ._attention import Attention
+from .._tokens import check_token_ids
+from ._attention import Attention, KVCache
 from ._config import attention_spec, intermediate_size, native_mixer, resolve
+from ._config_checks import ConfigError
 from ._mixer import linear
 from ._norm import RMSNorm
 
@@ -113,7 +120,11 @@ class CausalLM(nnx.Module):
         self.model_type, self.dtype = full["model_type"], dtype
         self.vocab_size, self.tie_word_embeddings = full["vocab_size"], bool(full["tie_word_embeddings"])
         self.max_position_embeddings = full["max_position_embeddings"]
-        self.model = Backbone(full, dtype=dtype, rngs=rngs)
+        try:
+            self.model = Backbone(full, dtype=dtype, rngs=rngs)
+        except (KeyError, AttributeError, ZeroDivisionError, TypeError) as error:  # a value check_config missed
+            raise ConfigError(f"cannot build a {self.model_type!r} model from this config: "
+                              f"{type(error).__name__}: {error}") from error
         self.lm_head = None if self.tie_word_embeddings else linear(full["hidden_size"], full["vocab_size"],
                                                                     dtype=dtype, rngs=rngs)
 
@@ -137,9 +148,11 @@ class CausalLM(nnx.Module):
         """Next-token logits for every token; with `cache`, continue from it and return it too.
 
         **Arguments:**
-        - `tokens`: `[B, T]` ids, or packed `[N]` with `cu_seqlens`.
+        - `tokens`: `[B, T]` ids in `[0, vocab_size)`, or packed `[N]` with `cu_seqlens` (ids
+          outside are a `ValueError`; traced ones are checked inside `recurrax.runtime_checks()`).
         - `cache`: a `ModelCache` (`init_cache(rows, capacity)`), rows = B or S; `None` for a
-          parallel pass from an empty history.
+          parallel pass from an empty history. Its softmax-attention layers hold `capacity`
+          positions per row: writing past them is refused (see the module's docstring).
         - `cu_seqlens`: `[S + 1]` boundaries of packed sequences.
 
         **Returns:** `logits` `[B, T, vocab]` (packed: `[N, vocab]`), float32, or
@@ -151,8 +164,13 @@ class CausalLM(nnx.Module):
         if not packed and tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq_len] (or packed [total_tokens] with cu_seqlens), "
                              f"got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        check_token_ids(tokens, self.vocab_size)
         h = self._embed(tokens[None] if packed else tokens)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
+        capacity = None if cache is None else _capacity(cache)
+        _refuse_past_capacity(positions, capacity)
         layers = self._layers()
         layer_caches = (None,) * len(layers) if cache is None else cache.layers
         if len(layer_caches) != len(layers):
@@ -162,6 +180,8 @@ class CausalLM(nnx.Module):
             h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
             new_caches.append(new_cache)
         logits = self._head(h)
+        if capacity is not None:  # traced positions: the tokens past it get NaN logits
+            logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
         logits = logits[0] if packed else logits
         if cache is None:
             return logits
@@ -170,7 +190,8 @@ class CausalLM(nnx.Module):
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
         """An empty cache for `rows` sequences; softmax-attention layers hold `capacity` tokens
-        per row (default `max_position_embeddings`)."""
+        per row (default `max_position_embeddings`): size it to the longest sequence you will
+        feed (prompt + new tokens). Layers without softmax attention ignore it."""
         capacity = self.max_position_embeddings if capacity is None else capacity
         layers = tuple(
             block.attn.init_cache(rows, capacity) if isinstance(block.attn, Attention) else block.attn.init_cache(rows)
@@ -206,3 +227,30 @@ class CausalLM(nnx.Module):
             return offsets[:, None] + jnp.arange(T)[None]
         seq = segments(cu_seqlens, T).seq_id  # [N]
         return (offsets[seq] + jnp.arange(T) - cu_seqlens[seq])[None]
+
+
+def _capacity(cache: ModelCache) -> int | None:
+    """Positions per row the cache's softmax-attention layers hold (None: no such layer)."""
+    kv = [layer if isinstance(layer, KVCache) else getattr(layer, "attention", None) for layer in cache.layers]
+    sizes = [layer.keys.shape[1] for layer in kv if isinstance(layer, KVCache)]  # a hybrid's LayerCache too
+    return min(sizes) if sizes else None
+
+
+def _refuse_past_capacity(positions, capacity: int | None) -> None:
+    """Refuse tokens at positions ≥ `capacity` (their keys and values cannot be stored):
+    concrete positions at once, traced ones inside `recurrax.runtime_checks()`."""
+    if capacity is None:
+        return
+    if not isinstance(positions, jax.core.Tracer):
+        past = np.argwhere(np.asarray(positions) >= capacity)
+        if past.size:
+            row, column = (int(i) for i in past[0])
+            raise ValueError(f"the cache's attention capacity is {capacity} positions per row "
+                             f"(init_cache(rows, capacity)); token {column} of row {row} would be written at "
+                             f"position {int(np.asarray(positions)[row, column])}: size the cache to the prompt "
+                             "plus the new tokens")
+    elif runtime_checks_enabled():
+        from jax.experimental import checkify
+
+        checkify.check(jnp.max(positions) < capacity, f"the cache's attention capacity is {capacity} positions per "
+                       "row, a token would be written at position {}", jnp.max(positions))
