@@ -197,9 +197,7 @@ def bucket(n: int, smallest: int) -> int:
 def _capacity(model, needed: int) -> int:
     """Attention-cache capacity: `needed` bucketed (fewer recompilations), or 1 for models
     without softmax-attention layers (their caches do not depend on it)."""
-    from ._attention import Attention
-
-    if not any(isinstance(block.attn, Attention) for block in model.model.layers):
+    if not model.uses_attention:
         return 1
     return bucket(needed, 16)
 
