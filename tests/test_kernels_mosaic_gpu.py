@@ -191,3 +191,21 @@ def test_hard_reset_gives_the_minus_1e4_result():
     for reset, floor in zip(jax.tree.leaves(runs[-np.inf]), jax.tree.leaves(runs[-1e4])):
         assert np.isfinite(np.asarray(reset, np.float64)).all()
         np.testing.assert_array_equal(np.asarray(reset), np.asarray(floor))
+
+
+@pytest.mark.parametrize("array", ["value", "g"])
+def test_non_finite_input_stays_causal(array):
+    """A NaN at token 9 of row 0 leaves the outputs of tokens 0–8 and everything of row 1 (its
+    output, final state and gradients) exactly as in the clean run (`recurrax._finite`)."""
+    kwargs = make_inputs(Case(T=64, **{**BF16, "B": 2, "H": 1}, gates=("g_channel",)))
+    clean = run_vjp(MOSAIC, kwargs)
+    bad = np.array(kwargs[array])
+    bad[0, 9, 0, 3] = np.nan
+    o, state, grads = run_vjp(MOSAIC, {**kwargs, array: bad})
+    o_clean, state_clean, grads_clean = clean
+    np.testing.assert_array_equal(np.asarray(o[0, :9]), np.asarray(o_clean[0, :9]))
+    np.testing.assert_array_equal(np.asarray(o[1]), np.asarray(o_clean[1]))
+    np.testing.assert_array_equal(np.asarray(state[1]), np.asarray(state_clean[1]))
+    for name, grad in grads.items():
+        if np.ndim(grad) and np.shape(grad)[0] == 2:  # per-row arrays: row 1 untouched
+            np.testing.assert_array_equal(np.asarray(grad[1]), np.asarray(grads_clean[name][1]), err_msg=name)
