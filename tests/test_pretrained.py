@@ -228,6 +228,16 @@ def test_generate_names_what_a_model_lacks():
     with pytest.raises(TypeError, match=r"int lacks vocab_size, generation_cache, prefill, decode_step$"):
         generate(3, [[1]], 2)
 
+    class PlainModel(HalfModel):  # the whole protocol, but not an nnx.Module
+        def generation_cache(self, slots, capacity):
+            return ()
+
+        def decode_step(self, tokens, cache):
+            return tokens, cache
+
+    with pytest.raises(TypeError, match=r"needs a flax.nnx.Module .*PlainModel is not one$"):
+        generate(PlainModel(), [[1]], 2)
+
 
 def test_tiny_save_load_round_trip(tmp_path):
     model = tiny_model()

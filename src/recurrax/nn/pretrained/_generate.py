@@ -30,8 +30,8 @@ protocol, which `recurrax.nn.LanguageModel` and `CausalLM` implement:
 Every array of a cache has the sequence (slot) axis first, so `generate` moves a prefilled
 sequence into a slot of the pool by indexing that axis. `capacity` is the positions per
 sequence that softmax-attention layers keep (longest prompt + max_new_tokens, bucketed); a
-model whose cache does not depend on it ignores it. A model lacking a method is a
-`TypeError` naming the missing ones.
+model whose cache does not depend on it ignores it. The model is a `flax.nnx.Module`; one
+lacking a member is a `TypeError` naming the missing ones.
 
 The caches (the pool of P slots and one prefill's P + 1 rows) are sized before anything
 runs; a request whose caches exceed `max_cache_bytes` (default: the free memory of the
@@ -53,7 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jaxtyping import Array, Float, Int
 
 from .._tokens import check_token_ids
@@ -61,8 +60,9 @@ from .._tokens import check_token_ids
 
 @runtime_checkable
 class CachedLanguageModel(Protocol):
-    """What `generate` needs of a model: the vocabulary size, an empty cache, a packed
-    prefill and a one-token step. `recurrax.nn.LanguageModel` and `CausalLM` implement it.
+    """What `generate` needs of a model (a `flax.nnx.Module`): the vocabulary size, an empty
+    cache, a packed prefill and a one-token step. `recurrax.nn.LanguageModel` and `CausalLM`
+    implement it.
 
     A cache is any pytree whose arrays all have the sequence axis first (rows = slots).
     """
@@ -92,9 +92,11 @@ def check_protocol(model) -> None:
     missing = [name for name in PROTOCOL if not hasattr(model, name)
                or (name != "vocab_size" and not callable(getattr(model, name)))]
     if missing:
-        raise TypeError(f"generate needs a model with a cache (the CachedLanguageModel protocol: vocab_size, "
-                        f"generation_cache, prefill, decode_step); {type(model).__name__} lacks "
-                        f"{', '.join(missing)}")
+        raise TypeError(f"generate needs a model with a cache (the CachedLanguageModel protocol: "
+                        f"{', '.join(PROTOCOL)}); {type(model).__name__} lacks {', '.join(missing)}")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"generate needs a flax.nnx.Module (it splits the model into graph and parameters for "
+                        f"jit); {type(model).__name__} is not one")
 
 
 def sample_tokens(logits, keys, *, temperature, top_k, top_p):
