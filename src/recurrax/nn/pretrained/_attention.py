@@ -57,6 +57,8 @@ class Attention(nnx.Module):
     `rope_theta` (fla's names); `dtype`, `rngs`.
     """
 
+    scale: float | None = None  # the score scale; None: D^{−1/2}
+
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int | None = None, qkv_bias: bool = False,
                  window_size: int | None = None, rope_theta: float = 10000.0, dtype=jnp.float32, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -87,9 +89,7 @@ class Attention(nnx.Module):
             if cache is not None:
                 raise ValueError("attention with a cache needs the tokens' positions")
             positions = token_positions(x3, cu_seqlens)
-        q = apply_rotary(heads(self.q_proj(x3), self.head_dim), positions, self.rope_theta)
-        k = apply_rotary(heads(self.k_proj(x3), self.head_dim), positions, self.rope_theta)
-        v = heads(self.v_proj(x3), self.head_dim)
+        q, k, v = self._project(x3, positions)
         seq = None if cu_seqlens is None else segments(cu_seqlens, T).seq_id[None]  # [1, N]
         if cache is None:
             o = self._attend(q, k, v, positions, positions, seq, seq)
@@ -106,6 +106,12 @@ class Attention(nnx.Module):
         y = self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
         y = y[0] if x.ndim == 2 else y
         return y if cache is None else (y, new_cache)
+
+    def _project(self, x, positions):
+        """q `[B, T, H, D]`, k and v `[B, T, Hkv, D]`, rotated (a subclass may change this)."""
+        q = apply_rotary(heads(self.q_proj(x), self.head_dim), positions, self.rope_theta)
+        k = apply_rotary(heads(self.k_proj(x), self.head_dim), positions, self.rope_theta)
+        return q, k, heads(self.v_proj(x), self.head_dim)
 
     def init_cache(self, rows: int, capacity: int) -> KVCache:
         """Zero buffers for `rows` sequences of up to `capacity` tokens."""
@@ -169,7 +175,8 @@ class Attention(nnx.Module):
         B, T, H, D = q.shape
         G = H // self.num_kv_heads
         qg = q.reshape(B, T, self.num_kv_heads, G, D).astype(jnp.float32)
-        scores = jnp.einsum("btkgd,bskd->btkgs", qg, k.astype(jnp.float32)) * D**-0.5
+        scale = D**-0.5 if self.scale is None else self.scale
+        scores = jnp.einsum("btkgd,bskd->btkgs", qg, k.astype(jnp.float32)) * scale
         scores = jnp.where(visible[:, :, None, None], scores, -jnp.inf)
         top = jnp.max(scores, axis=-1)
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None])

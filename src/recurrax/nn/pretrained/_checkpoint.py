@@ -39,6 +39,9 @@ from flax import nnx
 
 from ._config_checks import ConfigError
 from ._conv import CausalConv1d
+from ._hf_checkpoint import legacy_names
+from ._hf_config import is_hf_config
+from ._hf_model import HFCausalLM
 from ._linear_attn import LinearAttention
 from ._model import Backbone, CausalLM
 from ._norm import RMSNorm
@@ -62,6 +65,8 @@ def _same(a):
 
 def _module_tensors(module: nnx.Module) -> dict[str, Tensor]:
     """The checkpoint tensors a module owns directly, by fla's parameter name."""
+    if hasattr(module, "checkpoint_params"):  # parameters stored as they are, e.g. Mamba-2's A_log
+        return {name: Tensor(getattr(module, name), _same, _same) for name in module.checkpoint_params}
     if isinstance(module, nnx.Linear):
         found = {"weight": Tensor(module.kernel, np.transpose, np.transpose)}
         if module.bias is not None:
@@ -194,8 +199,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfini
         weights = _load_shards(path, index, load_file)
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+    model_class = CausalLM
+    if is_hf_config(config):
+        model_class, weights = HFCausalLM, legacy_names(config, weights)
     try:
-        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
+        model = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
     return load_weights(model, weights, allow_nonfinite=allow_nonfinite)

@@ -134,6 +134,11 @@ class CausalLM(nnx.Module):
         """The config.json dict this model was built from."""
         return json.loads(self.config_json)
 
+    @property
+    def uses_attention(self) -> bool:
+        """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
+        return any(isinstance(block.attn, Attention) for block in self.model.layers)
+
     def __call__(
         self,
         tokens: Int[Array, "B T"] | Int[Array, " N"],
@@ -163,18 +168,19 @@ class CausalLM(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         check_token_ids(tokens, self.vocab_size)
-        h = self.model.embeddings(tokens[None] if packed else tokens)  # [B, T, D]
+        h = self._embed(tokens[None] if packed else tokens)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
         capacity = None if cache is None else _capacity(cache)
         _refuse_past_capacity(positions, capacity)
-        layer_caches = (None,) * len(self.model.layers) if cache is None else cache.layers
-        if len(layer_caches) != len(self.model.layers):
-            raise ValueError(f"cache must hold {len(self.model.layers)} layer caches, got {len(layer_caches)}")
+        layers = self._layers()
+        layer_caches = (None,) * len(layers) if cache is None else cache.layers
+        if len(layer_caches) != len(layers):
+            raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(layer_caches)}")
         new_caches = []
-        for block, layer_cache, bound in zip(self.model.layers, layer_caches, self.model.layer_lower_bounds()):
-            h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, lower_bound=bound)
+        for block, layer_cache, context in zip(layers, layer_caches, self._layer_context()):
+            h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
             new_caches.append(new_cache)
-        logits = self._head(self.model.norm(h))
+        logits = self._head(h)
         if capacity is not None:  # traced positions: the tokens past it get NaN logits
             logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
         logits = logits[0] if packed else logits
@@ -208,7 +214,19 @@ class CausalLM(nnx.Module):
         logits, cache = self(tokens[:, None], cache)
         return logits[:, 0], cache
 
+    def _embed(self, tokens):
+        return self.model.embeddings(tokens)
+
+    def _layers(self):
+        return self.model.layers
+
+    def _layer_context(self):
+        """Per-layer keyword arguments of the blocks (HGRN2's lower bounds)."""
+        return [dict(lower_bound=bound) for bound in self.model.layer_lower_bounds()]
+
     def _head(self, h):
+        """Final norm, then the (tied) head: float32 logits."""
+        h = self.model.norm(h)
         if self.lm_head is not None:
             return self.lm_head(h).astype(jnp.float32)
         return self.model.embeddings.attend(h).astype(jnp.float32)
@@ -228,7 +246,8 @@ class CausalLM(nnx.Module):
 
 def _capacity(cache: ModelCache) -> int | None:
     """Positions per row the cache's softmax-attention layers hold (None: no such layer)."""
-    sizes = [layer.keys.shape[1] for layer in cache.layers if isinstance(layer, KVCache)]
+    kv = [layer if isinstance(layer, KVCache) else getattr(layer, "attention", None) for layer in cache.layers]
+    sizes = [layer.keys.shape[1] for layer in kv if isinstance(layer, KVCache)]  # a hybrid's LayerCache too
     return min(sizes) if sizes else None
 
 

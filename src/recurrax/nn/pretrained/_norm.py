@@ -59,3 +59,41 @@ class RMSNorm(nnx.Module):
         if gate is not None:
             y = y * activation(gate_fn, "gate_fn")(gate.astype(jnp.float32))
         return y.astype(x.dtype)
+
+
+class GroupedGatedRMSNorm(nnx.Module):
+    """Mamba-2's gated RMS norm over `groups` channel groups, as `transformers` computes it.
+
+        gate first (default):  y = RMS_group(x ⊙ silu(z)) ⊙ w
+        norm_before_gate:      y = RMS_group(x) ⊙ w ⊙ silu(z)        (Falcon-H1's option)
+
+    where `RMS_group` normalises each of the `groups` contiguous slices of the last axis on
+    its own. Computes in float32 and returns the input's dtype. Differs from `RMSNorm(gate=…)`,
+    which normalises first and over the whole axis.
+
+    **Arguments:**
+    - `size`: channels D (a multiple of `groups`); `groups`: channel groups; `eps`: ε.
+    - `norm_before_gate`: apply the gate after the norm instead of before it.
+    - `dtype`: the weight's dtype.
+    """
+
+    checkpoint_params = ("weight",)
+
+    def __init__(self, size: int, *, groups: int = 1, eps: float = 1e-6, norm_before_gate: bool = False,
+                 dtype=jnp.float32):
+        if size % groups:
+            raise ValueError(f"the gated norm needs groups ({groups}) to divide its size ({size})")
+        self.size, self.groups, self.eps, self.norm_before_gate = size, groups, float(eps), norm_before_gate
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+
+    def __call__(self, x: Float[Array, "... D"], gate: Float[Array, "... D"] | None = None) -> Float[Array, "... D"]:
+        y = x.astype(jnp.float32)
+        silu_gate = None if gate is None else jax.nn.silu(gate.astype(jnp.float32))
+        if silu_gate is not None and not self.norm_before_gate:
+            y = y * silu_gate
+        grouped = y.reshape(*y.shape[:-1], self.groups, self.size // self.groups)
+        grouped = grouped * jax.lax.rsqrt(jnp.mean(jnp.square(grouped), axis=-1, keepdims=True) + self.eps)
+        y = grouped.reshape(y.shape) * self.weight[...].astype(jnp.float32)
+        if silu_gate is not None and self.norm_before_gate:
+            y = y * silu_gate
+        return y.astype(x.dtype)

@@ -1,0 +1,242 @@
+"""A mamba2-130m-shaped model, recurrax side by side with `transformers` (PyTorch CPU), one run.
+
+    python benchmarks/mamba2_130m.py [--torch-python /work/venv-hf/bin/python] [--threads 2]
+    python benchmarks/mamba2_130m.py --tiny            # the same steps on a tiny model (seconds)
+
+Builds `transformers`' Mamba2 in the shape of state-spaces/mamba2-130m (d_model 768, 24 layers,
+24 heads × 64, state 128, one group, vocab 50,280, tied embeddings) with random weights (dt and
+A initialised as `transformers` does), writes it with recurrax's `save_pretrained` and measures,
+for recurrax (JAX) and then, in a subprocess of the same run, `transformers`
+(`mamba2_130m_torch.py`, torch with `--threads` threads, pure-PyTorch path), float32, on the
+same checkpoint and inputs:
+- load time (`from_pretrained` of the directory);
+- prefill tokens/s: 8 prompts × 512 tokens in one call (`[8, 512]`), logits of the last
+  position (`logits_to_keep=1` for transformers; ours computes all and keeps the last);
+- decode tokens/s at batch 1, 8 and 64: one token per sequence per step through the cache.
+Each figure is the median of `--repeats` runs (decode: of 8 steps), after a warm-up; the
+spread is min–max. Also the max logit difference on a check batch `[2, 64]` against
+`transformers` and against a float64 run of ours, and where our prefill time goes (the SSD
+calls alone, the B/C head repeat alone). Writes results/mamba2_130m.md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from recurrax import recurrent
+from recurrax.nn.pretrained import from_pretrained, save_pretrained
+from recurrax.nn.pretrained._hf_model import HFCausalLM
+from recurrax.tools.bench.machine import machine_description
+
+MAMBA2_130M = dict(
+    model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=768, num_hidden_layers=24, num_heads=24,
+    head_dim=64, expand=2, state_size=128, n_groups=1, conv_kernel=4, chunk_size=256, vocab_size=50280,
+    tie_word_embeddings=True, use_bias=False, use_conv_bias=True, residual_in_fp32=True, layer_norm_epsilon=1e-5,
+    time_step_limit=[0.0, math.inf],
+)
+"""state-spaces/mamba2-130m's shape in `transformers`' Mamba2Config."""
+TINY = {**MAMBA2_130M, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "state_size": 16,
+        "vocab_size": 256}
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCHES = (1, 8, 64)
+
+
+def timed(fn, repeats: int) -> list[float]:
+    jax.block_until_ready(fn())  # warm-up (compiles)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def random_model(config: dict, seed: int = 0) -> HFCausalLM:
+    """Random weights; dt_bias and A_log as `transformers` initialises them (dt in [1e-3, 0.1])."""
+    model = HFCausalLM(config, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for block in model.body.layers:
+        H = block.mixer.num_heads
+        dt = np.exp(rng.random(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clip(1e-4)
+        block.mixer.dt_bias.set_value(jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32))
+        block.mixer.A_log.set_value(jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)))
+    return model
+
+
+def spread(samples) -> str:
+    return f"{min(samples) * 1e3:,.1f}–{max(samples) * 1e3:,.1f} ms"
+
+
+def ours(directory: Path, inputs: dict, repeats: int, decode_steps: int) -> dict:
+    start = time.perf_counter()
+    model = from_pretrained(directory)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    load = time.perf_counter() - start
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)[:, -1])
+    prompts = jnp.asarray(inputs["prefill"], jnp.int32)
+    prefill = timed(lambda: forward(state, prompts), repeats)
+
+    @jax.jit
+    def step(state, token, cache):
+        logits, cache = nnx.merge(graphdef, state)(token, cache)
+        return jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32), cache
+
+    decode = {}
+    for batch in BATCHES:
+        cache = model.init_cache(batch)
+        token = jnp.asarray(np.random.default_rng(batch).integers(0, model.vocab_size, (batch, 1)), jnp.int32)
+        token, cache = step(state, token, cache)  # warm-up (compiles)
+        samples = []
+        for _ in range(decode_steps):
+            start = time.perf_counter()
+            token, cache = jax.block_until_ready(step(state, token, cache))
+            samples.append(time.perf_counter() - start)
+        decode[batch] = samples
+    check = jnp.asarray(inputs["check"], jnp.int32)
+    logits = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, check))
+    return dict(load=load, prefill=prefill, decode=decode, logits=logits, model=model, state=state, graphdef=graphdef)
+
+
+def float64_logits(directory: Path, check) -> np.ndarray:
+    with jax.enable_x64(True):
+        model = from_pretrained(directory, dtype=jnp.float64)
+        return np.asarray(model(jnp.asarray(check, jnp.int32)))
+
+
+def ssd_breakdown(config: dict, batch: int, length: int, repeats: int) -> dict:
+    """One layer's SSD call at the prefill shape, and the B/C repeat from 1 group to H heads, alone."""
+    H, P, N = config["num_heads"], config["head_dim"], config["state_size"]
+    rng = np.random.default_rng(1)
+    c = jnp.asarray(rng.standard_normal((batch, length, 1, N)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((batch, length, 1, N)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, length, H, P)), jnp.float32)
+    g = -jnp.asarray(rng.random((batch, length, H)), jnp.float32) * 0.1
+    ssd = jax.jit(lambda c, b, v, g: recurrent(jnp.repeat(c, H, 2), jnp.repeat(b, H, 2), v, g=g, softmax_scale=1.0)[0])
+    repeat = jax.jit(lambda c, b: (jnp.repeat(c, H, 2), jnp.repeat(b, H, 2)))
+    return dict(ssd=statistics.median(timed(lambda: ssd(c, b, v, g), repeats)),
+                repeat=statistics.median(timed(lambda: repeat(c, b), repeats)))
+
+
+def figure(ours_tps: dict, torch_tps: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(ours_tps)
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(x - 0.2, [torch_tps[k] for k in labels], 0.4, label="transformers (PyTorch CPU)")
+    ax.bar(x + 0.2, [ours_tps[k] for k in labels], 0.4, label="recurrax (JAX CPU)")
+    for i, k in enumerate(labels):
+        ax.text(i + 0.2, ours_tps[k], f"{ours_tps[k] / torch_tps[k]:.1f}×", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s (median)")
+    ax.set_title("mamba2-130m shape, float32, this CPU (shared)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--torch-python", default="/work/venv-hf/bin/python")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    config = TINY if args.tiny else MAMBA2_130M
+    batch, length = (8, 512) if not args.tiny else (2, 16)
+    rng = np.random.default_rng(0)
+    inputs = dict(prefill=rng.integers(0, config["vocab_size"], (batch, length)),
+                  check=rng.integers(0, config["vocab_size"], (2, 64 if not args.tiny else 8)))
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch)
+        save_pretrained(random_model(config), directory)
+        np.savez(directory / "inputs.npz", **inputs)
+        mine = ours(directory, inputs, args.repeats, args.decode_steps)
+        exact = float64_logits(directory, inputs["check"])
+        breakdown = ssd_breakdown(config, batch, length, args.repeats)
+        command = [args.torch_python, str(Path(__file__).with_name("mamba2_130m_torch.py")), str(directory),
+                   "--threads", str(args.threads), "--repeats", str(args.repeats),
+                   "--decode-steps", str(args.decode_steps)]
+        subprocess.run(command, check=True)
+        theirs = json.loads((directory / "torch_measurements.json").read_text())
+        torch_logits = np.load(directory / "torch_logits.npy")
+
+    scale = np.abs(exact).max()
+    errors = dict(ours_vs_f64=np.abs(mine["logits"] - exact).max(), torch_vs_f64=np.abs(torch_logits - exact).max(),
+                  ours_vs_torch=np.abs(mine["logits"] - torch_logits).max())
+    med = statistics.median
+    ours_tps = {"prefill": batch * length / med(mine["prefill"])}
+    torch_tps = {"prefill": batch * length / med(theirs["prefill_seconds"])}
+    for b in BATCHES:
+        ours_tps[f"decode b={b}"] = b / med(mine["decode"][b])
+        torch_tps[f"decode b={b}"] = b / med(theirs["decode_seconds"][str(b)])
+    machine = machine_description()
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(mine["model"], nnx.Param)))
+    lines = [
+        "# mamba2-130m shape: recurrax vs transformers on this CPU" if not args.tiny else "# Tiny Mamba2 (smoke run)",
+        "",
+        f"`python benchmarks/mamba2_130m.py` — {parameters / 1e6:.1f}M parameters, float32, random weights; "
+        f"{machine['cpu']}, {machine['usable_cpus']} CPUs, **shared with other jobs during the run** (figures are "
+        f"noisy; ratios come from one run); JAX {jax.__version__}; torch {theirs['versions']['torch']} with "
+        f"{theirs['threads']} threads, transformers {theirs['versions']['transformers']} (pure-PyTorch path); "
+        f"commit {machine['commit']}.",
+        "",
+        "| measurement | recurrax (JAX) | transformers (PyTorch) | ratio |",
+        "|---|---:|---:|---:|",
+        f"| `from_pretrained` | {mine['load']:.2f} s | {theirs['load_seconds']:.2f} s | "
+        f"{theirs['load_seconds'] / mine['load']:.1f}× |",
+        f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
+        f"({spread(mine['prefill'])}) | {torch_tps['prefill']:,.0f} ({spread(theirs['prefill_seconds'])}) | "
+        f"**{ours_tps['prefill'] / torch_tps['prefill']:.1f}×** |",
+    ]
+    for b in BATCHES:
+        key = f"decode b={b}"
+        lines.append(f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[key]:,.0f} "
+                     f"({spread(mine['decode'][b])}) | {torch_tps[key]:,.0f} "
+                     f"({spread(theirs['decode_seconds'][str(b)])}) | **{ours_tps[key] / torch_tps[key]:.1f}×** |")
+    layers = config["num_hidden_layers"]
+    lines += [
+        "",
+        f"Logits on a check batch [2, {inputs['check'].shape[1]}] (max |logit| {scale:.2f}), max absolute difference: "
+        f"recurrax float32 vs recurrax float64 {errors['ours_vs_f64']:.2e}; transformers float32 vs recurrax float64 "
+        f"{errors['torch_vs_f64']:.2e}; recurrax vs transformers {errors['ours_vs_torch']:.2e} "
+        f"({errors['ours_vs_torch'] / scale:.1e} relative).",
+        "",
+        f"Where our prefill time goes: the SSD (`recurrax.recurrent`, chunk algorithm on CPU, B/C repeated to "
+        f"{config['num_heads']} heads) takes {breakdown['ssd'] * 1e3:.0f} ms per layer at [{batch}, {length}], "
+        f"{layers * breakdown['ssd'] / med(mine['prefill']):.0%} of the prefill for {layers} layers; the B/C "
+        f"repeat alone {breakdown['repeat'] * 1e3:.1f} ms per layer "
+        f"({layers * breakdown['repeat'] / med(mine['prefill']):.1%}); the rest is the projections (in_proj "
+        f"768→3,352, out_proj 1,536→768), the conv, the norms and the tied 50,280-way head.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.tiny:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mamba2_130m.md").write_text(text)
+        figure(ours_tps, torch_tps, args.out / "mamba2_130m.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""`transformers`' side of `mamba2_130m.py`: its own Mamba2ForCausalLM on the same checkpoint.
+
+    /work/venv-hf/bin/python benchmarks/mamba2_130m_torch.py DIR [--threads 2] [--repeats 3]
+
+Run by `mamba2_130m.py` (not on its own): reads DIR (config.json + model.safetensors,
+written by recurrax's `save_pretrained`) and DIR/inputs.npz, writes DIR/torch_measurements.json
+and DIR/torch_logits.npy. PyTorch on the CPU, pure-PyTorch path (`mamba_ssm` and
+`causal_conv1d` absent), float32, `torch.set_num_threads(threads)`, inference mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import transformers
+
+
+def timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def decode_samples(model, batch: int, steps: int, vocab: int) -> list[float]:
+    """Seconds per one-token step at `batch`, after a 4-token prefill through the cache."""
+    generator = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(0, vocab, (batch, 4), generator=generator)
+    out = model(input_ids=prompt, use_cache=True)
+    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+    samples = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        samples.append(time.perf_counter() - start)
+    return samples[1:]  # the first step is the warm-up
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    inputs = np.load(args.directory / "inputs.npz")
+    start = time.perf_counter()
+    model = transformers.Mamba2ForCausalLM.from_pretrained(args.directory, dtype=torch.float32).eval()
+    load_seconds = time.perf_counter() - start
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        check = torch.from_numpy(inputs["check"])
+        np.save(args.directory / "torch_logits.npy", model(input_ids=check, use_cache=False).logits.float().numpy())
+        prompts = torch.from_numpy(inputs["prefill"])
+        prefill = timed(lambda: model(input_ids=prompts, use_cache=False, logits_to_keep=1), args.repeats)
+        decode = {b: decode_samples(model, b, args.decode_steps, vocab) for b in (1, 8, 64)}
+    report = dict(load_seconds=load_seconds, prefill_seconds=prefill, prefill_tokens=int(prompts.numel()),
+                  decode_seconds={str(b): s for b, s in decode.items()}, threads=args.threads,
+                  versions=dict(torch=torch.__version__, transformers=transformers.__version__))
+    (args.directory / "torch_measurements.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(dict(load=load_seconds, prefill=statistics.median(prefill),
+                          decode={b: statistics.median(s) for b, s in decode.items()})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,220 @@
+"""`transformers`' config.json of Mamba-2 and its hybrids, read into one layout spec.
+
+`resolve_hf(config)` returns a dict with the family, the widths, `layers` (one kind per layer:
+`mamba`, `attention`, `mlp`, `moe` or Falcon-H1's `parallel`) and the keyword arguments of each
+layer kind, with the defaults of `transformers` 5.25's config classes for absent keys. Configs
+are read as the Hub publishes them too: Nemotron-H's `hybrid_override_pattern` (`M * - E`) and
+`mamba_*` aliases, the older `mamba` / `attention` layer names, a bare `Infinity` (json reads
+it) and `transformers` 5's `{"__float__": "Infinity"}`.
+"""
+
+from __future__ import annotations
+
+import math
+
+HF_FAMILIES = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
+
+FLA_MAMBA2_KEYS = ("fuse_norm", "fuse_cross_entropy", "fuse_linear_cross_entropy", "fuse_swiglu", "attn")
+"""Keys of fla's own `mamba2` config.json, which `transformers`' Mamba2Config never writes."""
+
+DEFAULTS = {
+    "mamba2": dict(num_heads=128, head_dim=64, vocab_size=32768, hidden_size=4096, state_size=128,
+                   num_hidden_layers=64, layer_norm_epsilon=1e-5, expand=2, conv_kernel=4, n_groups=8,
+                   use_bias=False, use_conv_bias=True, hidden_act="silu", residual_in_fp32=True,
+                   time_step_limit=(0.0, math.inf), tie_word_embeddings=False),
+    "nemotron_h": dict(vocab_size=131072, hidden_size=4096, tie_word_embeddings=False, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, intermediate_size=21504,
+                       mlp_hidden_act="relu2", mlp_bias=False, ssm_state_size=128, mamba_num_heads=128,
+                       mamba_head_dim=64, mamba_hidden_act="silu", n_groups=8, conv_kernel=4,
+                       time_step_limit=(0.0, math.inf), use_conv_bias=True, n_routed_experts=8, n_shared_experts=1,
+                       moe_intermediate_size=7688, moe_shared_expert_intermediate_size=7688, moe_latent_size=None,
+                       num_experts_per_tok=2, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                       norm_topk_prob=True, num_nextn_predict_layers=0, use_bias=False, layer_norm_epsilon=1e-5,
+                       residual_in_fp32=False, sliding_window=None),
+    "bamba": dict(vocab_size=128000, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
+                  rms_norm_eps=1e-5, max_position_embeddings=262144, attn_layer_indices=None, mamba_n_heads=128,
+                  mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+                  mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=(0.0, math.inf),
+                  attention_bias=False, mlp_bias=False),
+    "granitemoehybrid": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
+                             max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                             attention_bias=False, embedding_multiplier=1.0, logits_scaling=1.0,
+                             residual_multiplier=1.0, attention_multiplier=1.0, num_local_experts=8,
+                             num_experts_per_tok=2, shared_intermediate_size=1024, position_embedding_type=None,
+                             layer_types=None, mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256,
+                             mamba_d_head="auto", mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+                             mamba_proj_bias=False, time_step_limit=(0.0, math.inf)),
+    "falcon_h1": dict(vocab_size=128000, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
+                      rms_norm_eps=1e-5, max_position_embeddings=8192, mamba_d_ssm=1024, mamba_n_heads=128,
+                      mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+                      mamba_conv_bias=True, mamba_proj_bias=False, mamba_norm_before_gate=True,
+                      mamba_rms_norm=False, time_step_limit=(0.0, math.inf), projectors_bias=False,
+                      lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=None, key_multiplier=1.0,
+                      attention_out_multiplier=1.0, attention_in_multiplier=1.0, ssm_multipliers=None,
+                      ssm_in_multiplier=1.0, ssm_out_multiplier=1.0, attention_bias=False, mlp_bias=False),
+}
+"""Defaults of `transformers` 5.25's config classes, per `model_type` (the keys read here)."""
+
+NEMOTRON_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
+                    "mamba_conv_bias": "use_conv_bias", "layer_types": "layers_block_type"}
+PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+LAYER_NAMES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
+               "mlp": "mlp", "moe": "moe"}
+
+
+def decode_floats(value):
+    """`transformers` 5's `{"__float__": "Infinity"}` (and -Infinity, NaN) as floats, anywhere in a config."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"].replace("Infinity", "inf"))
+        return {k: decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_floats(v) for v in value]
+    return value
+
+
+def is_hf_config(config: dict) -> bool:
+    """Whether config.json is one of `transformers`' Mamba-2 families (refusing fla's own `mamba2`)."""
+    model_type = config.get("model_type")
+    if model_type == "mamba2" and any(key in config for key in FLA_MAMBA2_KEYS):
+        raise NotImplementedError(
+            "this is fla's own mamba2 config (it has fla's fuse_* keys); only transformers' Mamba2 checkpoints "
+            "(Mamba2ForCausalLM) are supported")
+    return model_type in HF_FAMILIES
+
+
+def _layer_kinds(c: dict, family: str) -> list[str]:
+    if family == "mamba2":
+        return ["mamba"] * c["num_hidden_layers"]
+    if family == "falcon_h1":
+        return ["parallel"] * c["num_hidden_layers"]
+    if family == "bamba":
+        attention = set(c["attn_layer_indices"] or ())
+        return ["attention" if i in attention else "mamba" for i in range(c["num_hidden_layers"])]
+    if family == "nemotron_h":
+        if c.get("layers_block_type") is not None:
+            names = c["layers_block_type"]
+        elif c.get("hybrid_override_pattern") is not None:
+            return [PATTERN[ch] for ch in c["hybrid_override_pattern"]]
+        else:
+            names = ["linear_attention", "moe", "full_attention", "mlp"]
+    else:
+        names = c["layer_types"] or ["linear_attention"] * c["num_hidden_layers"]
+    unknown = sorted(set(names) - set(LAYER_NAMES))
+    if unknown:
+        raise NotImplementedError(f"unsupported layer types {unknown} in a {family} config")
+    return [LAYER_NAMES[name] for name in names]
+
+
+def _rope(c: dict, head_dim: int, factor: float | None = None) -> tuple[int, float]:
+    """(rotated channels per head, θ) from `rope_parameters` or the older top-level keys."""
+    params = c.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" or c.get("rope_scaling"):
+        raise NotImplementedError(f"only the default rotary embedding is supported, got {params or c['rope_scaling']}")
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    if factor is None:
+        factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    return int(head_dim * factor), float(theta)
+
+
+def _mamba(c: dict, family: str) -> dict:
+    """The Mamba2Mixer arguments of a family's Mamba layers."""
+    limit = tuple(c["time_step_limit"] or (0.0, math.inf))
+    if family in ("mamba2", "nemotron_h"):
+        act = c["hidden_act"] if family == "mamba2" else c["mamba_hidden_act"]
+        if family == "mamba2":
+            heads, head_dim = c["num_heads"], c["head_dim"]
+            if heads * head_dim != int(c["expand"] * c["hidden_size"]):
+                raise ValueError(f"mamba2 needs num_heads·head_dim == expand·hidden_size, got {heads}·{head_dim} "
+                                 f"and {c['expand']}·{c['hidden_size']}")
+        else:
+            heads, head_dim = c["mamba_num_heads"], c["mamba_head_dim"]
+        spec = dict(num_heads=heads, head_dim=head_dim, state_size=c.get("state_size", c.get("ssm_state_size")),
+                    n_groups=c["n_groups"], conv_kernel=c["conv_kernel"], use_conv_bias=c["use_conv_bias"],
+                    use_bias=c["use_bias"], time_step_limit=limit, eps=c["layer_norm_epsilon"])
+    else:
+        width = c["mamba_expand"] * c["hidden_size"]
+        if family == "falcon_h1" and c["mamba_d_ssm"] is not None:
+            width = c["mamba_d_ssm"]
+        head_dim = width // c["mamba_n_heads"] if c["mamba_d_head"] == "auto" else c["mamba_d_head"]
+        act = c["hidden_act"]
+        spec = dict(num_heads=c["mamba_n_heads"], head_dim=head_dim, state_size=c["mamba_d_state"],
+                    n_groups=c["mamba_n_groups"], conv_kernel=c["mamba_d_conv"], use_conv_bias=c["mamba_conv_bias"],
+                    use_bias=c["mamba_proj_bias"], time_step_limit=limit, eps=c["rms_norm_eps"])
+        if family == "falcon_h1":
+            spec.update(out_bias=c["projectors_bias"], gated_norm=c["mamba_rms_norm"],
+                        norm_before_gate=c["mamba_norm_before_gate"], in_multiplier=c["ssm_in_multiplier"],
+                        ssm_multipliers=tuple(c["ssm_multipliers"] or (1.0,) * 5))
+    if act not in ("silu", "swish"):
+        raise NotImplementedError(f"only a SiLU Mamba activation is supported, got {act!r}")
+    return spec
+
+
+def _attention(c: dict, family: str) -> dict:
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    spec = dict(num_heads=heads, num_kv_heads=c["num_key_value_heads"] or heads, head_dim=head_dim,
+                bias=c.get("attention_bias", False) if family != "nemotron_h" else False)
+    if family == "nemotron_h":
+        if c.get("sliding_window"):
+            raise NotImplementedError("Nemotron-H's sliding_window attention is not supported")
+        return spec  # no positional encoding
+    if family == "granitemoehybrid":
+        spec["scale"] = float(c["attention_multiplier"])
+        if c["position_embedding_type"] != "rope":
+            return spec
+    if family == "falcon_h1":
+        spec["key_multiplier"] = float(c["key_multiplier"])
+    spec["rotary_dim"], spec["rope_theta"] = _rope(c, head_dim, 0.5 if family == "bamba" else None)
+    return spec
+
+
+def resolve_hf(config: dict) -> dict:
+    """The layout spec of a `transformers` Mamba-2 family config (see the module docstring)."""
+    family = config["model_type"]
+    c = {**DEFAULTS[family], **decode_floats(config)}
+    if family == "nemotron_h":
+        for alias, name in NEMOTRON_ALIASES.items():
+            if alias in config:
+                c[name] = c.pop(alias)
+        if c["num_nextn_predict_layers"]:
+            c["num_nextn_predict_layers"] = 0  # the multi-token-prediction head is not part of causal LM logits
+    kinds = _layer_kinds(c, family)
+    spec = dict(family=family, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], layers=kinds,
+                tie_word_embeddings=bool(c["tie_word_embeddings"]) and family != "nemotron_h",  # it never ties
+                eps=c.get("layer_norm_epsilon", c.get("rms_norm_eps")),
+                residual_in_fp32=bool(c.get("residual_in_fp32", False)),
+                max_position_embeddings=c.get("max_position_embeddings", 2048))
+    if "mamba" in kinds or "parallel" in kinds:
+        spec["mamba"] = _mamba(c, family)
+    if "attention" in kinds or "parallel" in kinds:
+        spec["attention"] = _attention(c, family)
+    if family == "nemotron_h":
+        spec["mlp"] = dict(width=c["intermediate_size"], bias=c["mlp_bias"], act=c["mlp_hidden_act"])
+        spec["moe"] = dict(experts=c["n_routed_experts"], width=c["moe_intermediate_size"],
+                           shared_width=c["moe_shared_expert_intermediate_size"], latent=c["moe_latent_size"],
+                           bias=c["mlp_bias"], act=c["mlp_hidden_act"],
+                           router=dict(top_k=c["num_experts_per_tok"], n_group=c["n_group"],
+                                       topk_group=c["topk_group"], norm_topk_prob=bool(c["norm_topk_prob"]),
+                                       routed_scaling_factor=c["routed_scaling_factor"]))
+    elif family in ("bamba", "falcon_h1"):
+        multipliers = tuple(c.get("mlp_multipliers") or (1.0, 1.0))
+        spec["mlp"] = dict(width=c["intermediate_size"], bias=c["mlp_bias"], act=c["hidden_act"],
+                           multipliers=multipliers)
+    elif family == "granitemoehybrid":
+        spec["shared_mlp"] = dict(width=c["shared_intermediate_size"], act=c["hidden_act"])
+        if c["num_local_experts"]:
+            spec["moe"] = dict(experts=c["num_local_experts"], width=c["intermediate_size"],
+                               top_k=c["num_experts_per_tok"], act=c["hidden_act"])
+    spec["embedding_multiplier"] = float(c.get("embedding_multiplier", 1.0))
+    spec["residual_multiplier"] = float(c.get("residual_multiplier", 1.0))
+    spec["logits_multiplier"] = (1.0 / float(c["logits_scaling"]) if family == "granitemoehybrid"
+                                 else float(c.get("lm_head_multiplier", 1.0)))
+    if family == "falcon_h1":
+        spec["branch_multipliers"] = dict(attention_in=float(c["attention_in_multiplier"]),
+                                          attention_out=float(c["attention_out_multiplier"]),
+                                          ssm_out=float(c["ssm_out_multiplier"]))
+    return spec

@@ -1,0 +1,218 @@
+"""The non-SSM layers of `transformers`' Mamba-2 hybrids: attention, MLPs and mixtures of experts.
+
+| symbol | meaning                                                |
+|--------|--------------------------------------------------------|
+| D      | `hidden_size`                                          |
+| F      | an MLP's width                                         |
+| E, k   | routed experts, experts per token                      |
+| n      | tokens (all rows flattened)                            |
+
+    HFAttention     fla's `Attention` with `transformers`' options: explicit head_dim, biases on
+                    all four projections, rotary on the first `rotary_dim` channels (or none),
+                    a score scale (Granite's `attention_multiplier`), a key multiplier (Falcon-H1)
+    GatedMLP        W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d      Bamba, Falcon-H1 (m: Falcon's mlp_multipliers)
+    PlainMLP        W_down(act(x W_up))                              Nemotron-H (relu²)
+    NemotronMoE     sigmoid router with group-limited top-k and a score-correction bias; relu²
+                    experts; optional latent projections; plus the shared MLP
+    GraniteMoE      softmax over the top-k router logits; SwiGLU experts stored as `[E, 2F, D]`
+
+The experts run densely (every expert on every token, weighted by the router's sparse
+weights): exact, and cheap for the few experts of small models; a model with many experts
+pays E/k times the routed FLOPs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from ._attention import Attention
+from ._mixer import heads, linear
+from ._norm import activation
+from ._rotary import apply_rotary
+
+
+class HFAttention(Attention):
+    """Causal GQA softmax attention as `transformers`' Llama-style layers compute it.
+
+    **Arguments:** `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`; `bias` (all four
+    projections); `rotary_dim` (rotated leading channels of each head, 0 for no positional
+    encoding); `rope_theta`; `scale` (default `head_dim^{−1/2}`); `key_multiplier`; `dtype`, `rngs`.
+    """
+
+    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
+                 rotary_dim: int = 0, rope_theta: float = 10000.0, scale: float | None = None,
+                 key_multiplier: float = 1.0, dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary dims must be even and at most head_dim={head_dim}, got {rotary_dim}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window_size, self.rope_theta, self.dtype = None, float(rope_theta), dtype
+        self.rotary_dim, self.scale, self.key_multiplier = rotary_dim, scale, float(key_multiplier)
+        q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = linear(hidden_size, q_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_dim, hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+
+    def _rotate(self, x, positions):
+        if not self.rotary_dim:
+            return x
+        rotated = apply_rotary(x[..., : self.rotary_dim], positions, self.rope_theta)
+        return jnp.concatenate([rotated, x[..., self.rotary_dim:]], axis=-1)
+
+    def _project(self, x, positions):
+        k = heads(self.k_proj(x), self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        q = self._rotate(heads(self.q_proj(x), self.head_dim), positions)
+        return q, self._rotate(k, positions), heads(self.v_proj(x), self.head_dim)
+
+
+class GatedMLP(nnx.Module):
+    """`W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d` (Bamba's and Falcon-H1's `feed_forward`)."""
+
+    def __init__(self, hidden_size: int, width: int, *, bias: bool = False, act: str = "silu",
+                 multipliers: tuple[float, float] = (1.0, 1.0), dtype=jnp.float32, rngs: nnx.Rngs):
+        self.gate_proj = linear(hidden_size, width, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden_size, width, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        self.act, self.multipliers = act, tuple(float(m) for m in multipliers)
+        activation(act, "hidden_act")
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        gate_multiplier, down_multiplier = self.multipliers
+        y = self.up_proj(x) * activation(self.act, "hidden_act")(self.gate_proj(x) * gate_multiplier)
+        return self.down_proj(y) * down_multiplier
+
+
+class PlainMLP(nnx.Module):
+    """`W_down(act(x W_up))` (Nemotron-H's MLP layers, experts and shared experts)."""
+
+    def __init__(self, hidden_size: int, width: int, *, bias: bool = False, act: str = "relu2",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        self.up_proj = linear(hidden_size, width, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        self.act = "sqrelu" if act == "relu2" else act
+        activation(self.act, "mlp_hidden_act")
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        return self.down_proj(activation(self.act, "mlp_hidden_act")(self.up_proj(x)))
+
+
+class NemotronRouter(nnx.Module):
+    """Nemotron-H's `gate`: sigmoid scores, top-k within the best `topk_group` of `n_group` groups
+    (chosen with the correction bias), weights from the uncorrected scores."""
+
+    checkpoint_params = ("weight", "e_score_correction_bias")
+
+    def __init__(self, hidden_size: int, experts: int, *, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float, rngs: nnx.Rngs):
+        if experts % n_group:
+            raise ValueError(f"n_group ({n_group}) must divide n_routed_experts ({experts})")
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (experts, hidden_size), jnp.float32) * 0.02)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, float(routed_scaling_factor)
+
+    def __call__(self, x: Float[Array, "n D"]) -> Float[Array, "n E"]:
+        """Dense combine weights `[n, E]` (zero outside each token's top-k)."""
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T)
+        choice = scores + self.e_score_correction_bias[...].astype(jnp.float32)
+        n, E = choice.shape
+        grouped = choice.reshape(n, self.n_group, E // self.n_group)
+        group_scores = jax.lax.top_k(grouped, min(2, E // self.n_group))[0].sum(-1)  # [n, groups]
+        best_groups = jax.lax.top_k(group_scores, self.topk_group)[1]
+        group_mask = jnp.zeros_like(group_scores).at[jnp.arange(n)[:, None], best_groups].set(1.0)
+        choice = jnp.where(jnp.repeat(group_mask, E // self.n_group, axis=-1) > 0, choice, -jnp.inf)
+        chosen = jax.lax.top_k(choice, self.top_k)[1]  # [n, k]
+        weights = jnp.take_along_axis(scores, chosen, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        return jnp.zeros_like(scores).at[jnp.arange(n)[:, None], chosen].set(weights)
+
+
+class NemotronMoE(nnx.Module):
+    """Nemotron-H's MoE layer: `gate`, `experts.{e}.{up,down}_proj`, optional
+    `fc1_latent_proj`/`fc2_latent_proj`, `shared_experts`."""
+
+    def __init__(self, hidden_size: int, *, experts: int, width: int, shared_width: int, latent: int | None,
+                 bias: bool, act: str, router: dict, dtype=jnp.float32, rngs: nnx.Rngs):
+        inner = hidden_size if latent is None else latent
+        self.gate = NemotronRouter(hidden_size, experts, **router, rngs=rngs)
+        self.experts = nnx.List([PlainMLP(inner, width, act=act, dtype=dtype, rngs=rngs) for _ in range(experts)])
+        self.shared_experts = PlainMLP(hidden_size, shared_width, bias=bias, act=act, dtype=dtype, rngs=rngs)
+        self.fc1_latent_proj = None if latent is None else linear(hidden_size, latent, bias=bias, dtype=dtype,
+                                                                  rngs=rngs)
+        self.fc2_latent_proj = None if latent is None else linear(latent, hidden_size, bias=bias, dtype=dtype,
+                                                                  rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        flat = x.reshape(-1, x.shape[-1])
+        weights = self.gate(flat)  # [n, E]
+        inner = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
+        routed = sum(expert(inner) * weights[:, e, None].astype(inner.dtype) for e, expert in enumerate(self.experts))
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed.reshape(x.shape) + self.shared_experts(x)
+
+
+class GraniteRouter(nnx.Module):
+    """Granite's `router`: `layer` (no bias), softmax over the top-k logits."""
+
+    def __init__(self, hidden_size: int, experts: int, *, top_k: int, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.layer = linear(hidden_size, experts, dtype=dtype, rngs=rngs)
+        self.top_k = top_k
+
+    def __call__(self, x: Float[Array, "n D"]) -> Float[Array, "n E"]:
+        logits = self.layer(x).astype(jnp.float32)
+        top, chosen = jax.lax.top_k(logits, self.top_k)
+        n = x.shape[0]
+        return jnp.zeros_like(logits).at[jnp.arange(n)[:, None], chosen].set(jax.nn.softmax(top, axis=-1))
+
+
+class ExpertWeights(nnx.Module):
+    """Stacked expert matrices `weight [E, out, in]`, stored as PyTorch stores them."""
+
+    checkpoint_params = ("weight",)
+
+    def __init__(self, experts: int, d_out: int, d_in: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (experts, d_out, d_in), dtype))
+
+
+class GraniteMoE(nnx.Module):
+    """Granite 4.0-H's `block_sparse_moe`: `router`, `input_linear [E, 2F, D]`, `output_linear [E, D, F]`."""
+
+    def __init__(self, hidden_size: int, *, experts: int, width: int, top_k: int, act: str = "silu",
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        self.router = GraniteRouter(hidden_size, experts, top_k=top_k, dtype=dtype, rngs=rngs)
+        self.input_linear = ExpertWeights(experts, 2 * width, hidden_size, dtype=dtype, rngs=rngs)
+        self.output_linear = ExpertWeights(experts, hidden_size, width, dtype=dtype, rngs=rngs)
+        self.act = act
+        activation(act, "hidden_act")
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        flat = x.reshape(-1, x.shape[-1])
+        weights = self.router(flat).astype(flat.dtype)  # [n, E]
+        gate, up = jnp.split(jnp.einsum("nd,efd->nef", flat, self.input_linear.weight[...]), 2, axis=-1)
+        hidden = activation(self.act, "hidden_act")(gate) * up  # [n, E, F]
+        out = jnp.einsum("nef,edf,ne->nd", hidden, self.output_linear.weight[...], weights)
+        return out.reshape(x.shape)
+
+
+class GraniteSharedMLP(nnx.Module):
+    """Granite's `shared_mlp`: `output_linear(act(a) ⊙ b)` with `[a | b] = input_linear(x)`."""
+
+    def __init__(self, hidden_size: int, width: int, *, act: str = "silu", dtype=jnp.float32, rngs: nnx.Rngs):
+        self.input_linear = linear(hidden_size, 2 * width, dtype=dtype, rngs=rngs)
+        self.output_linear = linear(width, hidden_size, dtype=dtype, rngs=rngs)
+        self.act = act
+        activation(act, "hidden_act")
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        a, b = jnp.split(self.input_linear(x), 2, axis=-1)
+        return self.output_linear(activation(self.act, "hidden_act")(a) * b)

@@ -1,0 +1,216 @@
+"""`transformers`' Mamba-2 causal LMs: Mamba2, Nemotron-H, Bamba, Granite 4.0-H, Falcon-H1.
+
+| symbol | meaning                                                           |
+|--------|-------------------------------------------------------------------|
+| B, T   | batch rows, tokens per row (packed: one row of N tokens)          |
+| D      | `hidden_size`                                                     |
+| m_*    | a config's multipliers (1 where a family has none)                |
+
+    h = E[tokens] · m_embedding
+    mamba2, nemotron_h:  h = h + mixer_l(norm(h))            mixer: Mamba / attention / MLP / MoE
+    bamba:               h = h + (mamba | self_attn)(input_layernorm(h));  h = h + feed_forward(pre_ff_layernorm(h))
+    granitemoehybrid:    h = h + m_res · (mamba | self_attn)(input_layernorm(h))
+                         h = h + m_res · (block_sparse_moe(x) + shared_mlp(x)),  x = post_attention_layernorm(h)
+    falcon_h1:           x = input_layernorm(h)
+                         h = h + m_ssm_out · mamba(x) + m_attn_out · self_attn(m_attn_in · x)
+                         h = h + feed_forward(pre_ff_layernorm(h))
+    logits = final_norm(h) W_head · m_logits        (W_head = Eᵀ with tie_word_embeddings)
+
+The module tree has the names of the checkpoints `transformers` writes (`backbone.` for
+Mamba2 and Nemotron-H, `model.` for the others), so weights load by name. With
+`residual_in_fp32` the residual stream is float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ._attention import KVCache
+from ._hf_config import resolve_hf
+from ._hf_layers import GatedMLP, GraniteMoE, GraniteSharedMLP, HFAttention, NemotronMoE, PlainMLP
+from ._mamba2 import Mamba2Mixer
+from ._mixer import RecurrentCache, linear
+from ._model import CausalLM, ModelCache
+from ._norm import RMSNorm
+
+NAMES = {  # family: (backbone, embedding, final norm)
+    "mamba2": ("backbone", "embeddings", "norm_f"),
+    "nemotron_h": ("backbone", "embeddings", "norm_f"),
+    "bamba": ("model", "embed_tokens", "final_layernorm"),
+    "granitemoehybrid": ("model", "embed_tokens", "norm"),
+    "falcon_h1": ("model", "embed_tokens", "final_layernorm"),
+}
+
+
+class LayerCache(NamedTuple):
+    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
+
+    mamba: RecurrentCache | None
+    attention: KVCache | None
+
+
+def _run(layer, x, cache, context):
+    """A mixer called with or without its cache: `(y, new_cache)`."""
+    if cache is None:
+        return layer(x, **context), None
+    return layer(x, cache, **context)
+
+
+class HFBlock(nnx.Module):
+    """One layer of a `transformers` Mamba-2 family, with that family's attribute names."""
+
+    def __init__(self, spec: dict, kind: str, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, eps, family = spec["hidden_size"], spec["eps"], spec["family"]
+        self.family, self.kind, self.dtype = family, kind, dtype
+        self.residual_in_fp32, self.residual_multiplier = spec["residual_in_fp32"], spec["residual_multiplier"]
+        self.branch_multipliers = tuple(sorted(spec.get("branch_multipliers", {}).items()))
+        common = dict(dtype=dtype, rngs=rngs)
+        make_mamba = lambda: Mamba2Mixer(D, **spec["mamba"], **common)  # noqa: E731
+        make_attention = lambda: HFAttention(D, **spec["attention"], **common)  # noqa: E731
+        if family in ("mamba2", "nemotron_h"):
+            self.norm = RMSNorm(D, eps=eps, dtype=dtype)
+            if kind == "mamba":
+                self.mixer = make_mamba()
+            elif kind == "attention":
+                self.mixer = make_attention()
+            elif kind == "mlp":
+                self.mixer = PlainMLP(D, **spec["mlp"], **common)
+            else:
+                self.mixer = NemotronMoE(D, **spec["moe"], **common)
+            return
+        self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
+        self.mamba = make_mamba() if kind in ("mamba", "parallel") else None
+        self.self_attn = make_attention() if kind in ("attention", "parallel") else None
+        if family == "granitemoehybrid":
+            self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
+            self.block_sparse_moe = GraniteMoE(D, **spec["moe"], **common) if "moe" in spec else None
+            self.shared_mlp = GraniteSharedMLP(D, **spec["shared_mlp"], **common)
+        else:
+            self.pre_ff_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
+            self.feed_forward = GatedMLP(D, **spec["mlp"], **common)
+
+    def init_cache(self, rows: int, capacity: int) -> LayerCache:
+        mamba = self.mixer if self.kind == "mamba" and hasattr(self, "mixer") else getattr(self, "mamba", None)
+        attention = self.mixer if self.kind == "attention" and hasattr(self, "mixer") else getattr(self, "self_attn",
+                                                                                                  None)
+        return LayerCache(None if mamba is None else mamba.init_cache(rows),
+                          None if attention is None else attention.init_cache(rows, capacity))
+
+    def __call__(self, h, cache: LayerCache | None, **context):
+        if self.family in ("mamba2", "nemotron_h"):
+            return self._single(h, cache, context)
+        x = self.input_layernorm(h.astype(self.dtype))
+        mamba_cache = attention_cache = None
+        if self.family == "falcon_h1":
+            m = dict(self.branch_multipliers)
+            y, mamba_cache = _run(self.mamba, x, None if cache is None else cache.mamba, context)
+            a, attention_cache = _run(self.self_attn, x * m["attention_in"], None if cache is None else cache.attention,
+                                      context)
+            h = h + (y * m["ssm_out"] + a * m["attention_out"])
+        elif self.mamba is not None:
+            y, mamba_cache = _run(self.mamba, x, None if cache is None else cache.mamba, context)
+            h = h + y * self.residual_multiplier
+        else:
+            y, attention_cache = _run(self.self_attn, x, None if cache is None else cache.attention, context)
+            h = h + y * self.residual_multiplier
+        if self.family == "granitemoehybrid":
+            x = self.post_attention_layernorm(h)
+            y = self.shared_mlp(x) if self.block_sparse_moe is None else self.block_sparse_moe(x) + self.shared_mlp(x)
+            h = h + y * self.residual_multiplier
+        else:
+            h = h + self.feed_forward(self.pre_ff_layernorm(h))
+        return h, None if cache is None else LayerCache(mamba_cache, attention_cache)
+
+    def _single(self, h, cache, context):
+        """Mamba2 / Nemotron-H: one pre-norm mixer per layer."""
+        x = self.norm(h.astype(self.dtype))
+        residual = h.astype(jnp.float32) if self.residual_in_fp32 else h
+        if self.kind == "mamba":
+            y, new = _run(self.mixer, x, None if cache is None else cache.mamba, context)
+            return residual + y, None if cache is None else cache._replace(mamba=new)
+        if self.kind == "attention":
+            y, new = _run(self.mixer, x, None if cache is None else cache.attention, context)
+            return residual + y, None if cache is None else cache._replace(attention=new)
+        return residual + self.mixer(x), cache
+
+
+class HFBackbone(nnx.Module):
+    """Embedding, layers, final norm (named as the family's checkpoints name them)."""
+
+    def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        _, embedding, final_norm = NAMES[spec["family"]]
+        D = spec["hidden_size"]
+        setattr(self, embedding, nnx.Embed(spec["vocab_size"], D, embedding_init=nnx.initializers.normal(0.02),
+                                           dtype=dtype, param_dtype=dtype, rngs=rngs))
+        self.layers = nnx.List([HFBlock(spec, kind, dtype=dtype, rngs=rngs) for kind in spec["layers"]])
+        setattr(self, final_norm, RMSNorm(D, eps=spec["eps"], dtype=dtype))
+        self.embedding_name, self.final_norm_name = embedding, final_norm
+
+    @property
+    def embedding(self) -> nnx.Embed:
+        return getattr(self, self.embedding_name)
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return getattr(self, self.final_norm_name)
+
+
+class HFCausalLM(CausalLM):
+    """A `transformers` `Mamba2ForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`,
+    `GraniteMoeHybridForCausalLM` or `FalconH1ForCausalLM`: a `CausalLM` (same calls, cache
+    and `config`) with the family's own layers.
+
+    **Arguments:**
+    - `config`: `transformers`' config.json as a dict (its `model_type` chooses the family).
+    - `dtype`: parameter and computation dtype (default float32).
+    - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
+    """
+
+    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):  # noqa: PLW0231
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        spec = resolve_hf(config)
+        self.config_json = json.dumps(config, sort_keys=True)
+        self.model_type, self.dtype = spec["family"], dtype
+        self.vocab_size, self.tie_word_embeddings = spec["vocab_size"], spec["tie_word_embeddings"]
+        self.max_position_embeddings = spec["max_position_embeddings"]
+        self.embedding_multiplier, self.logits_multiplier = spec["embedding_multiplier"], spec["logits_multiplier"]
+        self.backbone_name = NAMES[spec["family"]][0]
+        setattr(self, self.backbone_name, HFBackbone(spec, dtype=dtype, rngs=rngs))
+        self.lm_head = None if self.tie_word_embeddings else linear(spec["hidden_size"], spec["vocab_size"],
+                                                                    dtype=dtype, rngs=rngs)
+
+    @property
+    def body(self) -> HFBackbone:
+        """The backbone (`backbone` or `model`, as the family names it)."""
+        return getattr(self, self.backbone_name)
+
+    @property
+    def uses_attention(self) -> bool:
+        """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
+        return any(block.kind in ("attention", "parallel") for block in self.body.layers)
+
+    def _embed(self, tokens):
+        h = self.body.embedding(tokens)
+        return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
+
+    def _layers(self):
+        return self.body.layers
+
+    def _layer_context(self):
+        return [{}] * len(self.body.layers)
+
+    def _head(self, h):
+        h = self.body.final_norm(h).astype(self.dtype)
+        logits = (self.lm_head(h) if self.lm_head is not None else self.body.embedding.attend(h)).astype(jnp.float32)
+        return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
+
+    def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
+        """An empty cache for `rows` sequences; attention layers hold `capacity` tokens per row
+        (default `max_position_embeddings`)."""
+        capacity = self.max_position_embeddings if capacity is None else capacity
+        layers = tuple(block.init_cache(rows, capacity) for block in self.body.layers)
+        return ModelCache(layers, jnp.zeros((rows,), jnp.int32))

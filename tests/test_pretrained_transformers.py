@@ -1,0 +1,200 @@
+"""recurrax.nn.pretrained against Hugging Face `transformers` itself (Mamba-2 and its hybrids).
+
+The fixtures in tests/fixtures/transformers/<name>/ were made by `transformers` 5.25 in PyTorch
+(make_fixtures.py there): its config.json + model.safetensors, and its own float32 logits and
+greedy continuations (each token chosen from a full parallel forward, since `transformers`'
+cached step ignores `time_step_limit`). Logits are checked on every fixture; decode, packing,
+generation and saving on Mamba2 (groups, dt limit, tied, biases) in the default tier, on all
+fixtures with `-m ""` (the hybrids' decode, packing and generation too).
+
+Error metric: max |ours − transformers| / max |transformers| (float32 throughout).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", reason="recurrax.nn.pretrained needs flax")
+pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip install 'recurrax[pretrained]')")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from recurrax.nn.pretrained import (  # noqa: E402
+    CachedLanguageModel, from_pretrained, generate, save_pretrained, state_dict)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
+NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists()) if FIXTURES.is_dir() else []
+FAST = {"mamba2_groups_limit_tied_bias"}  # CI time: the others run with -m ""
+TOLERANCE = 1e-4
+needs_fixtures = pytest.mark.skipif(not NAMES, reason="no fixtures in tests/fixtures/transformers")
+
+
+def _by_tier(names):
+    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in names]
+
+
+def relative_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+class Loaded:
+    """A fixture's model, `transformers`' outputs, and the model's compiled functions."""
+
+    def __init__(self, folder: Path):
+        self.model = from_pretrained(folder)
+        self.expected = dict(np.load(folder / "expected.npz"))
+        graphdef, self.params = nnx.split(self.model)
+        self.forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+        self.packed = jax.jit(lambda params, tokens, cu: nnx.merge(graphdef, params)(tokens, cu_seqlens=cu))
+        self.step = jax.jit(lambda params, tokens, cache: nnx.merge(graphdef, params)(tokens, cache))
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(name: str) -> Loaded:
+    return Loaded(FIXTURES / name)
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name):
+    fixture = loaded(name)
+    logits = fixture.forward(fixture.params, jnp.asarray(fixture.expected["input_ids"]))
+    assert relative_error(logits, fixture.expected["logits"]) < TOLERANCE
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", _by_tier(NAMES))
+def test_cached_decode_equals_parallel(name):
+    """Prefill 5 tokens through the cache, then one token at a time: the parallel logits (and
+    `transformers`' parallel logits), with the dt clamp in both paths."""
+    fixture = loaded(name)
+    tokens = jnp.asarray(fixture.expected["input_ids"])
+    B, T = tokens.shape
+    cache = fixture.model.init_cache(B, 16)
+    logits, cache = fixture.step(fixture.params, tokens[:, :5], cache)
+    pieces = [logits]
+    for t in range(5, T):
+        logits, cache = fixture.step(fixture.params, tokens[:, t:t + 1], cache)
+        pieces.append(logits)
+    decoded = jnp.concatenate(pieces, axis=1)
+    assert relative_error(decoded, fixture.forward(fixture.params, tokens)) < 1e-5
+    assert relative_error(decoded, fixture.expected["logits"]) < TOLERANCE
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", _by_tier(NAMES))
+def test_packed_batch_equals_each_sequence(name):
+    fixture = loaded(name)
+    prompts = [fixture.expected["prompt_0"], fixture.expected["prompt_1"]]
+    packed = fixture.packed(fixture.params, jnp.asarray(np.concatenate(prompts)),
+                            jnp.asarray([0, len(prompts[0]), len(prompts[0]) + len(prompts[1])]))
+    alone = [fixture.forward(fixture.params, jnp.asarray(p)[None])[0] for p in prompts]
+    assert relative_error(packed, jnp.concatenate(alone)) < 1e-5
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", _by_tier(NAMES))
+def test_greedy_generation_matches_transformers(name):
+    fixture = loaded(name)
+    prompts = [fixture.expected["prompt_0"], fixture.expected["prompt_1"]]
+    assert isinstance(fixture.model, CachedLanguageModel)  # generate goes through its protocol
+    outputs = generate(fixture.model, prompts, max_new_tokens=len(fixture.expected["greedy_0"]))
+    assert outputs == [fixture.expected["greedy_0"].tolist(), fixture.expected["greedy_1"].tolist()]
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name", _by_tier(NAMES))
+def test_save_pretrained_round_trip(name, tmp_path):
+    """The saved checkpoint holds transformers' tensor names and values, and loads back equal."""
+    fixture = loaded(name)
+    save_pretrained(fixture.model, tmp_path)
+    original, saved = load_file(FIXTURES / name / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert sorted(saved) == sorted(original)
+    assert all(np.array_equal(saved[k], original[k]) for k in original)
+    assert json.loads((tmp_path / "config.json").read_text(), parse_constant=float) == \
+        json.loads((FIXTURES / name / "config.json").read_text(), parse_constant=float)
+    again = from_pretrained(tmp_path)
+    tokens = jnp.asarray(fixture.expected["input_ids"])
+    assert relative_error(again(tokens), fixture.forward(fixture.params, tokens)) < 1e-5  # eager vs jit rounding
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs as the Hub publishes them
+# ----------------------------------------------------------------------------------------------
+
+def _rewritten(name: str, tmp_path: Path, edit=None, rename=None) -> Path:
+    """A copy of fixture `name` with its config.json edited and its tensors renamed."""
+    shutil.copytree(FIXTURES / name, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if edit is not None:
+        edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if rename is not None:
+        weights = load_file(tmp_path / "model.safetensors")
+        save_file({rename(k): v for k, v in weights.items()}, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def _logits_error(folder: Path, name: str) -> float:
+    expected = np.load(FIXTURES / name / "expected.npz")
+    return relative_error(from_pretrained(folder)(jnp.asarray(expected["input_ids"])), expected["logits"])
+
+
+@needs_fixtures
+def test_bare_infinity_and_old_embedding_name(tmp_path):
+    """A bare Infinity in config.json (4.x) and Mamba-2's older `backbone.embedding.` name."""
+    def mamba2(config):
+        config["time_step_limit"] = [0.0, math.inf]  # json.dumps writes the bare Infinity of 4.x
+
+    def old_embedding(name):
+        return name.replace("backbone.embeddings.", "backbone.embedding.")
+
+    folder = _rewritten("mamba2_basic", tmp_path, mamba2, old_embedding)
+    assert "Infinity" in (folder / "config.json").read_text()
+    assert _logits_error(folder, "mamba2_basic") < TOLERANCE
+
+
+@needs_fixtures
+@pytest.mark.slow
+def test_hub_layer_spellings_load_the_same_model(tmp_path):
+    """Nemotron-H's hybrid_override_pattern and mamba_* aliases, Granite's older layer names."""
+    def nemotron(config):
+        config["hybrid_override_pattern"] = "M-M*E"
+        del config["layers_block_type"]
+        config["mamba_n_groups"] = config.pop("n_groups")
+        config["mamba_d_conv"] = config.pop("conv_kernel")
+
+    def granite(config):
+        config["layer_types"] = ["mamba", "attention", "mamba"]
+
+    assert _logits_error(_rewritten("nemotron_h_pattern_moe", tmp_path / "n", nemotron),
+                         "nemotron_h_pattern_moe") < TOLERANCE
+    assert _logits_error(_rewritten("granite_moe_multipliers", tmp_path / "g", granite),
+                         "granite_moe_multipliers") < TOLERANCE
+
+
+@needs_fixtures
+def test_fla_mamba2_config_is_refused_by_name(tmp_path):
+    def fla(config):
+        config.update(fuse_norm=True, fuse_cross_entropy=True)
+
+    with pytest.raises(NotImplementedError, match="fla's own mamba2"):
+        from_pretrained(_rewritten("mamba2_basic", tmp_path, fla))
+
+
+@needs_fixtures
+def test_state_dict_names_are_transformers_names():
+    fixture = loaded("nemotron_h_pattern_moe")
+    assert sorted(state_dict(fixture.model)) == sorted(load_file(FIXTURES / "nemotron_h_pattern_moe" /
+                                                                 "model.safetensors"))
