@@ -187,6 +187,58 @@ def test_sample_tokens_top_k_top_p_temperature():
     assert set(np.asarray(many[:, 0]).tolist()) == set(nucleus.tolist())
 
 
+def _greedy_by_parallel_forwards(model, prompts, n):
+    """The reference: each next token is the argmax of one parallel forward over everything so
+    far (right-padded to one length: a causal model's logits at t ignore what follows t)."""
+    rows = [list(p) for p in prompts]
+    forward = jax.jit(lambda tokens: model(tokens))
+    for _ in range(n):
+        padded = np.zeros((len(rows), max(map(len, prompts)) + n), np.int32)
+        for i, row in enumerate(rows):
+            padded[i, : len(row)] = row
+        logits = np.asarray(forward(jnp.asarray(padded)))
+        for i, row in enumerate(rows):
+            row.append(int(np.argmax(logits[i, len(row) - 1])))
+    return [row[len(p):] for row, p in zip(rows, prompts)]
+
+
+@pytest.mark.parametrize("mixer", ["gla", "lightning"])
+def test_generate_on_a_language_model_equals_greedy_parallel_forwards(mixer):
+    """generate takes any model with the protocol: a float64 recurrax.nn.LanguageModel (short
+    convolution, grouped heads), ragged prompts, 3 prompts on 2 slots (one waits for a slot)."""
+    from recurrax.nn import LanguageModel
+
+    model = LanguageModel(32, 16, 2, 2, mixer=mixer, mlp_ratio=2, mixer_options=dict(num_kv_heads=1, conv_size=3),
+                          dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(5))
+    assert isinstance(model, pretrained.CachedLanguageModel)
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [6], [5, 3, 5, 8]]
+    want = _greedy_by_parallel_forwards(model, prompts, 5)
+    assert generate(model, prompts, 5, num_slots=2) == want
+
+
+def test_generate_names_what_a_model_lacks():
+    class HalfModel:
+        vocab_size = 8
+
+        def prefill(self, tokens, cu_seqlens, cache):
+            return tokens, cache
+
+    with pytest.raises(TypeError, match=r"HalfModel lacks generation_cache, decode_step$"):
+        generate(HalfModel(), [[1]], 2)
+    with pytest.raises(TypeError, match=r"int lacks vocab_size, generation_cache, prefill, decode_step$"):
+        generate(3, [[1]], 2)
+
+    class PlainModel(HalfModel):  # the whole protocol, but not an nnx.Module
+        def generation_cache(self, slots, capacity):
+            return ()
+
+        def decode_step(self, tokens, cache):
+            return tokens, cache
+
+    with pytest.raises(TypeError, match=r"needs a flax.nnx.Module .*PlainModel is not one$"):
+        generate(PlainModel(), [[1]], 2)
+
+
 def test_tiny_save_load_round_trip(tmp_path):
     model = tiny_model()
     save_pretrained(model, tmp_path)

@@ -29,7 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from recurrax.nn.pretrained import from_pretrained, generate, save_pretrained, state_dict  # noqa: E402
+from recurrax.nn.pretrained import (  # noqa: E402
+    CachedLanguageModel, from_pretrained, generate, save_pretrained, state_dict)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
 NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists()) if FIXTURES.is_dir() else []
@@ -107,6 +108,7 @@ def test_packed_batch_equals_each_sequence(name):
 def test_greedy_generation_matches_transformers(name):
     fixture = loaded(name)
     prompts = [fixture.expected["prompt_0"], fixture.expected["prompt_1"]]
+    assert isinstance(fixture.model, CachedLanguageModel)  # generate goes through its protocol
     outputs = generate(fixture.model, prompts, max_new_tokens=len(fixture.expected["greedy_0"]))
     assert outputs == [fixture.expected["greedy_0"].tolist(), fixture.expected["greedy_1"].tolist()]
 

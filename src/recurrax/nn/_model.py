@@ -5,7 +5,9 @@
     logits = RMSNorm(h) Eᵀ
 
 Its decode cache is a tuple with one mixer state per block; `model(tokens, cache=cache)`
-continues every sequence from its cache and returns `(logits, new_cache)`.
+continues every sequence from its cache and returns `(logits, new_cache)`. It implements
+`recurrax.nn.pretrained.generate`'s protocol (`generation_cache`, `prefill`, `decode_step`),
+so `generate(model, prompts, max_new_tokens)` continues ragged prompts with it.
 """
 
 from __future__ import annotations
@@ -152,6 +154,24 @@ class LanguageModel(nnx.Module):
         - `batch_size`: sequences to decode; `dtype`: the state dtype (float64 for float64 models).
         """
         return tuple(block.mixer.init_cache(batch_size, dtype) for block in self.blocks)
+
+    def generation_cache(self, slots: int, capacity: int | None = None) -> tuple[MixerCache, ...]:
+        """An empty cache for `slots` sequences in the parameters' precision (float32, or
+        float64 for float64 models); `capacity` is ignored (the states do not grow). Part of
+        `recurrax.nn.pretrained.generate`'s protocol, with `prefill` and `decode_step`."""
+        return self.init_cache(slots, jnp.promote_types(jnp.float32, self.embed.embedding.get_value().dtype))
+
+    def prefill(self, tokens: Int[Array, " total_tokens"], cu_seqlens: Int[Array, " num_seqs_plus_one"],
+                cache: tuple[MixerCache, ...]) -> tuple[Float[Array, "total_tokens vocab"], tuple[MixerCache, ...]]:
+        """Continue `num_seqs` packed sequences (empty ones allowed) from the rows of `cache`:
+        `model(tokens, cache, cu_seqlens=cu_seqlens)`."""
+        return self(tokens, cache, cu_seqlens=cu_seqlens)
+
+    def decode_step(self, tokens: Int[Array, " batch"], cache: tuple[MixerCache, ...]
+                    ) -> tuple[Float[Array, "batch vocab"], tuple[MixerCache, ...]]:
+        """Advance every row of `cache` by its one token: logits `[batch, vocab]`."""
+        logits, cache = self(tokens[:, None], cache)
+        return logits[:, 0], cache
 
 
 def _check_tokens(tokens, cu_seqlens) -> None:

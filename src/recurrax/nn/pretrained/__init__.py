@@ -2,7 +2,7 @@
 
     model = from_pretrained("path/to/fla-checkpoint")          # config.json + model.safetensors
     logits = model(tokens)                                      # [B, T, vocab]
-    outputs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=20)
+    outputs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=20)    # any CachedLanguageModel
     save_pretrained(model, "out/")                              # readable by fla's from_pretrained
 
 Supported `model_type`s: gla, retnet, hgrn2, linear_attn, lightnet, each optionally hybrid
@@ -14,7 +14,7 @@ from ._attention import Attention, KVCache
 from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
 from ._config import SUPPORTED
 from ._conv import CausalConv1d
-from ._generate import generate
+from ._generate import CachedLanguageModel, generate
 from ._gla import GatedLinearAttention
 from ._hgrn2 import HGRN2Attention
 from ._lightnet import LightNetAttention
@@ -27,6 +27,7 @@ from ._retnet import MultiScaleRetention
 __all__ = [
     "SUPPORTED",
     "Attention",
+    "CachedLanguageModel",
     "CausalConv1d",
     "CausalLM",
     "GatedLinearAttention",

@@ -19,6 +19,20 @@ runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed)
 so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
 buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
 
+Any model with a cache can generate: `generate` needs only the `CachedLanguageModel`
+protocol, which `recurrax.nn.LanguageModel` and `CausalLM` implement:
+
+    model.vocab_size                                   ids are in [0, vocab_size)
+    model.generation_cache(slots, capacity)            an empty cache for `slots` sequences
+    model.prefill(tokens [N], cu_seqlens [S+1], cache) → (logits [N, vocab], cache)   packed
+    model.decode_step(tokens [P], cache)               → (logits [P, vocab], cache)   one token each
+
+Every array of a cache has the sequence (slot) axis first, so `generate` moves a prefilled
+sequence into a slot of the pool by indexing that axis. `capacity` is the positions per
+sequence that softmax-attention layers keep (longest prompt + max_new_tokens, bucketed); a
+model whose cache does not depend on it ignores it. The model is a `flax.nnx.Module`; one
+lacking a member is a `TypeError` naming the missing ones.
+
 The caches (the pool of P slots and one prefill's P + 1 rows) are sized before anything
 runs; a request whose caches exceed `max_cache_bytes` (default: the free memory of the
 device, or of the host for CPU) is a `ValueError` naming `max_new_tokens`, the longest
@@ -29,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from functools import partial
-from typing import Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import math
 import numbers
@@ -39,8 +53,50 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from .._tokens import check_token_ids
+
+
+@runtime_checkable
+class CachedLanguageModel(Protocol):
+    """What `generate` needs of a model (a `flax.nnx.Module`): the vocabulary size, an empty
+    cache, a packed prefill and a one-token step. `recurrax.nn.LanguageModel` and `CausalLM`
+    implement it.
+
+    A cache is any pytree whose arrays all have the sequence axis first (rows = slots).
+    """
+
+    vocab_size: int
+
+    def generation_cache(self, slots: int, capacity: int) -> Any:
+        """An empty cache for `slots` sequences; softmax-attention layers keep `capacity`
+        positions per sequence (a model without them ignores it)."""
+        ...
+
+    def prefill(self, tokens: Int[Array, " N"], cu_seqlens: Int[Array, " S_plus_1"],
+                cache: Any) -> tuple[Float[Array, "N vocab"], Any]:
+        """Continue S packed sequences (some may be empty) from the S rows of `cache`."""
+        ...
+
+    def decode_step(self, tokens: Int[Array, " P"], cache: Any) -> tuple[Float[Array, "P vocab"], Any]:
+        """Advance each of the P rows of `cache` by its one token."""
+        ...
+
+
+PROTOCOL = ("vocab_size", "generation_cache", "prefill", "decode_step")
+
+
+def check_protocol(model) -> None:
+    """A `TypeError` naming what `model` lacks of `CachedLanguageModel`."""
+    missing = [name for name in PROTOCOL if not hasattr(model, name)
+               or (name != "vocab_size" and not callable(getattr(model, name)))]
+    if missing:
+        raise TypeError(f"generate needs a model with a cache (the CachedLanguageModel protocol: "
+                        f"{', '.join(PROTOCOL)}); {type(model).__name__} lacks {', '.join(missing)}")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"generate needs a flax.nnx.Module (it splits the model into graph and parameters for "
+                        f"jit); {type(model).__name__} is not one")
 
 
 def sample_tokens(logits, keys, *, temperature, top_k, top_p):
@@ -87,7 +143,8 @@ def generate(
     """Continue every prompt by up to `max_new_tokens` tokens.
 
     **Arguments:**
-    - `model`: a `CausalLM` (e.g. from `from_pretrained`).
+    - `model`: any `CachedLanguageModel`: a `CausalLM` (e.g. from `from_pretrained`), a
+      `recurrax.nn.LanguageModel`, or your own model with those four members.
     - `prompts`: token-id lists (Python or NumPy integers in `[0, vocab_size)`), of any
       non-zero lengths.
     - `max_new_tokens`: most tokens generated per prompt (an integer ≥ 0).
@@ -104,8 +161,10 @@ def generate(
     **Returns:** the new tokens of each prompt, in the order of `prompts`.
 
     Every argument is checked first: a wrong type is a `TypeError`, a wrong value a
-    `ValueError`, each naming the argument; nothing is coerced.
+    `ValueError`, each naming the argument; nothing is coerced. A model without the protocol
+    is a `TypeError` naming the methods it lacks.
     """
+    check_protocol(model)
     prompts = _checked_prompts(prompts, model.vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 0)
     _check_number("temperature", temperature, 0.0)
@@ -126,7 +185,7 @@ def generate(
     graphdef, params = nnx.split(model)
     static = dict(graphdef=graphdef, slots=P, capacity=capacity)
     sampling = (jnp.float32(temperature), jnp.int32(top_k or model.vocab_size), jnp.float32(top_p or 1.0))
-    pool = model.init_cache(P, capacity)
+    pool = model.generation_cache(P, capacity)
     queue = deque(range(len(prompts)))
     slot_prompt, next_tokens = [-1] * P, np.zeros(P, np.int32)
 
@@ -168,7 +227,7 @@ STATIC = ("graphdef", "slots", "capacity")
 def _admit(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, *, graphdef, slots, capacity):
     """Prefill the packed prompts, put their caches into their target slots, sample their first tokens."""
     net = nnx.merge(graphdef, params)
-    logits, fresh = net(tokens, net.init_cache(slots + 1, capacity), cu_seqlens=cu_seqlens)
+    logits, fresh = net.prefill(tokens, cu_seqlens, net.generation_cache(slots + 1, capacity))
     last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
     pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
     return _sample(last, _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids)), sampling), pool
@@ -177,8 +236,8 @@ def _admit(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling
 @partial(jax.jit, static_argnames=STATIC)
 def _step(params, tokens, pool, prompt_ids, counts, seed, sampling, *, graphdef, slots, capacity):
     """Advance every slot by its pending token; sample the next ones."""
-    logits, pool = nnx.merge(graphdef, params)(tokens[:, None], pool)
-    return _sample(logits[:, 0], _keys(seed, prompt_ids, counts), sampling), pool
+    logits, pool = nnx.merge(graphdef, params).decode_step(tokens, pool)
+    return _sample(logits, _keys(seed, prompt_ids, counts), sampling), pool
 
 
 def _sample(logits, keys, sampling):
@@ -196,15 +255,16 @@ def bucket(n: int, smallest: int) -> int:
 
 def _capacity(model, needed: int) -> int:
     """Attention-cache capacity: `needed` bucketed (fewer recompilations), or 1 for models
-    without softmax-attention layers (their caches do not depend on it)."""
-    if not model.uses_attention:
+    whose cache shapes do not depend on it (no softmax-attention layer)."""
+    shapes = [jax.tree.map(lambda x: x.shape, jax.eval_shape(lambda: model.generation_cache(1, c))) for c in (16, 32)]
+    if shapes[0] == shapes[1]:
         return 1
     return bucket(needed, 16)
 
 
 def cache_bytes(model, rows: int, capacity: int) -> int:
-    """Bytes of `model.init_cache(rows, capacity)`, from shapes only."""
-    shapes = jax.eval_shape(lambda: model.init_cache(rows, capacity))
+    """Bytes of `model.generation_cache(rows, capacity)`, from shapes only."""
+    shapes = jax.eval_shape(lambda: model.generation_cache(rows, capacity))
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 

@@ -15,7 +15,8 @@ The module tree mirrors fla's names (`model.embeddings`, `model.layers[l].attn`,
 so a checkpoint converts by renaming and transposing. The mixer of layer l is the family's
 own layer, or fla's softmax `Attention` where the config's `attn` lists l.
 
-Decoding: `model.init_cache(rows, capacity)` and `logits, cache = model(tokens, cache)`; the
+Decoding: `model.init_cache(rows, capacity)` and `logits, cache = model(tokens, cache)`
+(`generation_cache`, `prefill` and `decode_step` wrap them for `generate`); the
 cache holds each layer's cache and every row's position (tokens seen so far). Softmax-attention
 layers keep `capacity` tokens per row: a call that would write a position ≥ capacity is a
 `ValueError` naming both (concrete positions), a failed check inside
@@ -198,6 +199,20 @@ class CausalLM(nnx.Module):
             for block in self.model.layers
         )
         return ModelCache(layers, jnp.zeros((rows,), jnp.int32))
+
+    def generation_cache(self, slots: int, capacity: int) -> ModelCache:
+        """`init_cache(slots, capacity)`: `generate`'s protocol (`CachedLanguageModel`)."""
+        return self.init_cache(slots, capacity)
+
+    def prefill(self, tokens: Int[Array, " N"], cu_seqlens: Int[Array, " S_plus_1"],
+                cache: ModelCache) -> tuple[Float[Array, "N vocab"], ModelCache]:
+        """Packed `model(tokens, cache, cu_seqlens=cu_seqlens)`: `generate`'s protocol."""
+        return self(tokens, cache, cu_seqlens=cu_seqlens)
+
+    def decode_step(self, tokens: Int[Array, " R"], cache: ModelCache) -> tuple[Float[Array, "R vocab"], ModelCache]:
+        """One token per cache row: `generate`'s protocol."""
+        logits, cache = self(tokens[:, None], cache)
+        return logits[:, 0], cache
 
     def _embed(self, tokens):
         return self.model.embeddings(tokens)
