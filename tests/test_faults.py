@@ -460,5 +460,5 @@ def test_operation_checks_that_held_before():
     x = jnp.ones((1, 6, 2, 4), jnp.float32)
     with pytest.raises(ValueError, match="g must be log decays"):
         recurrax.recurrent(x, x, x, g=jnp.full((1, 6, 2), 0.5, jnp.float32))
-    with pytest.raises(ValueError, match="cu_seqlens must be ending at the token count 6"):
+    with pytest.raises(ValueError, match="cu_seqlens must end at the token count 6"):
         recurrax.recurrent(x, x, x, cu_seqlens=jnp.asarray([0, 2, 5]))
