@@ -1,3 +1,5 @@
+import os
+
 import jax
 from hypothesis import HealthCheck, settings
 
@@ -15,3 +17,11 @@ settings.register_profile(
 )
 settings.register_profile("explore", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(__import__("os").environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker process per core, at most 4 — each worker
+    is a JAX process whose compiled programs and 8 simulated devices cost memory. Test files
+    stay whole on one worker (`--dist loadfile`), so a file's shared compiled functions and
+    fixtures are built once."""
+    return max(1, min(os.cpu_count() or 1, 4))
