@@ -18,9 +18,9 @@ in SMEM, not in registers.
 **Register budget** (ptxas, sm_90a; `tests/test_kernel_budget.py`,
 `benchmarks/results/kernel_resources.md`): no spills in the forward kernels at K 64 and 128,
 nor in the backward without or with a per-head decay at K = 64; per key channel the K = 64
-backward still spills up to ~70 B. At K = 128 the backward spills 0–96 B without decay,
-~0.3 KB per head, 0.66–0.79 KB per key channel (a quarter or less of before, the per-head
-one just over).
+backward still spills up to ~70 B. At K = 128 the backward spills nothing without decay,
+60–120 B per head (the dS update reads dS after its wgmma, not beside the accumulator),
+0.66–0.79 KB per key channel (a quarter or less of before).
 Levers used: one wgmma accumulator per output (row scalings moved into the left operand),
 carries in SMEM, per-channel [C, K] tiles made one 64-channel panel at a time where used,
 index tiles broadcast from row/column vectors, loops ptxas cannot unroll. Not used: wgmma's

@@ -261,8 +261,9 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         plgpu.commit_smem()
         dq = matmuls([(dec, S_lo.T), (masked_scores(do_s, v_s, False), k_s)], (C, K))  # + dP k
         store_tile(sc["dqk_stage"], dq, dq_ref.at[j, b, rows, h])
+        dS_out = matmul(q_s.T, dec, (K, BV))  # dS is read after the product: not live beside its accumulator
         decayed = read_dS(dS) if a_ref is None else read_dS(dS) * jnp.exp(sc["a_s"][slot, C - 1])
-        dS = write_dS(matmul(q_s.T, dec, (K, BV), init=decayed))  # the old dS lives on in dS_lo
+        dS = write_dS(dS_out + decayed)  # the old dS lives on in dS_lo
         if to_end is None:
             v_dec = v_s
         else:
