@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -206,8 +207,8 @@ def main(argv: list[str]) -> int:
         "# mamba2-130m shape: recurrax vs transformers on this CPU" if not args.tiny else "# Tiny Mamba2 (smoke run)",
         "",
         f"`python benchmarks/mamba2_130m.py` — {parameters / 1e6:.1f}M parameters, float32, random weights; "
-        f"{machine['cpu']}, {machine['usable_cpus']} CPUs, **shared with other jobs during the run** (figures are "
-        f"noisy; ratios come from one run); JAX {jax.__version__}; torch {theirs['versions']['torch']} with "
+        f"{machine['cpu']}, {machine['usable_cpus']} CPUs, load average {os.getloadavg()[0]:.1f} as the results "
+        f"were written (ratios come from one run); JAX {jax.__version__}; torch {theirs['versions']['torch']} with "
         f"{theirs['threads']} threads, transformers {theirs['versions']['transformers']} (pure-PyTorch path); "
         f"commit {machine['commit']}.",
         "",
