@@ -25,6 +25,7 @@ pytest.importorskip("safetensors", reason="fla checkpoints need safetensors (pip
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from _cases import by_tier, max_rel_error  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from recurrax.nn import pretrained  # noqa: E402
@@ -35,15 +36,6 @@ NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists
 FAST = {"gla_gqa_conv_clamp", "gla_hybrid_attn", "retnet_gqa_nogate", "hgrn2_conv_nolb", "linear_attn_t2r_norm",
         "lightnet_basic"}
 TOLERANCE = 1e-4
-
-
-def _by_tier(names, fast):
-    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in names]
-
-
-def relative_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 class Loaded:
@@ -68,28 +60,28 @@ def loaded(name: str) -> Loaded:
 
 
 @pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
-@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_logits_match_fla(name):
     """Full forward (fla's fused_recurrent range, and 72 tokens: its chunk kernels) and a packed
     forward of two ragged prompts (cu_seqlens) equal fla's logits within 1e-4 relative."""
     fix = loaded(name)
     exp = fix.expected
     errors = {
-        "logits": relative_error(fix.forward(fix.params, jnp.asarray(exp["input_ids"])), exp["logits"]),
-        "long_logits": relative_error(fix.forward(fix.params, jnp.asarray(exp["long_input_ids"])), exp["long_logits"]),
+        "logits": max_rel_error(fix.forward(fix.params, jnp.asarray(exp["input_ids"])), exp["logits"]),
+        "long_logits": max_rel_error(fix.forward(fix.params, jnp.asarray(exp["long_input_ids"])), exp["long_logits"]),
     }
     prompts = fix.prompts()
     cu_seqlens = jnp.asarray(np.cumsum([0] + [len(p) for p in prompts]), jnp.int32)
     packed = np.asarray(fix.packed(fix.params, jnp.asarray(np.concatenate(prompts)), cu_seqlens))
     width = exp["padded_prompts"].shape[1]
     fla_rows = [exp["padded_logits"][row, width - len(p):] for row, p in enumerate(prompts)]
-    errors["packed_vs_fla_padded"] = relative_error(packed, np.concatenate(fla_rows))
+    errors["packed_vs_fla_padded"] = max_rel_error(packed, np.concatenate(fla_rows))
     print(name, {k: f"{v:.1e}" for k, v in errors.items()})
     assert max(errors.values()) < TOLERANCE, errors
 
 
 @pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
-@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_cached_decode_matches_parallel_and_fla(name):
     """Feeding input_ids one token at a time through the cache gives the parallel logits, and
     fla's own cached-decode logits."""
@@ -101,14 +93,14 @@ def test_cached_decode_matches_parallel_and_fla(name):
         logits, cache = fix.step(fix.params, tokens[:, t:t + 1], cache)
         steps.append(logits)
     steps = np.concatenate(steps, axis=1)
-    vs_parallel = relative_error(steps, fix.forward(fix.params, tokens))
-    vs_fla = relative_error(steps, fix.expected["decode_logits"])
+    vs_parallel = max_rel_error(steps, fix.forward(fix.params, tokens))
+    vs_fla = max_rel_error(steps, fix.expected["decode_logits"])
     print(name, f"decode vs parallel {vs_parallel:.1e}, vs fla decode {vs_fla:.1e}")
     assert vs_parallel < 1e-5 and vs_fla < TOLERANCE
 
 
 @pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
-@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_generation_matches_fla(name):
     """generate (one packed prefill, batched cached decoding) reproduces fla's greedy tokens,
     also with more prompts than slots (continuous batching) and with a stop token; sampling
@@ -129,7 +121,7 @@ def test_generation_matches_fla(name):
 
 
 @pytest.mark.skipif(not NAMES, reason="no fla fixtures in tests/fixtures/fla")
-@pytest.mark.parametrize("name", _by_tier(NAMES, FAST))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_save_pretrained_round_trip(name, tmp_path):
     """save_pretrained writes fla's tensors back bit for bit (names, shapes, dtypes) and the
     same config; loading that again gives the same parameters."""
@@ -333,14 +325,14 @@ def test_windowed_attention_parallel_packed_and_cached():
     step = nnx.jit(lambda layer, x, cache, positions: layer(x, cache, positions=positions))
     parallel = np.asarray(layer(jnp.asarray(x)))
     for row in range(2):
-        assert relative_error(parallel[row], _numpy_attention(x[row].astype(np.float64), layer, 3)) < 1e-5
+        assert max_rel_error(parallel[row], _numpy_attention(x[row].astype(np.float64), layer, 3)) < 1e-5
     packed = np.asarray(layer(jnp.asarray(np.concatenate([x[0, :4], x[1]])), cu_seqlens=jnp.asarray([0, 4, 11])))
-    assert relative_error(packed, np.concatenate([np.asarray(layer(jnp.asarray(x[:1, :4])))[0], parallel[1]])) < 1e-6
+    assert max_rel_error(packed, np.concatenate([np.asarray(layer(jnp.asarray(x[:1, :4])))[0], parallel[1]])) < 1e-6
     cache, steps = layer.init_cache(2, 8), []
     for t in range(7):
         y, cache = step(layer, jnp.asarray(x[:, t:t + 1]), cache, jnp.full((2, 1), t))
         steps.append(np.asarray(y))
-    assert relative_error(np.concatenate(steps, axis=1), parallel) < 1e-6
+    assert max_rel_error(np.concatenate(steps, axis=1), parallel) < 1e-6
 
 
 def test_tied_feature_map_loads_under_either_name():

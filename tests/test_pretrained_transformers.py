@@ -27,6 +27,7 @@ pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip ins
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from _cases import by_tier, max_rel_error  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from recurrax.nn.pretrained import (  # noqa: E402
@@ -37,15 +38,6 @@ NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists
 FAST = {"mamba2_groups_limit_tied_bias"}  # CI time: the others run with -m ""
 TOLERANCE = 1e-4
 needs_fixtures = pytest.mark.skipif(not NAMES, reason="no fixtures in tests/fixtures/transformers")
-
-
-def _by_tier(names):
-    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in names]
-
-
-def relative_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 class Loaded:
@@ -70,11 +62,11 @@ def loaded(name: str) -> Loaded:
 def test_logits_match_transformers(name):
     fixture = loaded(name)
     logits = fixture.forward(fixture.params, jnp.asarray(fixture.expected["input_ids"]))
-    assert relative_error(logits, fixture.expected["logits"]) < TOLERANCE
+    assert max_rel_error(logits, fixture.expected["logits"]) < TOLERANCE
 
 
 @needs_fixtures
-@pytest.mark.parametrize("name", _by_tier(NAMES))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_cached_decode_equals_parallel(name):
     """Prefill 5 tokens through the cache, then one token at a time: the parallel logits (and
     `transformers`' parallel logits), with the dt clamp in both paths."""
@@ -88,23 +80,23 @@ def test_cached_decode_equals_parallel(name):
         logits, cache = fixture.step(fixture.params, tokens[:, t:t + 1], cache)
         pieces.append(logits)
     decoded = jnp.concatenate(pieces, axis=1)
-    assert relative_error(decoded, fixture.forward(fixture.params, tokens)) < 1e-5
-    assert relative_error(decoded, fixture.expected["logits"]) < TOLERANCE
+    assert max_rel_error(decoded, fixture.forward(fixture.params, tokens)) < 1e-5
+    assert max_rel_error(decoded, fixture.expected["logits"]) < TOLERANCE
 
 
 @needs_fixtures
-@pytest.mark.parametrize("name", _by_tier(NAMES))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_packed_batch_equals_each_sequence(name):
     fixture = loaded(name)
     prompts = [fixture.expected["prompt_0"], fixture.expected["prompt_1"]]
     packed = fixture.packed(fixture.params, jnp.asarray(np.concatenate(prompts)),
                             jnp.asarray([0, len(prompts[0]), len(prompts[0]) + len(prompts[1])]))
     alone = [fixture.forward(fixture.params, jnp.asarray(p)[None])[0] for p in prompts]
-    assert relative_error(packed, jnp.concatenate(alone)) < 1e-5
+    assert max_rel_error(packed, jnp.concatenate(alone)) < 1e-5
 
 
 @needs_fixtures
-@pytest.mark.parametrize("name", _by_tier(NAMES))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_greedy_generation_matches_transformers(name):
     fixture = loaded(name)
     prompts = [fixture.expected["prompt_0"], fixture.expected["prompt_1"]]
@@ -114,7 +106,7 @@ def test_greedy_generation_matches_transformers(name):
 
 
 @needs_fixtures
-@pytest.mark.parametrize("name", _by_tier(NAMES))
+@pytest.mark.parametrize("name", by_tier(NAMES, FAST))
 def test_save_pretrained_round_trip(name, tmp_path):
     """The saved checkpoint holds transformers' tensor names and values, and loads back equal."""
     fixture = loaded(name)
@@ -126,7 +118,7 @@ def test_save_pretrained_round_trip(name, tmp_path):
         json.loads((FIXTURES / name / "config.json").read_text(), parse_constant=float)
     again = from_pretrained(tmp_path)
     tokens = jnp.asarray(fixture.expected["input_ids"])
-    assert relative_error(again(tokens), fixture.forward(fixture.params, tokens)) < 1e-5  # eager vs jit rounding
+    assert max_rel_error(again(tokens), fixture.forward(fixture.params, tokens)) < 1e-5  # eager vs jit rounding
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +140,7 @@ def _rewritten(name: str, tmp_path: Path, edit=None, rename=None) -> Path:
 
 def _logits_error(folder: Path, name: str) -> float:
     expected = np.load(FIXTURES / name / "expected.npz")
-    return relative_error(from_pretrained(folder)(jnp.asarray(expected["input_ids"])), expected["logits"])
+    return max_rel_error(from_pretrained(folder)(jnp.asarray(expected["input_ids"])), expected["logits"])
 
 
 @needs_fixtures
