@@ -42,6 +42,8 @@ from recurrax.nn.pretrained import from_pretrained, save_pretrained
 from recurrax.nn.pretrained._hf_model import HFCausalLM
 from recurrax.tools.bench.machine import machine_description
 
+from _timing import timed
+
 MAMBA2_130M = dict(
     model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=768, num_hidden_layers=24, num_heads=24,
     head_dim=64, expand=2, state_size=128, n_groups=1, conv_kernel=4, chunk_size=256, vocab_size=50280,
@@ -53,16 +55,6 @@ TINY = {**MAMBA2_130M, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4
         "vocab_size": 256}
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 8, 64)
-
-
-def timed(fn, repeats: int) -> list[float]:
-    jax.block_until_ready(fn())  # warm-up (compiles)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 def random_model(config: dict, seed: int = 0) -> HFCausalLM:

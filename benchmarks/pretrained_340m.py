@@ -35,6 +35,8 @@ from flax import nnx
 from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained
 from recurrax.tools.bench.machine import machine_description
 
+from _timing import timed
+
 GLA_340M = dict(
     model_type="gla", hidden_size=1024, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1,
     hidden_ratio=4, intermediate_size=None, vocab_size=32000, tie_word_embeddings=True, use_short_conv=False,
@@ -45,14 +47,8 @@ TINY = {**GLA_340M, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256
 RESULTS = Path(__file__).resolve().parent / "results" / "pretrained_340m.md"
 
 
-def timed(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up (compiles)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def median_seconds(fn, repeats: int) -> float:
+    return statistics.median(timed(fn, repeats))
 
 
 def fla_figures(directory: Path | None) -> dict:
@@ -115,7 +111,7 @@ def main(argv: list[str]) -> int:
     tokens = jnp.asarray(rng.integers(0, vocab, prompts * prompt_len), jnp.int32)
     cu_seqlens = jnp.asarray(np.arange(prompts + 1) * prompt_len, jnp.int32)
     prefill = jax.jit(lambda state, tokens, cu: nnx.merge(graphdef, state)(tokens, cu_seqlens=cu))
-    prefill_s = timed(lambda: prefill(state, tokens, cu_seqlens), args.repeats)
+    prefill_s = median_seconds(lambda: prefill(state, tokens, cu_seqlens), args.repeats)
 
     @jax.jit
     def step(state, token, cache):
@@ -126,7 +122,7 @@ def main(argv: list[str]) -> int:
     for batch in (8, 64):
         cache = model.init_cache(batch)
         token = jnp.asarray(rng.integers(0, vocab, (batch, 1)), jnp.int32)
-        decode[batch] = timed(lambda: step(state, token, cache), max(args.repeats, 5))
+        decode[batch] = median_seconds(lambda: step(state, token, cache), max(args.repeats, 5))
 
     machine = machine_description()
     fla = fla_figures(args.keep)
