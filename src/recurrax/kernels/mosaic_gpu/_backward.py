@@ -157,9 +157,11 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
             finals.append(plgpu.load(stage, layout=WGMMA))
         return finals
 
-    def store_tile(stage, value, dst):
+    def store_tile(stage, value, dst, untiled=False):
+        """`value` to `dst` by TMA through `stage`; `untiled`: a plain register store, for a
+        stage also read in another register layout (tiled ones would not lower)."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage's previous TMA store has read it
-        stage[...] = value
+        plgpu.store(stage, value, optimized=not untiled)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, dst)
 
@@ -180,6 +182,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         rows = pl.ds(n * C, C)
         q_s, k_s, v_s, do_s = (sc[name].at[slot] for name in ("q_s", "k_s", "v_s", "do_s"))
         lo, scores, lhs, rhs, stage = sc["S_lo"], sc["scores"], sc["lhs"], sc["rhs"], sc["dqk_stage"]
+        columns_s = sc["dv_stage"]  # [C, C] float32 (BV = C): score columns for `_channel`, then dv
         within = channel.Rows(sc["a_s"].at[slot], a_ref.at[b, rows, h], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
                               q_s, k_s, lhs, rhs)
         token, column = iota((C, C), 0), iota((C, C), 1)
@@ -192,25 +195,36 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage, dst)
 
-        lo[...] = plgpu.load(sc["S_s"].at[slot], layout=WGMMA).astype(dtype)
-        dP = jnp.where(column <= token, scale * matmul(do_s, v_s.T, (C, C)), 0.0)
-        scores[...] = dP.astype(dtype)
-        plgpu.commit_smem()
+        def masked_scores(lhs, rhs_t, transposed):
+            """scale · (lhs rhsᵀ) masked to j ≤ i (or i ≤ j), [C, C] float32."""
+            keep = token <= column if transposed else column <= token
+            return jnp.where(keep, scale * matmul(lhs, rhs_t.T, (C, C)), 0.0)
 
-        def dq(p):
+        def score_operands(operand, transpose):
+            """`scores` ← `operand` (the wgmma operand, input dtype); `columns_s` ← `transpose`
+            (float32: its row j is column j of `operand`, read by `_channel`)."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (dv's stage: its last store has read it)
+            scores[...] = operand.astype(dtype)
+            plgpu.store(columns_s, transpose, optimized=False)  # (read by rows: untiled)
+            plgpu.commit_smem()
+
+        lo[...] = plgpu.load(sc["S_s"].at[slot], layout=WGMMA).astype(dtype)
+        score_operands(masked_scores(do_s, v_s, False), masked_scores(v_s, do_s, True))  # dP, dPᵀ
+
+        def dq(p):  # (the inter-chunk product after the intra-chunk sums: not live through their loops)
+            intra = channel.dq_within(scores, columns_s, within, p)
             inter = matmul(do_s, lo.at[channel.panel_cols(p)].T, (C, channel.PANEL))  # do Sᵀ on panel p
-            return channel.dq_within(dP, scores, within, p) + scale * jnp.exp(within.A(p)) * inter
+            return intra + scale * jnp.exp(within.A(p)) * inter
 
         store_panels(dq, dq_ref.at[j, b, rows, h])
 
         lo[...] = read_dS(dS).astype(dtype)
-        dPt = jnp.where(token <= column, scale * matmul(v_s, do_s.T, (C, C)), 0.0)
-        scores[...] = dPt.astype(dtype)
-        plgpu.commit_smem()
+        score_operands(masked_scores(v_s, do_s, True), masked_scores(do_s, v_s, False))  # dPᵀ, dP
 
         def dk(p):
+            intra = channel.dk_within(scores, columns_s, within, p)
             inter = matmul(v_s, lo.at[channel.panel_cols(p)].T, (C, channel.PANEL))  # v dSᵀ on panel p
-            return channel.dk_within(dPt, scores, within, p) + within.to_end(p) * inter
+            return intra + within.to_end(p) * inter
 
         store_panels(dk, dk_ref.at[j, b, rows, h])
 
@@ -218,7 +232,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         for p in channel.panels(K):
             rhs[:, channel.panel_cols(p)] = (within.tile(k_s, p) * within.to_end(p)).astype(dtype)
         plgpu.commit_smem()
-        store_tile(sc["dv_stage"], matmuls([(scores.T, do_s), (rhs, lo)], (C, BV)), dv_ref.at[b, rows, h, cols])
+        store_tile(columns_s, matmuls([(scores.T, do_s), (rhs, lo)], (C, BV)), dv_ref.at[b, rows, h, cols], untiled=True)
 
         for p in channel.panels(K):
             lhs[:, channel.panel_cols(p)] = (scale * within.tile(q_s, p) * jnp.exp(within.A(p))).astype(dtype)

@@ -162,16 +162,12 @@ def scores(rows: Rows) -> jax.Array:
     return P
 
 
-def _column(x, j):
-    """Column j of a [C, C] register tile, as a [C] vector along its rows."""
-    return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1)
-
-
-def dq_within(dP, dP_smem, rows: Rows, p: int) -> jax.Array:
-    """[C, PANEL] panel p of Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j}; `dP_smem` holds dP in the
-    input dtype (the same-block terms reload it from there rather than keep the [C, C]
-    float32 `dP` in registers). Uses `rows.rhs`."""
-    C = dP.shape[0]
+def dq_within(dP_smem, dP_cols, rows: Rows, p: int) -> jax.Array:
+    """[C, PANEL] panel p of Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j}. `dP_smem`: dP in the input
+    dtype (a swizzled wgmma operand); `dP_cols`: a plain [C, C] float32 SMEM tile holding dPᵀ,
+    whose row j is the column dP_{·j} the same-block terms take, loaded as a ROWS vector (two
+    values a thread rather than a [C, C] tile reduced to one column). Uses `rows.rhs`."""
+    C = dP_smem.shape[0]
     shape = (C, PANEL)
     token, block = _token_and_block(shape)
     rhs = rows.rhs.at[:, panel_cols(p)]
@@ -188,17 +184,17 @@ def dq_within(dP, dP_smem, rows: Rows, p: int) -> jax.Array:
     def same_block(j, dq):
         k_j, a_j = along_cols(rows.row(rows.k, j, p), shape), along_cols(rows.a_row(j, p), shape)
         keep = (token >= j) & (block == j // SUB)
-        dP_j = _column(plgpu.load(dP_smem, layout=WGMMA).astype(F32), j)
+        dP_j = plgpu.load(dP_cols.at[j], layout=ROWS)  # dP_{·j}
         return dq + decayed(keep, along_rows(dP_j, shape) * k_j, A - a_j)
 
     return lax.fori_loop(0, C, same_block, dq)
 
 
-def dk_within(dPt, dPt_smem, rows: Rows, p: int) -> jax.Array:
-    """[C, PANEL] panel p of Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (rows: keys j); `dPt` = dPᵀ,
-    and `dPt_smem` holds it in the input dtype (reloaded from there, as in `dq_within`).
-    Uses `rows.rhs`."""
-    C = dPt.shape[0]
+def dk_within(dPt_smem, dPt_cols, rows: Rows, p: int) -> jax.Array:
+    """[C, PANEL] panel p of Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (rows: keys j). `dPt_smem`:
+    dPᵀ in the input dtype; `dPt_cols`: a plain [C, C] float32 SMEM tile holding dP, whose row
+    i is the column dPᵀ_{·i} (as in `dq_within`). Uses `rows.rhs`."""
+    C = dPt_smem.shape[0]
     shape = (C, PANEL)
     token, block = _token_and_block(shape)
     rhs = rows.rhs.at[:, panel_cols(p)]
@@ -216,7 +212,7 @@ def dk_within(dPt, dPt_smem, rows: Rows, p: int) -> jax.Array:
     def same_block(i, dk):
         q_i, a_i = along_cols(rows.row(rows.q, i, p), shape), along_cols(rows.a_row(i, p), shape)
         keep = (token <= i) & (block == i // SUB)
-        dPt_i = _column(plgpu.load(dPt_smem, layout=WGMMA).astype(F32), i)
+        dPt_i = plgpu.load(dPt_cols.at[i], layout=ROWS)  # dPᵀ_{·i}
         return dk + decayed(keep, along_rows(dPt_i, shape) * q_i, a_i - A)
 
     return lax.fori_loop(0, C, same_block, dk)
