@@ -183,7 +183,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         q_s, k_s, v_s, do_s = (sc[name].at[slot] for name in ("q_s", "k_s", "v_s", "do_s"))
         lo, scores, lhs, rhs, stage = sc["S_lo"], sc["scores"], sc["lhs"], sc["rhs"], sc["dqk_stage"]
         columns_s = sc["dv_stage"]  # [C, C] float32 (BV = C): score columns for `_channel`, then dv
-        within = channel.Rows(sc["a_s"].at[slot], a_ref.at[b, rows, h], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
+        within = channel.Rows(sc["a_s"].at[slot], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
                               q_s, k_s, lhs, rhs)
         token, column = iota((C, C), 0), iota((C, C), 1)
 

@@ -37,10 +37,17 @@ thread, which ptxas can only spill. Products with a masked factor are masked by 
 factor.
 
 Every function takes `Rows`: where the tiles and row vectors come from and the SMEM operand tiles.
-Row vectors are loaded from GMEM (q, k: `plgpu.load` of one token's [K]) and from an SMEM
-copy of A (the anchors and A_j): loading one SMEM buffer in two register layouts (the
-[C, K] tile and its rows) does not lower on Mosaic GPU (JAX 0.12), so the [C, K] tile of A
-is read from GMEM; the q and k tiles come from their swizzled SMEM slots.
+Row vectors are loaded from GMEM (q, k: `plgpu.load` of one token's [K]) and from the SMEM
+copy of A (the anchors and A_j); the [C, K] tile of A comes from that copy too, and the q
+and k tiles from their swizzled SMEM slots. An SMEM buffer read or written in two register
+layouts (A: tile and rows; the score columns: written as a tile, read by rows) must stay
+untiled, so its tile transfers are `optimized=False`: with the optimized ones, Mosaic GPU's
+layout inference (JAX 0.12) searches for a tiling without end rather than fail.
+
+The same-block terms of the backward take one column of dP (or dPᵀ) per key (query) j: a
+[C] vector along the rows, read as row j of the transposed tile, which the caller stores
+in float32 in a plain [C, C] SMEM tile (`dq_within`, `dk_within`): two values a thread,
+where reducing a [C, C] register tile to one column held 32 more registers in the loop.
 """
 
 from __future__ import annotations
@@ -75,15 +82,14 @@ def panel_cols(p: int):
 class Rows:
     """One chunk's operands for the per-channel sums.
 
-    - `a`: [C, K] float32 SMEM ref, A (for its rows A_j and the anchors A_r);
-    - `a_tile`: [C, K] float32 GMEM ref of A, for its [C, PANEL] register tiles;
+    - `a`: [C, K] float32 SMEM ref (untiled), A: its rows A_j, the anchors A_r and its
+      [C, PANEL] register tiles;
     - `q`, `k`: [C, K] GMEM refs (views of the chunk's tokens), for the rows q_i, k_j;
     - `q_s`, `k_s`: the chunk's [C, K] swizzled SMEM tiles of q and k (16-bit);
     - `lhs`, `rhs`: [C, K] swizzled SMEM tiles in the input dtype, wgmma operands.
     """
 
     a: Any
-    a_tile: Any
     q: Any
     k: Any
     q_s: Any
@@ -100,8 +106,9 @@ class Rows:
         return gmem_load(ref.at[t, panel_cols(p)], COLS).astype(F32)
 
     def A(self, p: int):
-        """[C, PANEL] float32 A on panel p."""
-        return gmem_load(self.a_tile.at[:, panel_cols(p)], WGMMA)
+        """[C, PANEL] float32 A on panel p (`optimized=False`: the optimized transfer would
+        need a tiled buffer, which its row loads cannot read)."""
+        return plgpu.load(self.a.at[:, panel_cols(p)], layout=WGMMA, optimized=False)
 
     def tile(self, ref, p: int):
         """[C, PANEL] float32 panel p of a swizzled [C, K] SMEM tile (`q_s`, `k_s`)."""

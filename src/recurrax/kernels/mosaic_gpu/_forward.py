@@ -145,7 +145,7 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
         are made one panel at a time (`_channel`)."""
         rows = pl.ds(n * C, C)
         lhs, rhs = sc["lhs"], sc["rhs"]
-        within = channel.Rows(sc["a_s"].at[slot], a_ref.at[b, rows, h], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
+        within = channel.Rows(sc["a_s"].at[slot], q_ref.at[b, rows, h], k_ref.at[b, rows, h],
                               q_s.at[slot], k_s.at[slot], lhs, rhs)
         if emit_output:
             P_s[...] = (scale * channel.scores(within)).astype(dtype)
