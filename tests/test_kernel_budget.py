@@ -99,14 +99,7 @@ def check(K: int, gate: str, kernel: str, packed: bool) -> None:
         f"{report.spill_stores} B spill stores / {report.spill_loads} B loads per thread; budget {budget} B")
 
 
-MISSED = {
-    (64, "key", "bwd"): "per key channel at K = 64 the backward still spills ~70 B (was ~0.9 KB): the same-sub-block "
-                        "loops of `_channel` sit at 255 registers",
-}
-"""Where the kernels miss the budget today (strict: a kernel that meets it must lose its mark)."""
-CASES = [pytest.param(K, gate, kernel, marks=[pytest.mark.xfail(strict=True, reason=MISSED[K, gate, kernel])]
-                      if (K, gate, kernel) in MISSED else [])
-         for K in (64, 128) for gate in ("none", "head", "key") for kernel in ("fwd", "states", "bwd")]
+CASES = [(K, gate, kernel) for K in (64, 128) for gate in ("none", "head", "key") for kernel in ("fwd", "states", "bwd")]
 
 
 @pytest.mark.parametrize(("K", "gate", "kernel"), CASES)

@@ -161,7 +161,10 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
         """`value` to `dst` by TMA through `stage`; `untiled`: a plain register store, for a
         stage also read in another register layout (tiled ones would not lower)."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage's previous TMA store has read it
-        plgpu.store(stage, value, optimized=not untiled)
+        if untiled:
+            plgpu.store(stage, value, optimized=False)
+        else:
+            stage[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, dst)
 
