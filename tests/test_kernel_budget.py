@@ -59,12 +59,12 @@ def child(K: int, gate: str, kernel: str, packed: bool) -> None:
 
 
 def compile_one(K: int, gate: str, kernel: str, packed: bool) -> targets.KernelResources:
+    from recurrax.kernels import KernelConfig
     from recurrax.kernels.mosaic_gpu._backward import chunk_backward
     from recurrax.kernels.mosaic_gpu._forward import chunk_forward
-    from recurrax.kernels.mosaic_gpu._layout import MosaicCall
     from recurrax.problem import Gate
 
-    static = MosaicCall(K**-0.5, {"none": None, "head": Gate.HEAD, "key": Gate.KEY}[gate], False)
+    static = KernelConfig(K**-0.5, {"none": None, "head": Gate.HEAD, "key": Gate.KEY}[gate], False)
     V, rows = K, 1 if packed else B  # (packed sequences are one row)
     q, v = jax.ShapeDtypeStruct((rows, T, H, K), jnp.bfloat16), jax.ShapeDtypeStruct((rows, T, H, V), jnp.bfloat16)
     decay = {"none": None, "head": (rows, T, H), "key": (rows, T, H, K)}[gate]

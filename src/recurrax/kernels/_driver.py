@@ -1,5 +1,5 @@
 """The Pallas chunk algorithm as one differentiable function of the canonical `Problem`,
-for any backend's kernels (`ChunkKernels`: Triton today; Mosaic GPU and TPU beside it).
+for any backend's kernels (a `PallasBackend`: Triton, Mosaic GPU and TPU today).
 
 | symbol | meaning                                                              |
 |--------|----------------------------------------------------------------------|
@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Protocol
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,47 +55,103 @@ from jax import lax
 from .. import varlen
 from .._finite import guarded
 from ..problem import Gate, Problem
+from ..registry import Request, Support
 
 F32 = jnp.float32
 
 
-class ChunkKernels(Protocol):
-    """What a Pallas backend provides: its forward and backward chunk kernels (hashable).
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """What a backend's kernels are specialised for: the hashable `static` argument of its
+    launch functions.
 
-    Both take token-major `[B, Tp, H, ·]` inputs with Tp a multiple of `chunk`, the
-    chunk-local cumulative key-side log decay `a` (float32 `[B, Tp, H]` for `Gate.HEAD`,
-    `[B, Tp, H, K]` for `Gate.KEY`, None without decay), and for packed input the `[3, M]`
-    int32 table of `varlen.ChunkOwners.table()` (else None).
-
-    - `forward(q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states)` returns a
-      list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V] float32, and
-      the states entering every chunk [B, H, N, K, V] float32 if `emit_states`.
-    - `backward(q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate)` returns
-      `(dq, dk, dv, dh0, boundary)`, float32: dq and dk with respect to q and k, and
-      `boundary` [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk (None without decay).
+    **Arguments:**
+    - `scale`: the output scale.
+    - `gate`: the key-side decay form the kernels are built for (`None`, `Gate.HEAD`, `Gate.KEY`).
+    - `interpret`: run in the backend's interpret mode (any device) instead of compiling.
+    - `tiles`: the backend's tile sizes (None where the backend fixes them).
     """
 
-    chunk: int
+    scale: float
+    gate: Gate | None
+    interpret: bool = False
+    tiles: Any = None
 
-    def forward(self, q, k, v, a, h0, table, *, scale: float, gate: Gate | None, emit_output: bool, emit_states: bool) -> list: ...
 
-    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale: float, gate: Gate | None) -> tuple: ...
+def _no_tiles(problem: Problem) -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasBackend:
+    """A Pallas backend of the chunk algorithm: what its folder hands the driver. Hashable (it is
+    part of the custom_vjp's static argument), so its fields are module-level functions.
+
+    Both launch functions take token-major `[B, Tp, H, ·]` inputs with Tp a multiple of the
+    chunk, the chunk-local cumulative key-side log decay `a` (float32 `[B, Tp, H]` for
+    `Gate.HEAD`, `[B, Tp, H, K]` for `Gate.KEY`, None without decay), `h0` / `h_T` `[R, H, K, V]`
+    float32 (R = B, or S sequences when packed), for packed input (B = 1, chunk-aligned
+    layout) the `[3, N]` int32 table of `varlen.ChunkOwners.table()` (per chunk its sequence,
+    whether it is that sequence's first chunk, and its last; else None), and `static`, a
+    `KernelConfig`.
+
+    **Arguments:**
+    - `forward(q, k, v, a, h0, table, *, static, emit_output, emit_states)`: a list: `o`
+      [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V] float32 (packed: written
+      only for sequences that own a chunk), and the states entering every chunk
+      [B, H, N, K, V] float32 if `emit_states`.
+    - `backward(q, k, v, a, do, states, h_T, dh_T, table, *, static)`: `(dq, dk, dv, dh0,
+      boundary)`, float32: dq and dk [B, Tp, H, K] with respect to q and k (summed over value
+      blocks), dv [B, Tp, H, V], dh0 [R, H, K, V] (packed: written only for sequences that own
+      a chunk), and `boundary` [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the
+      gate gradient's carry (`gate_gradient`; None without decay).
+    - `chip_tiles(problem)`: the tiles of a call on the backend's chip.
+    - `interpret_tiles`: the tiles in interpret mode unless a call names its own.
+    - `chunk`: the chunk length where the backend fixes it; None: the tiles' `chunk`.
+    """
+
+    forward: Callable[..., list]
+    backward: Callable[..., tuple]
+    chip_tiles: Callable[[Problem], Any] = _no_tiles
+    interpret_tiles: Any = None
+    chunk: int | None = None
+
+    def recurrent(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
+        """The kernels compiled for the backend's chip; `(output, final_state)`.
+
+        **Arguments:** as `kernel_recurrent`; `tiles` default to `chip_tiles(problem)`.
+        """
+        tiles = self.chip_tiles(problem) if tiles is None else tiles
+        return kernel_recurrent(problem, scale=scale, reverse=reverse, backend=self, tiles=tiles)
+
+    def interpret(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
+        """The same kernels in the backend's interpret mode on any device (tests).
+
+        **Arguments:** as `kernel_recurrent`; `tiles` default to `interpret_tiles`.
+        """
+        tiles = self.interpret_tiles if tiles is None else tiles
+        return kernel_recurrent(problem, scale=scale, reverse=reverse, backend=self, tiles=tiles, interpret=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
-    """Static configuration of one call (the custom_vjp's non-differentiable argument)."""
+    """Static configuration of one call (the custom_vjp's non-differentiable argument): the
+    backend and what its kernels are specialised for. Outputs and gradients vary over the
+    mesh axes of q (`jax.shard_map`)."""
 
-    scale: float
-    gate: Gate | None
-    kernels: Any  # a ChunkKernels
+    backend: PallasBackend
+    static: KernelConfig
+
+    @property
+    def chunk(self) -> int:
+        return self.backend.chunk or self.static.tiles.chunk
 
     def forward(self, q, k, v, a, h0, table, **emit):
-        outputs = self.kernels.forward(q, k, v, a, h0, table, scale=self.scale, gate=self.gate, **emit)
+        outputs = self.backend.forward(q, k, v, a, h0, table, static=self.static, **emit)
         return list(_vary_over(varying_axes(q), *outputs))
 
     def backward(self, q, *args):
-        gradients = self.kernels.backward(q, *args, scale=self.scale, gate=self.gate)
+        gradients = self.backend.backward(q, *args, static=self.static)
         return _vary_over(varying_axes(q), *gradients)
 
 
@@ -115,7 +173,7 @@ def _operands(q, k, v):
 
 
 def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
-    a = None if g is None else chunk_local_cumsum(g, call.kernels.chunk)
+    a = None if g is None else chunk_local_cumsum(g, call.chunk)
     o, h_T = call.forward(*_operands(q, k, v), a, h0, table, emit_output=True, emit_states=False)
     if empty is not None:
         h_T = jnp.where(empty[:, None, None, None], h0, h_T)
@@ -125,7 +183,7 @@ def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
 def _chunk_bwd(call: KernelCall, residuals, cotangents):
     q, k, v, g, h0, h_T, table, empty = residuals
     do, dh_T = cotangents
-    a = None if g is None else chunk_local_cumsum(g, call.kernels.chunk)
+    a = None if g is None else chunk_local_cumsum(g, call.chunk)
     operands = _operands(q, k, v)
     _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
     dh_T = dh_T.astype(F32)
@@ -174,7 +232,23 @@ def output_type(shape, dtype, like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying)
 
 
-def head_dims_refusal(request, allowed, words: str) -> str | None:
+def missing_module(module: str, reason: str) -> str | None:
+    """`reason` if `module` (a JAX Pallas backend) cannot be imported, else None: a backend's
+    `unavailable()`."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return reason
+    return None
+
+
+def kernel_support(dtypes: set[str], check: Callable[[Request], str | None]) -> Support:
+    """A backend's `Support`: its `dtypes` and `check`, and what the driver gives every backend:
+    per-head and per-key-channel decays (not `gv`) and packed input."""
+    return Support(dtypes=frozenset(dtypes), gates=frozenset({Gate.HEAD, Gate.KEY}), varlen=True, check=check)
+
+
+def head_dims_refusal(request: Request, allowed, words: str) -> str | None:
     """Why a kernel refuses the call's head dims (`allowed`, described by `words`), or None."""
     for name, dim in (("qk_head_dim", request.qk_head_dim), ("v_head_dim", request.v_head_dim)):
         if dim not in allowed:
@@ -197,11 +271,11 @@ def gate_gradient(q, k, dq, dk, boundary, call: KernelCall):
     decay) or [B, Tp, H, K] (per channel), float32.
     """
     B, Tp, H, K = q.shape
-    C = call.kernels.chunk
+    C = call.chunk
     dB = q.astype(F32) * dq - k.astype(F32) * dk  # [B, Tp, H, K]
     within = lax.cumsum(dB.reshape(B, Tp // C, C, H, K), axis=2, reverse=True)  # Σ_{t ≤ s < chunk end}
     dg = (within + jnp.transpose(boundary, (0, 2, 1, 3))[:, :, None]).reshape(B, Tp, H, K)
-    return dg.sum(-1) if call.gate is Gate.HEAD else dg
+    return dg.sum(-1) if call.static.gate is Gate.HEAD else dg
 
 
 def _key_side_gate(problem: Problem) -> tuple[Gate | None, jax.Array | None]:
@@ -216,7 +290,7 @@ def _key_side_gate(problem: Problem) -> tuple[Gate | None, jax.Array | None]:
 
 def _dense(call: KernelCall, q, k, v, g, h0):
     """[B, T, ...] rows: pad T to a multiple of C (padding leaves the state unchanged)."""
-    T, C = q.shape[1], call.kernels.chunk
+    T, C = q.shape[1], call.chunk
     Tp = -(-T // C) * C
     o, h_T = _chunk(call, *vary_alike(*(varlen.pad_tokens(x, Tp) for x in (q, k, v, g)), h0), None, None)
     return o[:, :T], h_T
@@ -225,33 +299,36 @@ def _dense(call: KernelCall, q, k, v, g, h0):
 def _packed(call: KernelCall, q, k, v, g, h0, cu_seqlens):
     """[1, N, ...] packed sequences: the chunk-aligned layout of `recurrax.varlen` (static
     size for a traced `cu_seqlens`), with the owners table per chunk."""
-    layout = varlen.chunk_layout(cu_seqlens, q.shape[1], call.kernels.chunk)
+    layout = varlen.chunk_layout(cu_seqlens, q.shape[1], call.chunk)
     to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
     owners = layout.owners
     o, h_T = _chunk(call, *vary_alike(*(to_slots(x) for x in (q, k, v, g)), h0, owners.table(), owners.empty))
     return varlen.from_chunk_layout(o[0], layout)[None], h_T
 
 
-def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, kernels: ChunkKernels):
+def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, backend: PallasBackend, tiles: Any = None,
+                     interpret: bool = False):
     """The chunk algorithm through a backend's Pallas kernels; `(output, final_state)`.
 
     **Arguments:**
     - `problem`: the canonical form, without value-side decay; packed input (`cu_seqlens`)
       runs in the chunk-aligned layout of `recurrax.varlen` (every sequence starts a chunk).
     - `scale`, `reverse`: static configuration of the call.
-    - `kernels`: the backend's `ChunkKernels` (with its tiles).
+    - `backend`: the backend's `PallasBackend`; `tiles`: its tile sizes (None where fixed).
+    - `interpret`: run the kernels in the backend's interpret mode.
     """
     if problem.log_decay_value is not None:
         raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
-    return guarded(functools.partial(_kernel_recurrent, float(scale), bool(reverse), kernels), bool(reverse), problem)
+    run = functools.partial(_kernel_recurrent, float(scale), bool(reverse), backend, tiles, bool(interpret))
+    return guarded(run, bool(reverse), problem)
 
 
-def _kernel_recurrent(scale: float, reverse: bool, kernels: ChunkKernels, problem: Problem):
+def _kernel_recurrent(scale: float, reverse: bool, backend: PallasBackend, tiles, interpret: bool, problem: Problem):
     state_dtype = problem.initial_state.dtype
     if reverse:  # the same recurrence on the flipped token axis (and sequence order)
         problem = problem.mirrored()
     gate, g = _key_side_gate(problem)
-    call = KernelCall(float(scale), gate, kernels)
+    call = KernelCall(backend, KernelConfig(float(scale), gate, interpret, tiles))
     q, k, v, h0 = problem.query, problem.key, problem.value, problem.initial_state.astype(F32)
     g = None if g is None else g.astype(F32)
     if problem.cu_seqlens is None:

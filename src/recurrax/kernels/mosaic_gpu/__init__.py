@@ -4,7 +4,7 @@
 |--------------|-------------------------------------------------------------------------------|
 | `_tiles`     | swizzled SMEM tiles, the wgmma helper (f32 accumulator), decay masks, interpret settings |
 | `_channel`   | per-key-channel decay inside a chunk: anchored wgmma products + the exact diagonal |
-| `_layout`    | `MosaicCall`; driver arrays to TMA-friendly ones; the SMEM budget (slots)    |
+| `_layout`    | driver arrays to TMA-friendly ones; the SMEM budget (slots)                  |
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states                  |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms             |
 
@@ -39,17 +39,13 @@ detection on; never run on a GPU from here.
 
 from __future__ import annotations
 
-import dataclasses
-
-from ...problem import Gate
-from ...registry import Request, Support
-from .._driver import kernel_recurrent
+from ...registry import Request
+from .._driver import PallasBackend, kernel_support, missing_module
 from ._backward import chunk_backward
 from ._forward import chunk_forward
-from ._layout import MosaicCall
 from ._tiles import CHUNK, has_interpret_mode
 
-__all__ = ["ARCHITECTURES", "SUPPORT", "MosaicKernels", "has_interpret_mode", "mosaic_gpu_interpret", "mosaic_gpu_recurrent",
+__all__ = ["ARCHITECTURES", "BACKEND", "SUPPORT", "has_interpret_mode", "mosaic_gpu_interpret", "mosaic_gpu_recurrent",
            "unavailable"]
 
 QK_HEAD_DIMS = (64, 128)
@@ -80,47 +76,26 @@ def _compute_capability_refusal(request: Request) -> str | None:
         return (f"compute capability {capability[0]}.{capability[1]} is not 9.x: the kernels use Hopper's wgmma, "
                 "which sm_100 and later lack")
     return None
-SUPPORT = Support(
-    dtypes=frozenset({"bfloat16", "float16"}),
-    gates=frozenset({Gate.HEAD, Gate.KEY}),
-    varlen=True,
-    check=_shapes_and_device,
-)
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicKernels:
-    """The Mosaic GPU kernels (a `kernels._driver.ChunkKernels`); chunk fixed at 64."""
-
-    interpret: bool = False
-
-    @property
-    def chunk(self) -> int:
-        return CHUNK
-
-    def forward(self, q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states):
-        static = MosaicCall(scale, gate, self.interpret)
-        return chunk_forward(q, k, v, a, h0, table, static=static, emit_output=emit_output, emit_states=emit_states)
-
-    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate):
-        return chunk_backward(q, k, v, a, do, states, h_T, dh_T, table, static=MosaicCall(scale, gate, self.interpret))
+SUPPORT = kernel_support({"bfloat16", "float16"}, _shapes_and_device)
 
 
-def mosaic_gpu_recurrent(problem, *, scale: float, reverse: bool):
-    """The chunk kernels compiled by Mosaic GPU (Hopper)."""
-    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=MosaicKernels())
+BACKEND = PallasBackend(chunk_forward, chunk_backward, chunk=CHUNK)
+"""The kernels compiled by Mosaic GPU (Hopper), or run in Mosaic GPU interpret mode on a CPU
+with races detected (JAX ≥ 0.12); tiles fixed (chunk 64)."""
 
-
-def mosaic_gpu_interpret(problem, *, scale: float, reverse: bool):
-    """The same kernels in Mosaic GPU interpret mode on a CPU, races detected (tests; JAX ≥ 0.12)."""
-    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=MosaicKernels(interpret=True))
+mosaic_gpu_recurrent = BACKEND.recurrent
+mosaic_gpu_interpret = BACKEND.interpret
 
 
 def unavailable() -> str | None:
     """Why this JAX cannot run these kernels, or None."""
-    try:
+    reason = missing_module("jax.experimental.pallas.mosaic_gpu",
+                            "this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
+    if reason is None:
         from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError:
-        return "this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)"
-    missing = [name for name in ("kernel", "wgmma", "copy_gmem_to_smem", "Barrier") if not hasattr(plgpu, name)]
-    return f"this JAX's Mosaic GPU lacks {missing}" if missing else None
+
+        missing = [name for name in ("kernel", "wgmma", "copy_gmem_to_smem", "Barrier") if not hasattr(plgpu, name)]
+        reason = f"this JAX's Mosaic GPU lacks {missing}" if missing else None
+    return reason

@@ -366,7 +366,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static):
-    """Run the backward kernel (the driver's `ChunkKernels.backward` contract, `kernels/_driver.py`).
+    """Run the backward kernel (the driver's `PallasBackend.backward` contract, `kernels/_driver.py`).
 
     **Arguments:**
     - `q`, `k`, `v`, `a`, `meta`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.

@@ -227,7 +227,7 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
 def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True, emit_states: bool = False):
-    """Run the forward kernel (the driver's `ChunkKernels.forward` contract, `kernels/_driver.py`).
+    """Run the forward kernel (the driver's `PallasBackend.forward` contract, `kernels/_driver.py`).
 
     **Arguments:**
     - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; bf16/f16; Tp a multiple of C = 64.
@@ -235,7 +235,7 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True
     - `h0`: [R, H, K, V] float32 initial states: R = B, or S sequences when packed.
     - `meta`: None, or for packed input (B = 1) int32 [3, N]: per chunk its sequence,
       whether it is that sequence's first chunk, and its last.
-    - `static`: `MosaicCall` (scale, gate form, interpret); `emit_output`, `emit_states`.
+    - `static`: `KernelConfig` (scale, gate form, interpret); `emit_output`, `emit_states`.
 
     **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V]
     float32 (packed: written only for sequences that own a chunk), and `states`

@@ -12,28 +12,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
-
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...problem import Gate
+from .._driver import KernelConfig
 from ._tiles import BLOCK_V, CHUNK, F32, interpret_params, swizzled
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicCall:
-    """Static configuration of one kernel call: the scale, the key-side decay form (`None`,
-    `Gate.HEAD` or `Gate.KEY`), and whether to run in Mosaic GPU interpret mode (CPU, race
-    detection on)."""
-
-    scale: float
-    gate: Gate | None
-    interpret: bool
-
-
-def check_shapes(q, v, a, static: MosaicCall) -> str:
+def check_shapes(q, v, a, static: KernelConfig) -> str:
     """The gate kind (`"none"`, `"head"` or `"key"`) after checking what these kernels support."""
     K, V = q.shape[-1], v.shape[-1]
     gate = "none" if static.gate is None else static.gate.value

@@ -2,7 +2,7 @@
 
 | module       | what it holds                                                               |
 |--------------|-----------------------------------------------------------------------------|
-| `_tiles`     | `TpuTiles`, `TpuCall`, head-major layouts, Mosaic-legal BlockSpecs, tile maths |
+| `_tiles`     | `TpuTiles`, head-major layouts, Mosaic-legal BlockSpecs, tile maths        |
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states               |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms          |
 | `_vmem`      | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
@@ -29,16 +29,13 @@ passes and the VMEM check.
 
 from __future__ import annotations
 
-import dataclasses
-
-from ...problem import Gate
-from ...registry import Request, Support
-from .._driver import head_dims_refusal, kernel_recurrent
+from ...registry import Request
+from .._driver import PallasBackend, head_dims_refusal, kernel_support, missing_module
 from ._backward import chunk_backward
 from ._forward import chunk_forward
-from ._tiles import TpuCall, TpuTiles, mosaic_problems
+from ._tiles import TpuTiles, mosaic_problems
 
-__all__ = ["GENERATIONS", "HEAD_DIMS", "SUPPORT", "TILES", "TpuKernels", "TpuTiles", "mosaic_problems", "tpu_interpret",
+__all__ = ["BACKEND", "GENERATIONS", "HEAD_DIMS", "SUPPORT", "TILES", "TpuTiles", "mosaic_problems", "tpu_interpret",
            "tpu_recurrent", "unavailable"]
 
 HEAD_DIMS = (64, 128, 256)
@@ -63,48 +60,21 @@ def _generation_refusal(request: Request) -> str | None:
             f"and tested for {GENERATIONS}")
 
 
-SUPPORT = Support(
-    dtypes=frozenset({"float32", "bfloat16", "float16"}),
-    gates=frozenset({Gate.HEAD, Gate.KEY}),
-    varlen=True,
-    check=_head_dims_and_generation,
-)
+SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _head_dims_and_generation)
 
 
-@dataclasses.dataclass(frozen=True)
-class TpuKernels:
-    """The TPU kernels with their tiles (a `kernels._driver.ChunkKernels`)."""
-
-    tiles: TpuTiles = TILES
-    interpret: bool = False
-
-    @property
-    def chunk(self) -> int:
-        return self.tiles.chunk
-
-    def forward(self, q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states):
-        static = TpuCall(scale, gate, self.tiles, self.interpret)
-        return chunk_forward(q, k, v, a, h0, table, static=static, emit_output=emit_output, emit_states=emit_states)
-
-    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate):
-        return chunk_backward(q, k, v, a, do, states, h_T, dh_T, table, static=TpuCall(scale, gate, self.tiles,
-                                                                                        self.interpret))
+def _declared_tiles(problem) -> TpuTiles:
+    return TILES
 
 
-def tpu_recurrent(problem, *, scale: float, reverse: bool, tiles: TpuTiles = TILES):
-    """The chunk kernels lowered by Mosaic TPU."""
-    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TpuKernels(tiles))
+BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tiles, interpret_tiles=TILES)
+"""The kernels lowered by Mosaic TPU, or run in Pallas's TPU interpret mode; tiles `TILES`."""
 
-
-def tpu_interpret(problem, *, scale: float, reverse: bool, tiles: TpuTiles = TILES):
-    """The same kernels in Pallas's TPU interpret mode on any backend (tests)."""
-    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TpuKernels(tiles, interpret=True))
+tpu_recurrent = BACKEND.recurrent
+tpu_interpret = BACKEND.interpret
 
 
 def unavailable() -> str | None:
     """Why this JAX cannot run these kernels, or None."""
-    try:
-        from jax.experimental.pallas import tpu  # noqa: F401
-    except ImportError:
-        return "this JAX has no Pallas TPU backend (jax.experimental.pallas.tpu)"
-    return None
+    return missing_module("jax.experimental.pallas.tpu",
+                          "this JAX has no Pallas TPU backend (jax.experimental.pallas.tpu)")

@@ -43,8 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
-from .._driver import output_type
-from ._tiles import TpuCall
+from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
 
@@ -114,7 +113,7 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
     return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale)
 
 
-def _backward_kernel(*refs, static: TpuCall, specs: tiles.Specs):
+def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
     q_ref, k_ref, qT_ref, v_ref = refs[:4]
@@ -167,19 +166,10 @@ def _backward_kernel(*refs, static: TpuCall, specs: tiles.Specs):
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: TpuCall):
-    """Run the backward kernel (same contract as the Triton kernels' `chunk_backward`; `kernels/_driver.py`).
-
-    **Arguments:**
-    - `q`, `k`, `v`, `a`, `meta`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
-    - `states`: [B, H, N, K, V] float32, the state entering every chunk.
-    - `h_T`, `dh_T`: [R, H, K, V] float32, the final states and their cotangents.
-
-    **Returns:** `(dq, dk, dv, dh0, boundary)`: dq and dk [B, Tp, H, K] float32 (summed
-    over value blocks), dv [B, Tp, H, V] float32, dh0 [R, H, K, V] float32 (packed: written
-    only for sequences that own a chunk), and (with a decay, else None) boundary
-    [B, H, N, K] float32: Σ_V S ⊙ dS for the state leaving each chunk.
-    """
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
+    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_driver.py`);
+    inputs go head-major (float16 upcast), per-value-block partial dq, dk and boundary terms are
+    summed here."""
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
     s = tiles.shapes_of(q, v, static)

@@ -40,8 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
-from .._driver import output_type
-from ._tiles import TpuCall
+from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
 
@@ -108,7 +107,7 @@ def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, scale, dtype):
     return jnp.exp(a_last) * S + mm(kT * jnp.exp(a_last - aT), v, dtype)
 
 
-def _forward_kernel(*refs, static: TpuCall, specs: tiles.Specs, emit_output: bool, emit_states: bool):
+def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output: bool, emit_states: bool):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
@@ -155,22 +154,10 @@ def _forward_kernel(*refs, static: TpuCall, specs: tiles.Specs, emit_output: boo
 
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
-def chunk_forward(q, k, v, a, h0, meta=None, *, static: TpuCall, emit_output: bool = True, emit_states: bool = False):
-    """Run the forward kernel (same contract as the Triton kernels' `chunk_forward`; `kernels/_driver.py`).
-
-    **Arguments:**
-    - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; Tp a multiple of the chunk.
-    - `a`: chunk-local cumulative log decay, float32 [B, Tp, H] (per head) or [B, Tp, H, K]
-      (per channel), or None, matching `static.gate`.
-    - `h0`: [R, H, K, V] float32 initial states: R = B, or S sequences when packed.
-    - `meta`: None, or for packed input (B = 1, chunk-aligned layout) int32 [3, N]: per
-      chunk its sequence, whether it is that sequence's first chunk, and its last.
-    - `emit_output`, `emit_states`: which outputs to produce.
-
-    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V]
-    float32 (packed: written only for sequences that own a chunk), and `states`
-    [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
-    """
+def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_output: bool = True,
+                  emit_states: bool = False):
+    """Launch the forward kernel: the driver's `PallasBackend.forward` contract (`kernels/_driver.py`);
+    inputs go head-major (float16 upcast to float32), the output comes back token-major."""
     out_dtype = q.dtype
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v = (x.astype(kdt) for x in (q, k, v))

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
+from .._driver import KernelConfig
 
 F32 = jnp.float32
 LANES, SUBLANES = 128, 8
@@ -61,23 +62,12 @@ class TpuTiles:
     block_v: int = 128
 
 
-@dataclasses.dataclass(frozen=True)
-class TpuCall:
-    """Static configuration of one kernel call: the scale, the key-side decay form (`None`,
-    `Gate.HEAD` or `Gate.KEY`), the tiles, and whether to run in TPU interpret mode."""
-
-    scale: float
-    gate: Gate | None
-    tiles: TpuTiles
-    interpret: bool
-
-
-def interpret_mode(static: TpuCall):
+def interpret_mode(static: KernelConfig):
     """The `interpret=` argument of `pallas_call`: TPU interpret mode when `static.interpret`."""
     return pltpu.InterpretParams() if static.interpret else False
 
 
-def compiler_params(static: TpuCall):
+def compiler_params(static: KernelConfig):
     """Batch, head and value block independent; chunks sequential (the state is carried)."""
     if static.interpret:
         return None
@@ -95,7 +85,7 @@ def kernel_dtype(dtype) -> jnp.dtype:
     return matmul_dtype(dtype)
 
 
-def block_v(static: TpuCall, V: int) -> int:
+def block_v(static: KernelConfig, V: int) -> int:
     """BV: the configured value block when it is a legal divisor of V, else all of V."""
     bv = static.tiles.block_v
     return bv if (bv < V and V % bv == 0 and bv % LANES == 0) else V
@@ -123,7 +113,7 @@ class Shapes:
         return self.V // self.BV
 
 
-def shapes_of(q, v, static: TpuCall) -> Shapes:
+def shapes_of(q, v, static: KernelConfig) -> Shapes:
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     return Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub)
@@ -159,7 +149,7 @@ def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[s
     return [problem] if problem else []
 
 
-def check_tiles(s: Shapes, static: TpuCall, dtype, backward: bool = False) -> None:
+def check_tiles(s: Shapes, static: KernelConfig, dtype, backward: bool = False) -> None:
     """Refuse, at trace time, tiles Mosaic would refuse or that overflow the target's scoped
     VMEM (`_vmem.py`; interpret mode takes any)."""
     if static.interpret:

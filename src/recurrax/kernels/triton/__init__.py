@@ -4,7 +4,7 @@
 |--------------|-------------------------------------------------------------------|
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states      |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms |
-| `_common`    | `TritonTiles`, `TritonCall` and tile-level helpers                |
+| `_common`    | `TritonTiles`, launch parameters and tile-level helpers           |
 | `_tiling`    | the tiles used on a GPU and in interpret mode                     |
 
 What the kernels take (`SUPPORT`, fail-closed; anything else falls back to XLA `chunk`):
@@ -19,17 +19,14 @@ Blackwell (10.x, 12.x), where the Mosaic GPU kernels (wgmma) do not exist.
 
 from __future__ import annotations
 
-import dataclasses
-
-from ...problem import Gate
-from ...registry import Request, Support
-from .._driver import head_dims_refusal, kernel_recurrent
+from ...registry import Request
+from .._driver import PallasBackend, head_dims_refusal, kernel_support, missing_module
 from ._backward import chunk_backward
-from ._common import TritonCall, TritonTiles
+from ._common import TritonTiles
 from ._forward import chunk_forward
 from ._tiling import INTERPRET_TILES, gpu_tiles
 
-__all__ = ["MIN_CAPABILITY", "SUPPORT", "TritonKernels", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]
+__all__ = ["BACKEND", "MIN_CAPABILITY", "SUPPORT", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]
 
 HEAD_DIMS = frozenset(2**i for i in range(4, 9))  # 16 … 256
 
@@ -55,54 +52,23 @@ def _capability_refusal(request: Request) -> str | None:
     return None
 
 
-SUPPORT = Support(
-    dtypes=frozenset({"float32", "bfloat16", "float16"}),
-    gates=frozenset({Gate.HEAD, Gate.KEY}),
-    varlen=True,
-    check=_head_dims_and_device,
-)
+SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _head_dims_and_device)
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonKernels:
-    """The Triton-backend kernels with their tiles (a `kernels._driver.ChunkKernels`)."""
-
-    tiles: TritonTiles
-    interpret: bool = False
-
-    @property
-    def chunk(self) -> int:
-        return self.tiles.chunk
-
-    def _call(self, scale, gate) -> TritonCall:
-        return TritonCall(scale, gate, self.tiles, self.interpret)
-
-    def forward(self, q, k, v, a, h0, table, *, scale, gate, emit_output, emit_states):
-        static = self._call(scale, gate)
-        return chunk_forward(q, k, v, a, h0, table, static=static, emit_output=emit_output, emit_states=emit_states)
-
-    def backward(self, q, k, v, a, do, states, h_T, dh_T, table, *, scale, gate):
-        return chunk_backward(q, k, v, a, do, states, h_T, dh_T, table, static=self._call(scale, gate))
+def _chip_tiles(problem) -> TritonTiles:
+    B, _, H, K = problem.query.shape
+    return gpu_tiles(B, H, K, problem.value.shape[-1])
 
 
-def triton_recurrent(problem, *, scale: float, reverse: bool, tiles: TritonTiles | None = None):
-    """The chunk kernels through Pallas's Triton lowering (NVIDIA/AMD GPUs); tiles default to
-    `gpu_tiles` for the call's shape."""
-    if tiles is None:
-        B, _, H, K = problem.query.shape
-        tiles = gpu_tiles(B, H, K, problem.value.shape[-1])
-    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TritonKernels(tiles))
+BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_chip_tiles, interpret_tiles=INTERPRET_TILES)
+"""The kernels through Pallas's Triton lowering (NVIDIA/AMD GPUs); tiles on a GPU: `gpu_tiles`
+for the call's shape, in interpret mode `INTERPRET_TILES` (small)."""
 
-
-def triton_interpret(problem, *, scale: float, reverse: bool, tiles: TritonTiles = INTERPRET_TILES):
-    """The same kernels in Pallas interpret mode on any backend, small tiles (tests)."""
-    return kernel_recurrent(problem, scale=scale, reverse=reverse, kernels=TritonKernels(tiles, interpret=True))
+triton_recurrent = BACKEND.recurrent
+triton_interpret = BACKEND.interpret
 
 
 def unavailable() -> str | None:
     """Why this JAX cannot run these kernels (its Pallas Triton backend is gone), or None."""
-    try:
-        import jax.experimental.pallas.triton  # noqa: F401
-    except ImportError:
-        return "this JAX has no Pallas Triton backend (jax.experimental.pallas.triton); GPUs use mosaic_gpu or chunk"
-    return None
+    return missing_module("jax.experimental.pallas.triton", "this JAX has no Pallas Triton backend "
+                          "(jax.experimental.pallas.triton); GPUs use mosaic_gpu or chunk")

@@ -49,24 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._driver import output_type
-from ._common import (
-    F32,
-    Gate,
-    TritonCall,
-    anchor_before,
-    causal_mask,
-    col_index,
-    decay_spec,
-    diagonal_column,
-    exp_where,
-    mm,
-    mm_nt,
-    mm_tn,
-    row_index,
-    rows,
-    specs_for,
-)
+from .._driver import KernelConfig, output_type
+from ._common import (F32, Gate, anchor_before, block_v, causal_mask, col_index, compiler_params, decay_spec,
+                      diagonal_column, exp_where, mm, mm_nt, mm_tn, row_index, rows, specs_for)
 
 
 def _head_chunk_bwd(q, k, v, do, a, a_last, S, dS, *, scale, dtype):
@@ -152,7 +137,7 @@ def _key_sub_block_bwd(refs, base, p, S, dS, a_last, *, C: int, c: int, scale, d
     return dq, dk + dk_after, dv + dv_after
 
 
-def _backward_kernel(*refs, static: TritonCall, varlen: bool):
+def _backward_kernel(*refs, static: KernelConfig, varlen: bool):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
     a_ref = rest.pop(0) if gate is not None else None
@@ -230,24 +215,14 @@ def _backward_kernel(*refs, static: TritonCall, varlen: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: TritonCall):
-    """Run the backward kernel.
-
-    **Arguments:**
-    - `q`, `k`, `v`, `a`, `meta`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.
-    - `states`: [B, H, N, K, V] float32, the state entering every chunk.
-    - `h_T`, `dh_T`: [R, H, K, V] float32, the final states and their cotangents.
-
-    **Returns:** `(dq, dk, dv, dh0, boundary)`: dq and dk [B, Tp, H, K] float32 (summed
-    over value blocks), dv [B, Tp, H, V] float32, dh0 [R, H, K, V] float32 (packed: written
-    only for sequences that own a chunk), and (with a decay, else None) boundary
-    [B, H, N, K] float32: Σ_V S ⊙ dS for the state leaving each chunk, the gate gradient's
-    carry (see `_chunk.gate_gradient`).
-    """
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
+    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_driver.py`);
+    one program per (row, head, value block) walks the chunks backwards; dq, dk and the boundary
+    terms are summed over value blocks here."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     R = h_T.shape[0]
-    BV = static.block_v(V)
+    BV = block_v(static, V)
     nV, N = V // BV, Tp // static.tiles.chunk
     specs = specs_for(B, H, nV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
@@ -274,7 +249,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Trit
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=static.compiler_params(),
+        compiler_params=compiler_params(static),
         interpret=static.interpret,
         name="recurrax_chunk_bwd",
     )(*args)

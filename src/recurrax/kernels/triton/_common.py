@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ...problem import Gate
+from .._driver import KernelConfig
 
 F32 = jnp.float32
 
@@ -50,26 +51,18 @@ class TritonTiles:
             raise ValueError(f"TritonTiles.sub={self.sub} must divide chunk={self.chunk}")
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonCall:
-    """Static configuration of one kernel call: the scale, the key-side decay form the kernel
-    is specialised for (`None`, `Gate.HEAD` or `Gate.KEY`), the tiles, and whether to run in
-    Pallas interpret mode."""
+def compiler_params(static: KernelConfig):
+    """Triton launch parameters of the tiles (None in interpret mode)."""
+    if static.interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
 
-    scale: float
-    gate: Gate | None
-    tiles: TritonTiles
-    interpret: bool
+    return pltriton.CompilerParams(num_warps=static.tiles.num_warps, num_stages=static.tiles.num_stages)
 
-    def compiler_params(self):
-        if self.interpret:
-            return None
-        from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
-
-    def block_v(self, V: int) -> int:
-        return min(self.tiles.block_v, V)
+def block_v(static: KernelConfig, V: int) -> int:
+    """BV: the configured value block, clipped to V."""
+    return min(static.tiles.block_v, V)
 
 
 # ----------------------------------------------------------------------------- tiles

@@ -59,24 +59,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._driver import output_type
-from ._common import (
-    F32,
-    Gate,
-    TritonCall,
-    anchor_before,
-    causal_mask,
-    col_index,
-    decay_spec,
-    diagonal_column,
-    exp_where,
-    mm,
-    mm_nt,
-    mm_tn,
-    row_index,
-    rows,
-    specs_for,
-)
+from .._driver import KernelConfig, output_type
+from ._common import (F32, Gate, anchor_before, block_v, causal_mask, col_index, compiler_params, decay_spec,
+                      diagonal_column, exp_where, mm, mm_nt, mm_tn, row_index, rows, specs_for)
 
 
 def _head_chunk(q, k, v, a, a_last, S, *, scale, dtype):
@@ -116,7 +101,7 @@ def _key_sub_block(refs, base, p, S, *, C: int, c: int, dtype):
     return o + mm(P, v_s, dtype)
 
 
-def _forward_kernel(*refs, static: TritonCall, varlen: bool, emit_output: bool, emit_states: bool):
+def _forward_kernel(*refs, static: KernelConfig, varlen: bool, emit_output: bool, emit_states: bool):
     gate = static.gate
     q_ref, k_ref, v_ref, *rest = refs
     a_ref = rest.pop(0) if gate is not None else None
@@ -178,26 +163,14 @@ def _forward_kernel(*refs, static: TritonCall, varlen: bool, emit_output: bool, 
 
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
-def chunk_forward(q, k, v, a, h0, meta=None, *, static: TritonCall, emit_output: bool = True, emit_states: bool = False):
-    """Run the forward kernel.
-
-    **Arguments:**
-    - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; Tp a multiple of the chunk.
-    - `a`: chunk-local cumulative log decay, float32 [B, Tp, H] (per head) or [B, Tp, H, K]
-      (per channel), or None, matching `static.gate`.
-    - `h0`: [R, H, K, V] float32 initial states: R = B, or S sequences when packed.
-    - `meta`: None, or for packed input (B = 1, chunk-aligned layout) int32 [3, N]: per
-      chunk its sequence, whether it is that sequence's first chunk, and its last.
-    - `emit_output`, `emit_states`: which outputs to produce.
-
-    **Returns:** a list: `o` [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V]
-    float32 (packed: written only for sequences that own a chunk), and `states`
-    [B, H, N, K, V] float32 (state entering each chunk) if `emit_states`.
-    """
+def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_output: bool = True,
+                  emit_states: bool = False):
+    """Launch the forward kernel: the driver's `PallasBackend.forward` contract (`kernels/_driver.py`);
+    one program per (row, head, value block) walks the chunks."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     R = h0.shape[0]
-    BV = static.block_v(V)
+    BV = block_v(static, V)
     N = Tp // static.tiles.chunk
     specs = specs_for(B, H, V // BV)
     a_spec = decay_spec(static.gate, Tp, K, specs)
@@ -225,7 +198,7 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: TritonCall, emit_output:
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=static.compiler_params(),
+        compiler_params=compiler_params(static),
         interpret=static.interpret,
         name="recurrax_chunk_fwd" if emit_output else "recurrax_chunk_states",
     )(*args)

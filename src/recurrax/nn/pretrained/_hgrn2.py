@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._mixer import FlaMixer, heads, linear, make_conv
+from ._mixer import heads, linear
 from ._norm import RMSNorm
+from ._projected import ProjectedMixer
 
 
-class HGRN2Attention(FlaMixer):
+class HGRN2Attention(ProjectedMixer):
     """fla's HGRN2 layer.
 
     **Arguments:** fla's names: `hidden_size`, `num_heads`, `expand_ratio` (wins over
@@ -48,34 +49,22 @@ class HGRN2Attention(FlaMixer):
             expand_ratio = hidden_size // num_heads
         else:
             raise ValueError("HGRN2 needs one of expand_ratio or num_heads")
-        forget_dim = num_heads * expand_ratio
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}")
-        self.hidden_size, self.num_heads, self.layer_idx, self.dtype = hidden_size, num_heads, layer_idx, dtype
-        self.head_k_dim, self.head_v_dim = expand_ratio, hidden_size // num_heads
-        self.q_proj = linear(hidden_size, forget_dim, dtype=dtype, rngs=rngs)
-        self.f_proj = linear(hidden_size, forget_dim, dtype=dtype, rngs=rngs)
-        self.i_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
-        if use_short_conv:
-            self.conv_names = ("q_conv1d", "f_conv1d", "i_conv1d")
-            self.q_conv1d = make_conv(forget_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.f_conv1d = make_conv(forget_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.i_conv1d = make_conv(hidden_size, conv_size, conv_bias, None, dtype, rngs)
+        self._make_projections(("q", "f", "i"), hidden_size, num_heads, expand_ratio, use_short_conv=use_short_conv,
+                               conv_size=conv_size, conv_bias=conv_bias, dtype=dtype, rngs=rngs)
+        self.layer_idx = layer_idx
         self.g_norm = RMSNorm(hidden_size, eps=1e-5, elementwise_affine=elementwise_affine, dtype=dtype)
         self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
-        inputs = {"q_conv1d": self.q_proj(x), "f_conv1d": self.f_proj(x), "i_conv1d": self.i_proj(x)}
-        outputs, buffers = self._convolve(inputs, cache, cu_seqlens) if self.conv_names else (inputs, None)
-        q = jax.nn.silu(outputs["q_conv1d"])
-        g = jax.nn.log_sigmoid(outputs["f_conv1d"].astype(jnp.float32))
+        projected, buffers = self._projected(x, cache, cu_seqlens)
+        q = jax.nn.silu(projected["q"])
+        g = jax.nn.log_sigmoid(projected["f"].astype(jnp.float32))
         if lower_bound is not None and self.layer_idx > 0:
             beta = lower_bound.astype(jnp.float32)
             g = jnp.logaddexp(jnp.log(beta), jnp.log1p(-beta) + g)
         k = (1.0 - jnp.exp(g)).astype(x.dtype)
         q, k, g = (heads(t, self.head_k_dim) for t in (q, k, g))
-        i = heads(outputs["i_conv1d"], self.head_v_dim)
-        o, state = self._recur(q, k, i, g=g, state=None if cache is None else cache.state, cu_seqlens=cu_seqlens)
-        new_cache = None if cache is None else cache._replace(state=state, conv=buffers)
+        i = heads(projected["i"], self.head_v_dim)
+        o, new_cache = self._recur_cached(q, k, i, g, cache, buffers, cu_seqlens)
         o = self.g_norm(o.reshape(*o.shape[:-2], -1).astype(self.dtype))
         return self.o_proj(o), new_cache

@@ -26,11 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ...varlen import segments
-from ._mixer import FlaMixer, heads, linear, make_conv
+from ._mixer import heads, linear
 from ._norm import RMSNorm
+from ._projected import ProjectedMixer
 
 
-class LightNetAttention(FlaMixer):
+class LightNetAttention(ProjectedMixer):
     """fla's LightNet layer.
 
     **Arguments:** fla's names: `hidden_size`, `num_heads`, `expand_ratio` (one of the two
@@ -50,35 +51,21 @@ class LightNetAttention(FlaMixer):
             num_heads = hidden_size // expand_ratio
         elif expand_ratio is None:
             raise ValueError("LightNet needs one of expand_ratio or num_heads")
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}")
-        key_dim = num_heads * expand_ratio
-        self.hidden_size, self.num_heads, self.dtype = hidden_size, num_heads, dtype
-        self.head_k_dim, self.head_v_dim = expand_ratio, hidden_size // num_heads
-        self.q_proj = linear(hidden_size, key_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, key_dim, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
-        if use_short_conv:
-            self.conv_names = ("q_conv1d", "k_conv1d", "v_conv1d")
-            self.q_conv1d = make_conv(key_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.k_conv1d = make_conv(key_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.v_conv1d = make_conv(hidden_size, conv_size, conv_bias, None, dtype, rngs)
+        self._make_projections(("q", "k", "v"), hidden_size, num_heads, expand_ratio, use_short_conv=use_short_conv,
+                               conv_size=conv_size, conv_bias=conv_bias, dtype=dtype, rngs=rngs)
         self.g_proj = nnx.Sequential(linear(hidden_size, gate_low_rank_dim, dtype=dtype, rngs=rngs),
                                      linear(gate_low_rank_dim, hidden_size, dtype=dtype, rngs=rngs))
         self.g_norm = RMSNorm(hidden_size, eps=1e-6, elementwise_affine=elementwise_affine, dtype=dtype)
         self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
-        inputs = {"q_conv1d": self.q_proj(x), "k_conv1d": self.k_proj(x), "v_conv1d": self.v_proj(x)}
-        outputs, buffers = self._convolve(inputs, cache, cu_seqlens) if self.conv_names else (inputs, None)
-        q = heads(jax.nn.silu(outputs["q_conv1d"]), self.head_k_dim)
-        logits = heads(outputs["k_conv1d"].astype(jnp.float32), self.head_k_dim)  # [B, T, H, K]
-        v = heads(outputs["v_conv1d"], self.head_v_dim)
+        projected, buffers = self._projected(x, cache, cu_seqlens)
+        q = heads(jax.nn.silu(projected["q"]), self.head_k_dim)
+        logits = heads(projected["k"].astype(jnp.float32), self.head_k_dim)  # [B, T, H, K]
+        v = heads(projected["v"], self.head_v_dim)
         z0 = None if cache is None else cache.normalizer
         k, g, z_last = softmax_keys(logits, z0, cu_seqlens)
-        o, state = self._recur(q, k.astype(q.dtype), v, g=g, state=None if cache is None else cache.state,
-                               cu_seqlens=cu_seqlens)
-        new_cache = None if cache is None else cache._replace(state=state, conv=buffers, normalizer=z_last)
+        o, new_cache = self._recur_cached(q, k.astype(q.dtype), v, g, cache, buffers, cu_seqlens, normalizer=z_last)
         o = o.reshape(*o.shape[:-2], -1).astype(self.dtype)
         return self.o_proj(self.g_norm(o, self.g_proj(x), "swish")), new_cache
 
