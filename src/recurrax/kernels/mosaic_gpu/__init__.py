@@ -17,13 +17,14 @@ in SMEM, not in registers.
 
 **Register budget** (ptxas, sm_90a; `tests/test_kernel_budget.py`,
 `benchmarks/results/kernel_resources.md`): no spills in the forward kernels at K 64 and 128,
-nor in the backward without or with a per-head decay at K = 64; per key channel the K = 64
-backward still spills up to ~70 B. At K = 128 the backward spills nothing without decay,
-60–120 B per head (the dS update reads dS after its wgmma, not beside the accumulator),
-0.66–0.79 KB per key channel (a quarter or less of before).
+nor in any backward at K = 64 (per key channel at 250–251 registers: little margin). At
+K = 128 the backward spills nothing without decay, 60–120 B per head (the dS update reads dS
+after its wgmma, not beside the accumulator), 0.68–0.87 KB per key channel (a quarter or less
+of before).
 Levers used: one wgmma accumulator per output (row scalings moved into the left operand),
 carries in SMEM, per-channel [C, K] tiles made one 64-channel panel at a time where used,
-index tiles broadcast from row/column vectors, loops ptxas cannot unroll. Not used: wgmma's
+index tiles broadcast from row/column vectors, loops ptxas cannot unroll; per key channel, the same-block terms read a dP column as a row
+vector of an untiled float32 SMEM tile (dPᵀ / dP staged in dv's tile). Not used: wgmma's
 register left operand (Mosaic GPU interpret mode, JAX 0.12, takes only SMEM operands, so
 the tests could not check it).
 
