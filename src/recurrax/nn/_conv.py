@@ -40,22 +40,16 @@ Taps = Float[Array, "W B T C"]
 Buffer = Float[Array, "R W_minus_1 C"]
 
 
-class ShortConvolution(nnx.Module):
-    """Causal depthwise convolution of `kernel_size` taps followed by SiLU.
+class _Convolution(nnx.Module):
+    """What both convolutions share: the kernel `[W, C]`, the buffer, the lagged inputs."""
 
-    **Arguments:**
-    - `channels`: C; `kernel_size`: W ≥ 2.
-    - `dtype`, `param_dtype`: computation and parameter dtypes; `rngs`: initialisation.
-    """
-
-    def __init__(self, channels: int, kernel_size: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def _make_kernel(self, channels: int, kernel_size: int, dtype, axis: str, rngs: nnx.Rngs, name: str):
         if kernel_size < 2:
-            raise ValueError(f"kernel_size must be at least 2, got {kernel_size}")
+            raise ValueError(f"{name} must be at least 2, got {kernel_size}")
         bound = kernel_size**-0.5
-        init = jax.random.uniform(rngs.params(), (kernel_size, channels), param_dtype, -bound, bound)
-        self.kernel = param(init, "conv", "inner")
-        self.channels, self.kernel_size, self.dtype = channels, kernel_size, dtype
+        self.kernel = param(jax.random.uniform(rngs.params(), (kernel_size, channels), dtype, -bound, bound),
+                            "conv", axis)
+        self.channels, self.kernel_size = channels, kernel_size
 
     def __call__(
         self,
@@ -76,16 +70,35 @@ class ShortConvolution(nnx.Module):
         elif buffer.shape != (rows, self.kernel_size - 1, self.channels):
             raise ValueError(f"buffer must be [{rows}, {self.kernel_size - 1}, {self.channels}], got {buffer.shape}")
         taps, new_buffer = causal_taps(x, buffer.astype(x.dtype), cu_seqlens, self.kernel_size)
-        kernel = self.kernel[...].astype(self.dtype)[::-1]  # [W, C], lag l ↦ w[W−1−l]
-        y = jnp.einsum("lbtc,lc->btc", taps.astype(self.dtype), kernel)
-        return jax.nn.silu(y), new_buffer
+        return self._combine(taps, x), new_buffer
+
+    def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        raise NotImplementedError
 
     def empty_buffer(self, rows: int, dtype=jnp.float32) -> Buffer:
         """Zeros `[rows, W − 1, C]`: the buffer of sequences with no tokens yet."""
         return jnp.zeros((rows, self.kernel_size - 1, self.channels), dtype)
 
 
-class CausalConv1d(nnx.Module):
+class ShortConvolution(_Convolution):
+    """Causal depthwise convolution of `kernel_size` taps followed by SiLU.
+
+    **Arguments:**
+    - `channels`: C; `kernel_size`: W ≥ 2.
+    - `dtype`, `param_dtype`: computation and parameter dtypes; `rngs`: initialisation.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self._make_kernel(channels, kernel_size, param_dtype, "inner", rngs, "kernel_size")
+        self.dtype = dtype
+
+    def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        kernel = self.kernel[...].astype(self.dtype)[::-1]  # [W, C], lag l ↦ w[W−1−l]
+        return jax.nn.silu(jnp.einsum("lbtc,lc->btc", taps.astype(self.dtype), kernel))
+
+
+class CausalConv1d(_Convolution):
     """fla's `ShortConvolution`: causal depthwise convolution of `kernel_size` taps, optional
     bias, optional SiLU; computes in float32 and returns the input's dtype.
 
@@ -98,38 +111,20 @@ class CausalConv1d(nnx.Module):
 
     def __init__(self, channels: int, kernel_size: int, *, bias: bool = False, activation: str | None = "silu",
                  axis: str = "inner", dtype=jnp.float32, rngs: nnx.Rngs):
-        if kernel_size < 2:
-            raise ValueError(f"conv_size must be at least 2, got {kernel_size}")
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
-        bound = kernel_size**-0.5
-        kernel = jax.random.uniform(rngs.params(), (kernel_size, channels), dtype, -bound, bound)
-        self.kernel = param(kernel, "conv", axis)
+        self._make_kernel(channels, kernel_size, dtype, axis, rngs, "conv_size")
         self.bias = param(jnp.zeros((channels,), dtype), axis) if bias else None
-        self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
+        self.activation = activation
 
-    def __call__(
-        self,
-        x: Float[Array, "B T C"],
-        buffer: Buffer | None = None,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-    ) -> tuple[Float[Array, "B T C"], Buffer]:
-        """Convolve `x` after `buffer` (zeros when `None`); returns `(y, new_buffer)`."""
-        rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        if buffer is None:
-            buffer = self.empty_buffer(rows, x.dtype)
-        taps, new_buffer = causal_taps(x, buffer.astype(x.dtype), cu_seqlens, self.kernel_size)
+    def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         kernel = self.kernel[...].astype(jnp.float32)[::-1]  # lag l ↦ kernel[W−1−l]
         y = jnp.einsum("lbtc,lc->btc", taps.astype(jnp.float32), kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         if self.activation is not None:
             y = jax.nn.silu(y)
-        return y.astype(x.dtype), new_buffer
-
-    def empty_buffer(self, rows: int, dtype=jnp.float32) -> Buffer:
-        """Zeros `[rows, W − 1, C]`: the buffer of sequences with no tokens yet."""
-        return jnp.zeros((rows, self.kernel_size - 1, self.channels), dtype)
+        return y.astype(x.dtype)
 
 
 def causal_taps(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"] | None,
