@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .._conv import CausalConv1d
 from ._config_checks import ConfigError
-from ._conv import CausalConv1d
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
 from ._hf_model import HFCausalLM

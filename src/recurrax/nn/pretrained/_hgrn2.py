@@ -52,8 +52,9 @@ class HGRN2Attention(ProjectedMixer):
         self._make_projections(("q", "f", "i"), hidden_size, num_heads, expand_ratio, use_short_conv=use_short_conv,
                                conv_size=conv_size, conv_bias=conv_bias, dtype=dtype, rngs=rngs)
         self.layer_idx = layer_idx
-        self.g_norm = RMSNorm(hidden_size, eps=1e-5, elementwise_affine=elementwise_affine, dtype=dtype)
-        self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+        self.g_norm = RMSNorm(hidden_size, eps=1e-5, elementwise_affine=elementwise_affine, axis="heads",
+                              dtype=dtype)
+        self.o_proj = linear(hidden_size, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
         projected, buffers = self._projected(x, cache, cu_seqlens)

@@ -53,10 +53,12 @@ class LightNetAttention(ProjectedMixer):
             raise ValueError("LightNet needs one of expand_ratio or num_heads")
         self._make_projections(("q", "k", "v"), hidden_size, num_heads, expand_ratio, use_short_conv=use_short_conv,
                                conv_size=conv_size, conv_bias=conv_bias, dtype=dtype, rngs=rngs)
-        self.g_proj = nnx.Sequential(linear(hidden_size, gate_low_rank_dim, dtype=dtype, rngs=rngs),
-                                     linear(gate_low_rank_dim, hidden_size, dtype=dtype, rngs=rngs))
-        self.g_norm = RMSNorm(hidden_size, eps=1e-6, elementwise_affine=elementwise_affine, dtype=dtype)
-        self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+        low_rank = linear(hidden_size, gate_low_rank_dim, axes=("embed", None), dtype=dtype, rngs=rngs)
+        up = linear(gate_low_rank_dim, hidden_size, axes=(None, "heads"), dtype=dtype, rngs=rngs)
+        self.g_proj = nnx.Sequential(low_rank, up)
+        self.g_norm = RMSNorm(hidden_size, eps=1e-6, elementwise_affine=elementwise_affine, axis="heads",
+                              dtype=dtype)
+        self.o_proj = linear(hidden_size, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
         projected, buffers = self._projected(x, cache, cu_seqlens)

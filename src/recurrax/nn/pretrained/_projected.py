@@ -41,11 +41,11 @@ class ProjectedMixer(FlaMixer):
         widths = dict(zip(names, (num_heads * expand_ratio, num_heads * expand_ratio, hidden_size)))
         self.projections = tuple(names)
         for name, width in widths.items():
-            setattr(self, f"{name}_proj", linear(hidden_size, width, dtype=dtype, rngs=rngs))
+            setattr(self, f"{name}_proj", linear(hidden_size, width, axes=("embed", "heads"), dtype=dtype, rngs=rngs))
         if use_short_conv:
             self.conv_names = tuple(f"{name}_conv1d" for name in names)
             for name, width in widths.items():
-                setattr(self, f"{name}_conv1d", make_conv(width, conv_size, conv_bias, None, dtype, rngs))
+                setattr(self, f"{name}_conv1d", make_conv(width, conv_size, conv_bias, None, dtype, rngs, "heads"))
 
     def _projected(self, x, cache: RecurrentCache | None, cu_seqlens) -> tuple[dict[str, Array], tuple | None]:
         """The projections of `x` by name, convolved (continuing the cache's buffers) where the

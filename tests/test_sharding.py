@@ -1,0 +1,251 @@
+"""Models on a mesh (`recurrax.nn`'s logical axes, rules, `shard_model`, `use_mesh`) against one
+device, on the 8 simulated CPU devices of conftest.py, in float32.
+
+Each case compares the logits and the gradient of a fixed random projection of them with
+respect to every parameter, computed on one device, with the same computation on a mesh
+(parameters placed by `shard_model`, forward under `use_mesh`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import recurrax.nn as rnn
+from recurrax.nn.pretrained import from_pretrained
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GLA = FIXTURES / "fla" / "gla_gqa_conv_clamp"          # GLA, grouped heads, short convolutions
+BAMBA = FIXTURES / "transformers" / "bamba_basic"                  # Mamba-2 (short conv) and attention layers
+NEMOTRON = FIXTURES / "transformers" / "nemotron_h_pattern_moe"   # Mamba-2, attention, MLP, MoE
+TOLERANCE = 1e-5
+"""Relative error of the logits and of all gradients together (float32 against float32)."""
+PER_PARAMETER = 1e-4
+"""...and of each parameter's gradient: small reductions (Mamba-2's `D`, `dt_bias` of a few heads
+over 64 tokens) carry float32 noise of ~1e-5 on one device already (1.5e-5 against float64)."""
+
+
+def mesh(data: int, tensor: int, sequence: int):
+    devices = np.array(jax.devices()[: data * tensor * sequence]).reshape(data, tensor, sequence)
+    return jax.sharding.Mesh(devices, ("data", "tensor", "sequence"), axis_types=(AxisType.Auto,) * 3)
+
+
+def relative_error(got, want) -> float:
+    """‖got − want‖ / ‖want‖ (float32 sums reordered by sharding differ in their last bits)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def test_rules_tables():
+    rules = dict(rnn.logical_rules("fsdp", "tensor", "sequence"))
+    assert rules["batch"] == "data" and rules["embed"] == "data" and rules["length"] == "sequence"
+    assert all(rules[name] == "tensor" for name in ("heads", "kv_heads", "mlp", "experts", "vocab", "inner"))
+    assert rules["head_dim"] is None and rules["conv"] is None
+    assert dict(rnn.DATA_PARALLEL)["embed"] is None and dict(rnn.DATA_PARALLEL)["batch"] == "data"
+    assert set(dict(rnn.TENSOR_PARALLEL).values()) == {None, "tensor"}
+    assert dict(rnn.SEQUENCE_PARALLEL)["length"] == "sequence"
+    assert [name for name, _ in rnn.FSDP] == list(rnn.LOGICAL_AXES)
+    with pytest.raises(ValueError, match="layouts"):
+        rnn.logical_rules("pipeline")
+
+
+def test_creation_does_not_shard_and_names_every_parameter():
+    """No mesh needed to build; every parameter has one logical name per dimension."""
+    model = from_pretrained(GLA)
+    for path, spec in nnx.to_flat_state(rnn.logical_specs(model)):
+        assert isinstance(spec.get_value(), PartitionSpec), path
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        names = variable.get_metadata()["out_sharding"]
+        assert len(names) == variable.get_value().ndim, path
+        assert set(names) <= set(rnn.LOGICAL_AXES) | {None}, path
+        assert len(variable.get_value().sharding.device_set) == 1, path
+
+
+def test_placed_parameters_are_sharded_as_the_rules_say():
+    model = from_pretrained(GLA)
+    layer = model.model.layers[0].attn
+    rnn.shard_model(model, mesh(2, 2, 2), rnn.logical_rules("fsdp", "tensor"))
+    expected = [  # by hand from the table: embed → data, heads/kv_heads/vocab → tensor
+        (model.model.embeddings.embedding, ("tensor", "data")),        # [vocab, embed]
+        (layer.q_proj.kernel, ("data", "tensor")),                     # [embed, heads]
+        (layer.k_proj.kernel, ("data", "tensor")),                     # [embed, kv_heads]
+        (layer.o_proj.kernel, ("tensor", "data")),                     # [heads, embed]
+        (layer.q_conv1d.kernel, (None, "tensor")),                     # [conv, heads]
+        (layer.gk_proj.layers[0].kernel, ("data", None)),              # [embed, low rank]
+        (model.model.norm.weight, ("data",)),                          # [embed]
+        (layer.g_norm_swish_gate.weight, (None,)),                     # [head_dim]
+    ]
+    for variable, spec in expected:
+        value = variable.get_value()
+        assert value.sharding.spec == PartitionSpec(*spec)
+        shard = value.addressable_shards[0].data.shape
+        assert shard == tuple(n // (2 if axis else 1) for n, axis in zip(value.shape, spec))
+
+
+
+@partial(jax.jit, static_argnames="graphdef")
+def logits_and_grads(graphdef, params, tokens, cu_seqlens):
+    """Logits, and the gradient of a fixed random projection of them for every parameter."""
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens, cu_seqlens=cu_seqlens)
+        weights = jax.random.normal(jax.random.key(7), logits.shape, logits.dtype)
+        return jnp.sum(logits * weights), logits
+
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logits, grads
+
+
+def run(model, inputs):
+    graphdef, params = nnx.split(model)
+    return logits_and_grads(graphdef, params, *inputs)
+
+
+def inputs_of(model, packed: bool):
+    """[4, 16] token rows, or 64 packed tokens in sequences of 5, 0, 30, 29 crossing every shard boundary."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (4, 16)), jnp.int32)
+    if not packed:
+        return tokens, None
+    return tokens.reshape(-1), jnp.array([0, 5, 5, 35, 64], jnp.int32)
+
+
+MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON}
+LAYOUTS = {
+    "data2-tensor4": ((2, 4, 1), ("data", "tensor")),
+    "fsdp2-tensor2-seq2": ((2, 2, 2), ("fsdp", "tensor", "sequence")),
+    "data2-tensor2-seq2": ((2, 2, 2), ("data", "tensor", "sequence")),
+    "tensor2-seq4": ((1, 2, 4), ("tensor", "sequence")),
+}
+FAST = {("gla", "fsdp2-tensor2-seq2", True), ("bamba", "data2-tensor2-seq2", False)}
+"""The default tier's cases (each compiles a model's forward and backward for a mesh)."""
+
+
+def cases():
+    for family in MODELS:
+        for layout in LAYOUTS:
+            for packed in (False, True):
+                slow = (family, layout, packed) not in FAST
+                yield pytest.param(family, layout, packed, id=f"{family}-{layout}-{'packed' if packed else 'dense'}",
+                                   marks=pytest.mark.slow if slow else ())
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """Each model's single-device logits and gradients (computed when first asked for)."""
+    results = {}
+
+    def get(family, packed):
+        if (family, packed) not in results:
+            model = from_pretrained(MODELS[family])
+            results[family, packed] = run(model, inputs_of(model, packed))
+        return results[family, packed]
+
+    return get
+
+
+@pytest.mark.parametrize("family, layout, packed", list(cases()))
+def test_forward_and_gradients_equal_one_device(one_device, family, layout, packed):
+    sizes, layouts = LAYOUTS[layout]
+    device_mesh, rules = mesh(*sizes), rnn.logical_rules(*layouts)
+    model = rnn.shard_model(from_pretrained(MODELS[family]), device_mesh, rules)
+    inputs = inputs_of(model, packed)
+    with rnn.use_mesh(device_mesh, rules):
+        logits, grads = run(model, inputs)
+    want_logits, want_grads = one_device(family, packed)
+    assert relative_error(logits, want_logits) < TOLERANCE
+    pairs = [(path, got.get_value(), want.get_value())
+             for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads))]
+    flat = lambda i: np.concatenate([np.ravel(pair[i]) for pair in pairs])  # noqa: E731
+    assert relative_error(flat(1), flat(2)) < TOLERANCE
+    for path, got, want in pairs:
+        assert relative_error(got, want) < PER_PARAMETER, path
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_short_convolution_split_over_the_sequence_axis(packed):
+    """Taps and new buffer with the tokens over 4 devices equal one device's, from a non-zero
+    buffer (a prefill continuing a cache), packed sequences crossing shard boundaries."""
+    from recurrax.nn._conv import causal_taps
+
+    keys = jax.random.split(jax.random.key(3), 2)
+    width, C = 4, 3
+    x = jax.random.normal(keys[0], (1, 16, C) if packed else (2, 16, C), jnp.float32)
+    cu = jnp.array([0, 2, 2, 9, 16], jnp.int32) if packed else None
+    buffer = jax.random.normal(keys[1], (4 if packed else 2, width - 1, C), jnp.float32)
+    want = causal_taps(x, buffer, cu, width)
+    device_mesh = mesh(2, 1, 4)
+    with rnn.use_mesh(device_mesh, rnn.logical_rules("data", "sequence")):
+        got = jax.jit(causal_taps, static_argnums=3)(x, buffer, cu, width)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    lags = np.stack([np.roll(np.asarray(x), lag, axis=1) for lag in range(width)])  # by hand, dense row 0
+    if not packed:
+        np.testing.assert_array_equal(np.asarray(got[0])[:, 0, width:], lags[:, 0, width:])
+
+
+HYBRID = FIXTURES / "fla" / "gla_hybrid_attn"   # GLA layers and one softmax-attention layer (a KV cache)
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [2, 6, 4]]
+
+
+def serving_mesh():
+    return mesh(2, 4, 1), rnn.logical_rules("fsdp", "tensor")  # weights over data × tensor, pool rows over data
+
+
+def test_cache_pool_is_sharded():
+    """generate's slot pool: rows over data, a recurrent state's heads over tensor (4 of 4),
+    an attention buffer's rows over data (its 2 kv heads do not divide over 4)."""
+    from recurrax.nn.pretrained._generate import _empty_pool
+
+    device_mesh, rules = serving_mesh()
+    model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
+    with rnn.use_mesh(device_mesh, rules):
+        pool = _empty_pool(model, 4, 32)
+    state, keys = pool.layers[0].state, pool.layers[1].keys
+    assert state.sharding.is_equivalent_to(NamedSharding(device_mesh, PartitionSpec("data", "tensor", None, None)), 4)
+    assert state.addressable_shards[0].data.shape == (2, 1, *state.shape[2:])
+    assert keys.sharding.spec[0] == "data" and keys.addressable_shards[0].data.shape[0] == 2
+
+
+@pytest.mark.slow
+def test_generate_on_a_mesh_equals_one_device():
+    """Greedy tokens of 4 prompts in 4 slots, weights and cache pool sharded, equal one device's."""
+    from recurrax.nn.pretrained import generate
+
+    want = generate(from_pretrained(HYBRID), PROMPTS, 6, num_slots=4)
+    device_mesh, rules = serving_mesh()
+    model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
+    with rnn.use_mesh(device_mesh, rules):
+        got = generate(model, PROMPTS, 6, num_slots=4)
+    assert got == want and all(len(tokens) == 6 for tokens in got)
+
+
+@partial(jax.jit, static_argnames="graphdef")
+def prefill_then_step(graphdef, params, tokens, cu_seqlens, next_tokens):
+    """Logits of a packed prefill into a 4-slot cache and of one decode step after it."""
+    from recurrax.nn.pretrained._generate import constrain_cache
+
+    model = nnx.merge(graphdef, params)
+    prefill_logits, cache = model.prefill(tokens, cu_seqlens, constrain_cache(model.generation_cache(4, 32)))
+    step_logits, _ = model.decode_step(next_tokens, constrain_cache(cache))
+    return prefill_logits, step_logits
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_logits_on_a_mesh_equal_one_device():
+    tokens = jnp.array([t for prompt in PROMPTS for t in prompt], jnp.int32)
+    cu_seqlens = jnp.array(np.cumsum([0] + [len(p) for p in PROMPTS]), jnp.int32)
+    next_tokens = jnp.array([1, 2, 3, 4], jnp.int32)
+    want = prefill_then_step(*nnx.split(from_pretrained(HYBRID)), tokens, cu_seqlens, next_tokens)
+    device_mesh, rules = serving_mesh()
+    model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
+    with rnn.use_mesh(device_mesh, rules):
+        got = prefill_then_step(*nnx.split(model), tokens, cu_seqlens, next_tokens)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < TOLERANCE
