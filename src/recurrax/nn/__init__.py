@@ -4,6 +4,9 @@ Every mixer maps `[batch, seq_len, d_model]` (or packed `[total_tokens, d_model]
 `cu_seqlens`) to the same shape, uses the best registered algorithm for the parallel
 forward, and decodes with an explicit cache: `y, cache = layer(x, cache=cache)`, starting
 from `layer.init_cache(batch_size)`.
+
+Every parameter carries logical axis names; `logical_rules` maps them to mesh axes,
+`shard_model` places a model on a mesh and `use_mesh` runs its forward there.
 """
 
 from .._extras import require
@@ -24,9 +27,25 @@ from ._mixers import (  # noqa: E402
 )
 from ._conv import ShortConvolution  # noqa: E402
 from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
+from ._sharding import (  # noqa: E402
+    DATA_PARALLEL,
+    FSDP,
+    LOGICAL_AXES,
+    SEQUENCE_PARALLEL,
+    TENSOR_PARALLEL,
+    constrain,
+    logical_rules,
+    logical_specs,
+    parameter_shardings,
+    shard_model,
+    use_mesh,
+)
 
 __all__ = [
+    "DATA_PARALLEL",
     "FEATURE_MAPS",
+    "FSDP",
+    "LOGICAL_AXES",
     "MIXERS",
     "MLP",
     "Block",
@@ -37,9 +56,17 @@ __all__ = [
     "MixerCache",
     "MultiScaleRetention",
     "RecurrentMixer",
+    "SEQUENCE_PARALLEL",
     "ShortConvolution",
+    "TENSOR_PARALLEL",
     "alibi_slopes",
+    "constrain",
     "lightning_log_decays",
+    "logical_rules",
+    "logical_specs",
     "make_mixer",
+    "parameter_shardings",
     "retention_log_decays",
+    "shard_model",
+    "use_mesh",
 ]

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..varlen import segments
+from ._sharding import param
 
 
 class ShortConvolution(nnx.Module):
@@ -38,7 +39,7 @@ class ShortConvolution(nnx.Module):
             raise ValueError(f"kernel_size must be at least 2, got {kernel_size}")
         bound = kernel_size**-0.5
         init = jax.random.uniform(rngs.params(), (kernel_size, channels), param_dtype, -bound, bound)
-        self.kernel = nnx.Param(init)
+        self.kernel = param(init, "conv", "inner")
         self.channels, self.kernel_size, self.dtype = channels, kernel_size, dtype
 
     def __call__(

@@ -38,6 +38,10 @@ from ..decays import alibi_slopes, lightning_g_gamma, retention_g_gamma
 from ..decode import recurrent_step
 from ..registry import kernel_registry
 from ._conv import ShortConvolution
+from ._sharding import partitioned
+
+default_kernel_init = nnx.initializers.lecun_normal()  # nnx.Linear's default
+ones = nnx.initializers.ones_init()
 
 GATES = {
     None: None,
@@ -127,14 +131,15 @@ class RecurrentMixer(nnx.Module):
         K, V, H, Hkv = self.qk_head_dim, self.v_head_dim, num_heads, num_kv_heads
         self.qkv_sizes = (H * K, Hkv * K, Hkv * V)
         linear = _linear_factory(dtype, param_dtype, rngs)
-        self.qkv_proj = linear(d_model, sum(self.qkv_sizes))
+        self.qkv_proj = linear(d_model, sum(self.qkv_sizes), ("embed", "inner"))
         self.conv = (
             ShortConvolution(sum(self.qkv_sizes), conv_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             if conv_size else None
         )
-        self.g_proj = linear(d_model, H * V) if output_gate else None
-        self.o_proj = linear(H * V, d_model)
-        self.norm = nnx.RMSNorm(V, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.g_proj = linear(d_model, H * V, ("embed", "heads")) if output_gate else None
+        self.o_proj = linear(H * V, d_model, ("heads", "embed"))
+        self.norm = nnx.RMSNorm(V, dtype=dtype, param_dtype=param_dtype, scale_init=partitioned(ones, "head_dim"),
+                                rngs=rngs)
 
     def __call__(
         self,
@@ -274,8 +279,11 @@ class GatedLinearAttention(RecurrentMixer):
         super().__init__(d_model, num_heads, rngs=rngs, **options)
         self.gate_logit_normalizer = float(gate_logit_normalizer)
         param_dtype = options.get("param_dtype", jnp.float32)
-        self.gk_down = nnx.Linear(d_model, gate_low_rank_dim, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.gk_up = nnx.Linear(gate_low_rank_dim, num_heads * self.qk_head_dim, param_dtype=param_dtype, rngs=rngs)
+        self.gk_down = nnx.Linear(d_model, gate_low_rank_dim, use_bias=False, param_dtype=param_dtype,
+                                  kernel_init=partitioned(default_kernel_init, "embed", None), rngs=rngs)
+        self.gk_up = nnx.Linear(gate_low_rank_dim, num_heads * self.qk_head_dim, param_dtype=param_dtype,
+                                kernel_init=partitioned(default_kernel_init, None, "heads"),
+                                bias_init=partitioned(nnx.initializers.zeros_init(), "heads"), rngs=rngs)
 
     def _decays(self, x: Float[Array, "B T D"]) -> dict:
         B, T, _ = x.shape
@@ -363,7 +371,8 @@ def _feature_map_name(name: str) -> str:
 
 
 def _linear_factory(dtype, param_dtype, rngs: nnx.Rngs):
-    def linear(d_in: int, d_out: int) -> nnx.Linear:
-        return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def linear(d_in: int, d_out: int, axes: tuple[str, str]) -> nnx.Linear:
+        return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                          kernel_init=partitioned(default_kernel_init, *axes), rngs=rngs)
 
     return linear

@@ -18,6 +18,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
+from ._mixers import default_kernel_init, ones
+from ._sharding import partitioned
 from ._tokens import check_token_ids
 
 MIXERS = {
@@ -27,6 +29,11 @@ MIXERS = {
     "linear": LinearAttention,
 }
 """Mixer names accepted by `LanguageModel` and `make_mixer`."""
+
+
+def embed_norm(d_model: int, **options) -> nnx.RMSNorm:
+    """An RMS norm over the model width (its scale's logical axis is `embed`)."""
+    return nnx.RMSNorm(d_model, scale_init=partitioned(ones, "embed"), **options)
 
 
 def make_mixer(name: str, d_model: int, num_heads: int, *, layer_idx: int, num_layers: int,
@@ -55,8 +62,9 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, d_model: int, hidden: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.up = nnx.Linear(d_model, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.down = nnx.Linear(hidden, d_model, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        types = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.up = nnx.Linear(d_model, hidden, kernel_init=partitioned(default_kernel_init, "embed", "mlp"), **types)
+        self.down = nnx.Linear(hidden, d_model, kernel_init=partitioned(default_kernel_init, "mlp", "embed"), **types)
 
     def __call__(self, x: Float[Array, "... d_model"]) -> Float[Array, "... d_model"]:
         return self.down(jax.nn.gelu(self.up(x)))
@@ -72,7 +80,7 @@ class Block(nnx.Module):
 
     def __init__(self, mixer: nnx.Module, d_model: int, mlp_hidden: int, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
-        norm = lambda: nnx.RMSNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
+        norm = lambda: embed_norm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
         self.mixer_norm, self.mixer = norm(), mixer
         self.mlp_norm = norm()
         self.mlp = MLP(d_model, mlp_hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -105,7 +113,7 @@ class LanguageModel(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.vocab_size, self.mixer_name = vocab_size, mixer
         types = dict(dtype=dtype, param_dtype=param_dtype)
-        init = nnx.initializers.normal(stddev=d_model**-0.5)
+        init = partitioned(nnx.initializers.normal(stddev=d_model**-0.5), "vocab", "embed")
         self.embed = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs, **types)
         blocks = []
         for layer_idx in range(num_layers):
@@ -114,7 +122,7 @@ class LanguageModel(nnx.Module):
                              **types, **options)
             blocks.append(Block(mix, d_model, mlp_ratio * d_model, rngs=rngs, **types))
         self.blocks = nnx.List(blocks)
-        self.norm = nnx.RMSNorm(d_model, rngs=rngs, **types)
+        self.norm = embed_norm(d_model, rngs=rngs, **types)
 
     def __call__(
         self,

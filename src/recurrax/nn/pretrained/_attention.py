@@ -68,10 +68,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, hidden_size // num_heads
         self.window_size, self.rope_theta, self.dtype = window_size, float(rope_theta), dtype
         kv_dim = num_kv_heads * self.head_dim
-        self.q_proj = linear(hidden_size, hidden_size, bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, kv_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, kv_dim, bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(hidden_size, hidden_size, axes=("embed", "heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(hidden_size, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(
         self,

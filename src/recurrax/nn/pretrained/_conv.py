@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from .._conv import _dense_taps, _packed_taps
+from .._sharding import param
 
 
 class CausalConv1d(nnx.Module):
@@ -30,18 +31,20 @@ class CausalConv1d(nnx.Module):
     **Arguments:**
     - `channels`: C; `kernel_size`: W ≥ 2; `bias`: learn a bias `[C]`.
     - `activation`: `"silu"`/`"swish"` or `None`.
+    - `axis`: the channels' logical axis name (`recurrax.nn`'s sharding table); the taps are `conv`.
     - `dtype`: parameter and computation dtype; `rngs`: initialisation.
     """
 
     def __init__(self, channels: int, kernel_size: int, *, bias: bool = False, activation: str | None = "silu",
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 axis: str = "inner", dtype=jnp.float32, rngs: nnx.Rngs):
         if kernel_size < 2:
             raise ValueError(f"conv_size must be at least 2, got {kernel_size}")
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
         bound = kernel_size**-0.5
-        self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, channels), dtype, -bound, bound))
-        self.bias = nnx.Param(jnp.zeros((channels,), dtype)) if bias else None
+        kernel = jax.random.uniform(rngs.params(), (kernel_size, channels), dtype, -bound, bound)
+        self.kernel = param(kernel, "conv", axis)
+        self.bias = param(jnp.zeros((channels,), dtype), axis) if bias else None
         self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
 
     def __call__(

@@ -40,8 +40,9 @@ class GatedLinearAttention(QKVMixer):
                          rngs=rngs, **options)
         self.gate_logit_normalizer, self.clamp_min = gate_logit_normalizer, clamp_min
         kv_key = self.num_kv_heads * self.head_k_dim
-        self.gk_proj = nnx.Sequential(linear(hidden_size, gate_low_rank_dim, dtype=dtype, rngs=rngs),
-                                      linear(gate_low_rank_dim, kv_key, bias=True, dtype=dtype, rngs=rngs))
+        low_rank = linear(hidden_size, gate_low_rank_dim, axes=("embed", None), dtype=dtype, rngs=rngs)
+        up = linear(gate_low_rank_dim, kv_key, axes=(None, "kv_heads"), bias=True, dtype=dtype, rngs=rngs)
+        self.gk_proj = nnx.Sequential(low_rank, up)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
         q, k, v, buffers = self._project(x, cache, cu_seqlens)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from .._sharding import param
 from ._attention import Attention
 from ._mixer import heads, linear
 from ._norm import activation
@@ -53,10 +54,10 @@ class HFAttention(Attention):
         self.window_size, self.rope_theta, self.dtype = None, float(rope_theta), dtype
         self.rotary_dim, self.scale, self.key_multiplier = rotary_dim, scale, float(key_multiplier)
         q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = linear(hidden_size, q_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(q_dim, hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(hidden_size, q_dim, axes=("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_dim, hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype, rngs=rngs)
 
     def _rotate(self, x, positions):
         if not self.rotary_dim:
@@ -77,9 +78,9 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, hidden_size: int, width: int, *, bias: bool = False, act: str = "silu",
                  multipliers: tuple[float, float] = (1.0, 1.0), dtype=jnp.float32, rngs: nnx.Rngs):
-        self.gate_proj = linear(hidden_size, width, bias=bias, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(hidden_size, width, bias=bias, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(width, hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = linear(hidden_size, width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden_size, width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, hidden_size, axes=("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
         self.act, self.multipliers = act, tuple(float(m) for m in multipliers)
         activation(act, "hidden_act")
 
@@ -94,8 +95,8 @@ class PlainMLP(nnx.Module):
 
     def __init__(self, hidden_size: int, width: int, *, bias: bool = False, act: str = "relu2",
                  dtype=jnp.float32, rngs: nnx.Rngs):
-        self.up_proj = linear(hidden_size, width, bias=bias, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(width, hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden_size, width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, hidden_size, axes=("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
         self.act = "sqrelu" if act == "relu2" else act
         activation(self.act, "mlp_hidden_act")
 
@@ -113,8 +114,9 @@ class NemotronRouter(nnx.Module):
                  norm_topk_prob: bool, routed_scaling_factor: float, rngs: nnx.Rngs):
         if experts % n_group:
             raise ValueError(f"n_group ({n_group}) must divide n_routed_experts ({experts})")
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (experts, hidden_size), jnp.float32) * 0.02)
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
+        weight = jax.random.normal(rngs.params(), (experts, hidden_size), jnp.float32) * 0.02
+        self.weight = param(weight, "experts", "embed")
+        self.e_score_correction_bias = param(jnp.zeros((experts,), jnp.float32), "experts")
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, float(routed_scaling_factor)
 
@@ -146,10 +148,9 @@ class NemotronMoE(nnx.Module):
         self.gate = NemotronRouter(hidden_size, experts, **router, rngs=rngs)
         self.experts = nnx.List([PlainMLP(inner, width, act=act, dtype=dtype, rngs=rngs) for _ in range(experts)])
         self.shared_experts = PlainMLP(hidden_size, shared_width, bias=bias, act=act, dtype=dtype, rngs=rngs)
-        self.fc1_latent_proj = None if latent is None else linear(hidden_size, latent, bias=bias, dtype=dtype,
-                                                                  rngs=rngs)
-        self.fc2_latent_proj = None if latent is None else linear(latent, hidden_size, bias=bias, dtype=dtype,
-                                                                  rngs=rngs)
+        options = dict(bias=bias, dtype=dtype, rngs=rngs)
+        self.fc1_latent_proj = None if latent is None else linear(hidden_size, latent, axes=("embed", None), **options)
+        self.fc2_latent_proj = None if latent is None else linear(latent, hidden_size, axes=(None, "embed"), **options)
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         flat = x.reshape(-1, x.shape[-1])
@@ -165,7 +166,7 @@ class GraniteRouter(nnx.Module):
     """Granite's `router`: `layer` (no bias), softmax over the top-k logits."""
 
     def __init__(self, hidden_size: int, experts: int, *, top_k: int, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.layer = linear(hidden_size, experts, dtype=dtype, rngs=rngs)
+        self.layer = linear(hidden_size, experts, axes=("embed", "experts"), dtype=dtype, rngs=rngs)
         self.top_k = top_k
 
     def __call__(self, x: Float[Array, "n D"]) -> Float[Array, "n E"]:
@@ -180,8 +181,10 @@ class ExpertWeights(nnx.Module):
 
     checkpoint_params = ("weight",)
 
-    def __init__(self, experts: int, d_out: int, d_in: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (experts, d_out, d_in), dtype))
+    def __init__(self, experts: int, d_out: int, d_in: int, *, axes: tuple[str, str], dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        weight = nnx.initializers.normal(0.02)(rngs.params(), (experts, d_out, d_in), dtype)
+        self.weight = param(weight, "experts", *axes)
 
 
 class GraniteMoE(nnx.Module):
@@ -190,8 +193,9 @@ class GraniteMoE(nnx.Module):
     def __init__(self, hidden_size: int, *, experts: int, width: int, top_k: int, act: str = "silu",
                  dtype=jnp.float32, rngs: nnx.Rngs):
         self.router = GraniteRouter(hidden_size, experts, top_k=top_k, dtype=dtype, rngs=rngs)
-        self.input_linear = ExpertWeights(experts, 2 * width, hidden_size, dtype=dtype, rngs=rngs)
-        self.output_linear = ExpertWeights(experts, hidden_size, width, dtype=dtype, rngs=rngs)
+        self.input_linear = ExpertWeights(experts, 2 * width, hidden_size, axes=("mlp", "embed"), dtype=dtype,
+                                          rngs=rngs)
+        self.output_linear = ExpertWeights(experts, hidden_size, width, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.act = act
         activation(act, "hidden_act")
 
@@ -208,8 +212,8 @@ class GraniteSharedMLP(nnx.Module):
     """Granite's `shared_mlp`: `output_linear(act(a) ⊙ b)` with `[a | b] = input_linear(x)`."""
 
     def __init__(self, hidden_size: int, width: int, *, act: str = "silu", dtype=jnp.float32, rngs: nnx.Rngs):
-        self.input_linear = linear(hidden_size, 2 * width, dtype=dtype, rngs=rngs)
-        self.output_linear = linear(width, hidden_size, dtype=dtype, rngs=rngs)
+        self.input_linear = linear(hidden_size, 2 * width, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.output_linear = linear(width, hidden_size, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
         self.act = act
         activation(act, "hidden_act")
 

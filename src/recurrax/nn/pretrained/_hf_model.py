@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from flax import nnx
 
+from .._sharding import partitioned
 from ._attention import KVCache
 from ._hf_config import resolve_hf
 from ._hf_layers import GatedMLP, GraniteMoE, GraniteSharedMLP, HFAttention, NemotronMoE, PlainMLP
@@ -144,8 +145,9 @@ class HFBackbone(nnx.Module):
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
         _, embedding, final_norm = NAMES[spec["family"]]
         D = spec["hidden_size"]
-        setattr(self, embedding, nnx.Embed(spec["vocab_size"], D, embedding_init=nnx.initializers.normal(0.02),
-                                           dtype=dtype, param_dtype=dtype, rngs=rngs))
+        init = partitioned(nnx.initializers.normal(0.02), "vocab", "embed")
+        setattr(self, embedding, nnx.Embed(spec["vocab_size"], D, embedding_init=init, dtype=dtype, param_dtype=dtype,
+                                           rngs=rngs))
         self.layers = nnx.List([HFBlock(spec, kind, dtype=dtype, rngs=rngs) for kind in spec["layers"]])
         setattr(self, final_norm, RMSNorm(D, eps=spec["eps"], dtype=dtype))
         self.embedding_name, self.final_norm_name = embedding, final_norm
@@ -181,7 +183,7 @@ class HFCausalLM(CausalLM):
         self.backbone_name = NAMES[spec["family"]][0]
         setattr(self, self.backbone_name, HFBackbone(spec, dtype=dtype, rngs=rngs))
         self.lm_head = None if self.tie_word_embeddings else linear(spec["hidden_size"], spec["vocab_size"],
-                                                                    dtype=dtype, rngs=rngs)
+                                                                    axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
 
     @property
     def body(self) -> HFBackbone:

@@ -53,16 +53,17 @@ class HGRN2Attention(FlaMixer):
             raise ValueError(f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}")
         self.hidden_size, self.num_heads, self.layer_idx, self.dtype = hidden_size, num_heads, layer_idx, dtype
         self.head_k_dim, self.head_v_dim = expand_ratio, hidden_size // num_heads
-        self.q_proj = linear(hidden_size, forget_dim, dtype=dtype, rngs=rngs)
-        self.f_proj = linear(hidden_size, forget_dim, dtype=dtype, rngs=rngs)
-        self.i_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(hidden_size, forget_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.f_proj = linear(hidden_size, forget_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.i_proj = linear(hidden_size, hidden_size, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
         if use_short_conv:
             self.conv_names = ("q_conv1d", "f_conv1d", "i_conv1d")
-            self.q_conv1d = make_conv(forget_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.f_conv1d = make_conv(forget_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.i_conv1d = make_conv(hidden_size, conv_size, conv_bias, None, dtype, rngs)
-        self.g_norm = RMSNorm(hidden_size, eps=1e-5, elementwise_affine=elementwise_affine, dtype=dtype)
-        self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+            self.q_conv1d = make_conv(forget_dim, conv_size, conv_bias, None, dtype, rngs, "heads")
+            self.f_conv1d = make_conv(forget_dim, conv_size, conv_bias, None, dtype, rngs, "heads")
+            self.i_conv1d = make_conv(hidden_size, conv_size, conv_bias, None, dtype, rngs, "heads")
+        self.g_norm = RMSNorm(hidden_size, eps=1e-5, elementwise_affine=elementwise_affine, axis="heads",
+                              dtype=dtype)
+        self.o_proj = linear(hidden_size, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
         inputs = {"q_conv1d": self.q_proj(x), "f_conv1d": self.f_proj(x), "i_conv1d": self.i_proj(x)}

@@ -55,18 +55,20 @@ class LightNetAttention(FlaMixer):
         key_dim = num_heads * expand_ratio
         self.hidden_size, self.num_heads, self.dtype = hidden_size, num_heads, dtype
         self.head_k_dim, self.head_v_dim = expand_ratio, hidden_size // num_heads
-        self.q_proj = linear(hidden_size, key_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, key_dim, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(hidden_size, key_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, key_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, hidden_size, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
         if use_short_conv:
             self.conv_names = ("q_conv1d", "k_conv1d", "v_conv1d")
-            self.q_conv1d = make_conv(key_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.k_conv1d = make_conv(key_dim, conv_size, conv_bias, None, dtype, rngs)
-            self.v_conv1d = make_conv(hidden_size, conv_size, conv_bias, None, dtype, rngs)
-        self.g_proj = nnx.Sequential(linear(hidden_size, gate_low_rank_dim, dtype=dtype, rngs=rngs),
-                                     linear(gate_low_rank_dim, hidden_size, dtype=dtype, rngs=rngs))
-        self.g_norm = RMSNorm(hidden_size, eps=1e-6, elementwise_affine=elementwise_affine, dtype=dtype)
-        self.o_proj = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+            self.q_conv1d = make_conv(key_dim, conv_size, conv_bias, None, dtype, rngs, "heads")
+            self.k_conv1d = make_conv(key_dim, conv_size, conv_bias, None, dtype, rngs, "heads")
+            self.v_conv1d = make_conv(hidden_size, conv_size, conv_bias, None, dtype, rngs, "heads")
+        low_rank = linear(hidden_size, gate_low_rank_dim, axes=("embed", None), dtype=dtype, rngs=rngs)
+        up = linear(gate_low_rank_dim, hidden_size, axes=(None, "heads"), dtype=dtype, rngs=rngs)
+        self.g_proj = nnx.Sequential(low_rank, up)
+        self.g_norm = RMSNorm(hidden_size, eps=1e-6, elementwise_affine=elementwise_affine, axis="heads",
+                              dtype=dtype)
+        self.o_proj = linear(hidden_size, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
         inputs = {"q_conv1d": self.q_proj(x), "k_conv1d": self.k_proj(x), "v_conv1d": self.v_proj(x)}

@@ -41,10 +41,10 @@ class FeatureMap(nnx.Module):
             raise ValueError(f"feature_map must be one of {list(FEATURE_MAPS)}, got {name!r}")
         self.name = name
         if name == "elementwise_product":
-            self.layer1 = linear(head_dim, head_dim, bias=True, dtype=dtype, rngs=rngs)
-            self.layer2 = linear(head_dim, head_dim, bias=True, dtype=dtype, rngs=rngs)
+            self.layer1 = linear(head_dim, head_dim, axes=(None, None), bias=True, dtype=dtype, rngs=rngs)
+            self.layer2 = linear(head_dim, head_dim, axes=(None, None), bias=True, dtype=dtype, rngs=rngs)
         elif name in ("hedgehog", "t2r"):
-            self.layer = linear(head_dim, head_dim, bias=name == "hedgehog", dtype=dtype, rngs=rngs)
+            self.layer = linear(head_dim, head_dim, axes=(None, None), bias=name == "hedgehog", dtype=dtype, rngs=rngs)
         self.out_dim = {"hedgehog": 2 * head_dim, "dpfp": 8 * head_dim}.get(name, head_dim)
 
     def __call__(self, x):
@@ -92,12 +92,13 @@ class LinearAttention(FlaMixer):
             self.feature_map_k = FeatureMap(feature_map, key_head, dtype=dtype, rngs=rngs)
         self.key_head, self.head_k_dim = key_head, self.feature_map_q.out_dim
         self.normalizer_fill = 0.0 if do_feature_map_norm else None
-        self.q_proj = linear(hidden_size, key_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, key_dim // self.groups, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, value_dim // self.groups, dtype=dtype, rngs=rngs)
-        self.norm = (RMSNorm(self.head_v_dim, eps=norm_eps, elementwise_affine=elementwise_affine, dtype=dtype)
+        self.q_proj = linear(hidden_size, key_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, key_dim // self.groups, axes=("embed", "kv_heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, value_dim // self.groups, axes=("embed", "kv_heads"), dtype=dtype, rngs=rngs)
+        self.norm = (RMSNorm(self.head_v_dim, eps=norm_eps, elementwise_affine=elementwise_affine,
+                             axis="head_dim", dtype=dtype)
                      if output_norm == "rmsnorm" else None)
-        self.o_proj = linear(value_dim, hidden_size, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(value_dim, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
     def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
         q = heads(self.q_proj(x), self.key_head)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .._sharding import param
 from ._mixer import FlaMixer, heads, linear, make_conv, repeat_heads
 from ._norm import GroupedGatedRMSNorm
 
@@ -70,16 +71,16 @@ class Mamba2Mixer(FlaMixer):
         self.time_step_limit = (low, high)
         self.in_multiplier = float(in_multiplier)
         self.ssm_multipliers = None if ssm_multipliers is None else tuple(float(m) for m in ssm_multipliers)
-        self.in_proj = linear(hidden_size, self.width + self.conv_dim + num_heads, bias=use_bias, dtype=dtype,
-                              rngs=rngs)
+        self.in_proj = linear(hidden_size, self.width + self.conv_dim + num_heads, axes=("embed", "inner"),
+                              bias=use_bias, dtype=dtype, rngs=rngs)
         self.conv1d = make_conv(self.conv_dim, conv_kernel, use_conv_bias, "silu", dtype, rngs)
-        self.dt_bias = nnx.Param(jnp.zeros((num_heads,), dtype))
-        self.A_log = nnx.Param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(dtype))
-        self.D = nnx.Param(jnp.ones((num_heads,), dtype))
+        self.dt_bias = param(jnp.zeros((num_heads,), dtype), "heads")
+        self.A_log = param(jnp.log(jnp.arange(1, num_heads + 1, dtype=jnp.float32)).astype(dtype), "heads")
+        self.D = param(jnp.ones((num_heads,), dtype), "heads")
         self.norm = GroupedGatedRMSNorm(self.width, groups=n_groups, eps=eps, norm_before_gate=norm_before_gate,
                                         dtype=dtype) if gated_norm else None
-        self.out_proj = linear(self.width, hidden_size, bias=use_bias if out_bias is None else out_bias,
-                               dtype=dtype, rngs=rngs)
+        self.out_proj = linear(self.width, hidden_size, axes=("heads", "embed"),
+                               bias=use_bias if out_bias is None else out_bias, dtype=dtype, rngs=rngs)
 
     def _mup_vector(self):
         """Falcon-H1's per-channel multipliers of `[z | x | B | C | dt]`, rebuilt (never saved)."""

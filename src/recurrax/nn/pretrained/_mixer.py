@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from ..._recurrent import recurrent
 from ...decode import recurrent_step
+from .._sharding import partitioned
 from ._conv import CausalConv1d
 
 
@@ -113,15 +114,21 @@ class FlaMixer(nnx.Module):
         return recurrent_step(q, k, v, state, **decays, softmax_scale=scale)
 
 
-def make_conv(channels: int, conv_size: int, conv_bias: bool, activation: str | None, dtype, rngs) -> CausalConv1d:
-    """One of a layer's short convolutions."""
-    return CausalConv1d(channels, conv_size, bias=conv_bias, activation=activation, dtype=dtype, rngs=rngs)
+def make_conv(channels: int, conv_size: int, conv_bias: bool, activation: str | None, dtype, rngs,
+              axis: str = "inner") -> CausalConv1d:
+    """One of a layer's short convolutions; `axis` is its channels' logical axis name."""
+    return CausalConv1d(channels, conv_size, bias=conv_bias, activation=activation, axis=axis, dtype=dtype,
+                        rngs=rngs)
 
 
-def linear(d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """A projection with fla's layout once transposed: `kernel [d_in, d_out]`, optional bias."""
-    init = nnx.initializers.normal(0.02)
-    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=init, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def linear(d_in: int, d_out: int, *, axes: tuple[str | None, str | None], bias: bool = False, dtype,
+           rngs: nnx.Rngs) -> nnx.Linear:
+    """A projection with fla's layout once transposed: `kernel [d_in, d_out]`, optional bias;
+    `axes` are the logical axis names of `d_in` and `d_out` (`recurrax.nn`'s sharding table)."""
+    kernel = partitioned(nnx.initializers.normal(0.02), *axes)
+    bias_init = partitioned(nnx.initializers.zeros_init(), axes[1])
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=kernel, bias_init=bias_init, dtype=dtype,
+                      param_dtype=dtype, rngs=rngs)
 
 
 def heads(x: Float[Array, "B T HD"], head_dim: int) -> Float[Array, "B T H d"]:

@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from ...problem import runtime_checks_enabled
 from ...varlen import segments
+from .._sharding import param, partitioned
 from .._tokens import check_token_ids
 from ._attention import Attention, KVCache
 from ._config import attention_spec, intermediate_size, native_mixer, resolve
@@ -55,9 +56,9 @@ class GatedMLP(nnx.Module):
     """fla's `GatedMLP` with SwiGLU: `W_down(silu(x W_gate) ⊙ x W_up)`, no biases."""
 
     def __init__(self, hidden_size: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.gate_proj = linear(hidden_size, width, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(hidden_size, width, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(width, hidden_size, dtype=dtype, rngs=rngs)
+        self.gate_proj = linear(hidden_size, width, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden_size, width, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, hidden_size, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -89,12 +90,14 @@ class Backbone(nnx.Module):
 
     def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D = config["hidden_size"]
-        self.embeddings = nnx.Embed(config["vocab_size"], D, embedding_init=nnx.initializers.normal(0.02),
-                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
+        init = partitioned(nnx.initializers.normal(0.02), "vocab", "embed")
+        self.embeddings = nnx.Embed(config["vocab_size"], D, embedding_init=init, dtype=dtype, param_dtype=dtype,
+                                    rngs=rngs)
         self.layers = nnx.List([Block(config, l, dtype=dtype, rngs=rngs) for l in range(config["num_hidden_layers"])])
         self.norm = RMSNorm(D, eps=config["norm_eps"], dtype=dtype)
         has_bounds = config["model_type"] == "hgrn2" and config["use_lower_bound"]
-        self.lower_bounds = nnx.Param(jnp.zeros((config["num_hidden_layers"], D), dtype)) if has_bounds else None
+        bounds = jnp.zeros((config["num_hidden_layers"], D), dtype)
+        self.lower_bounds = param(bounds, "layers", "embed") if has_bounds else None
 
     def layer_lower_bounds(self):
         """HGRN2's per-layer lower bounds `cumsum(softmax(β, layers)) − first`, or `None`s."""
@@ -127,7 +130,7 @@ class CausalLM(nnx.Module):
             raise ConfigError(f"cannot build a {self.model_type!r} model from this config: "
                               f"{type(error).__name__}: {error}") from error
         self.lm_head = None if self.tie_word_embeddings else linear(full["hidden_size"], full["vocab_size"],
-                                                                    dtype=dtype, rngs=rngs)
+                                                                    axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
 
     @property
     def config(self) -> dict:

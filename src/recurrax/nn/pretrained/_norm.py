@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from .._sharding import param
+
 ACTIVATIONS = {
     "swish": jax.nn.silu,
     "silu": jax.nn.silu,
@@ -43,12 +45,14 @@ class RMSNorm(nnx.Module):
 
     **Arguments:**
     - `size`: D; `eps`: ε; `elementwise_affine`: learn a weight `[D]` (initialised to ones).
+    - `axis`: the weight's logical axis name (`recurrax.nn`'s sharding table).
     - `dtype`: the weight's dtype.
     """
 
-    def __init__(self, size: int, *, eps: float = 1e-5, elementwise_affine: bool = True, dtype=jnp.float32):
+    def __init__(self, size: int, *, eps: float = 1e-5, elementwise_affine: bool = True, axis: str = "embed",
+                 dtype=jnp.float32):
         self.size, self.eps = size, float(eps)
-        self.weight = nnx.Param(jnp.ones((size,), dtype)) if elementwise_affine else None
+        self.weight = param(jnp.ones((size,), dtype), axis) if elementwise_affine else None
 
     def __call__(self, x: Float[Array, "... D"], gate: Float[Array, "... D"] | None = None,
                  gate_fn: str = "swish") -> Float[Array, "... D"]:
@@ -84,7 +88,7 @@ class GroupedGatedRMSNorm(nnx.Module):
         if size % groups:
             raise ValueError(f"the gated norm needs groups ({groups}) to divide its size ({size})")
         self.size, self.groups, self.eps, self.norm_before_gate = size, groups, float(eps), norm_before_gate
-        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.weight = param(jnp.ones((size,), dtype), "heads")
 
     def __call__(self, x: Float[Array, "... D"], gate: Float[Array, "... D"] | None = None) -> Float[Array, "... D"]:
         y = x.astype(jnp.float32)

@@ -70,17 +70,19 @@ class QKVMixer(FlaMixer):
         self.gate_fn = gate_fn
         activation(gate_fn, "gate_fn")
         kv_key, kv_value = key_dim // self.groups, value_dim // self.groups
-        self.q_proj = linear(hidden_size, key_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, kv_key, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, kv_value, dtype=dtype, rngs=rngs)
-        self.g_proj = linear(hidden_size, value_dim, dtype=dtype, rngs=rngs) if use_output_gate else None
+        self.q_proj = linear(hidden_size, key_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, kv_key, axes=("embed", "kv_heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, kv_value, axes=("embed", "kv_heads"), dtype=dtype, rngs=rngs)
+        gate = linear(hidden_size, value_dim, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.g_proj = gate if use_output_gate else None
         if use_short_conv:
             self.conv_names = ("q_conv1d", "k_conv1d", "v_conv1d")
-            self.q_conv1d = make_conv(key_dim, conv_size, conv_bias, "silu", dtype, rngs)
-            self.k_conv1d = make_conv(kv_key, conv_size, conv_bias, "silu", dtype, rngs)
-            self.v_conv1d = make_conv(kv_value, conv_size, conv_bias, "silu", dtype, rngs)
-        self.o_proj = linear(value_dim, hidden_size, dtype=dtype, rngs=rngs)
-        norm = RMSNorm(self.head_v_dim, eps=norm_eps, elementwise_affine=elementwise_affine, dtype=dtype)
+            self.q_conv1d = make_conv(key_dim, conv_size, conv_bias, "silu", dtype, rngs, "heads")
+            self.k_conv1d = make_conv(kv_key, conv_size, conv_bias, "silu", dtype, rngs, "kv_heads")
+            self.v_conv1d = make_conv(kv_value, conv_size, conv_bias, "silu", dtype, rngs, "kv_heads")
+        self.o_proj = linear(value_dim, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        norm = RMSNorm(self.head_v_dim, eps=norm_eps, elementwise_affine=elementwise_affine, axis="head_dim",
+                       dtype=dtype)
         if gate_fn == "swish" and fuse_norm and use_output_gate:
             self.g_norm_swish_gate = norm
         else:

@@ -1,0 +1,157 @@
+"""Models on a mesh (`recurrax.nn`'s logical axes, rules, `shard_model`, `use_mesh`) against one
+device, on the 8 simulated CPU devices of conftest.py, in float32.
+
+Each case compares the logits and the gradient of a fixed random projection of them with
+respect to every parameter, computed on one device, with the same computation on a mesh.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
+
+import recurrax.nn as rnn
+from recurrax.nn.pretrained import from_pretrained
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GLA = FIXTURES / "fla" / "gla_gqa_conv_clamp"          # GLA, grouped heads, short convolutions
+BAMBA = FIXTURES / "transformers" / "bamba_basic"                  # Mamba-2 (short conv) and attention layers
+NEMOTRON = FIXTURES / "transformers" / "nemotron_h_pattern_moe"   # Mamba-2, attention, MLP, MoE
+TOLERANCE = 1e-5
+
+
+def mesh(data: int, tensor: int, sequence: int):
+    devices = np.array(jax.devices()[: data * tensor * sequence]).reshape(data, tensor, sequence)
+    return jax.sharding.Mesh(devices, ("data", "tensor", "sequence"), axis_types=(AxisType.Auto,) * 3)
+
+
+def relative_error(got, want) -> float:
+    """‖got − want‖ / ‖want‖ (float32 sums reordered by sharding differ in their last bits)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def test_rules_tables():
+    rules = dict(rnn.logical_rules("fsdp", "tensor", "sequence"))
+    assert rules["batch"] == "data" and rules["embed"] == "data" and rules["length"] == "sequence"
+    assert all(rules[name] == "tensor" for name in ("heads", "kv_heads", "mlp", "experts", "vocab", "inner"))
+    assert rules["head_dim"] is None and rules["conv"] is None
+    assert dict(rnn.DATA_PARALLEL)["embed"] is None and dict(rnn.DATA_PARALLEL)["batch"] == "data"
+    assert set(dict(rnn.TENSOR_PARALLEL).values()) == {None, "tensor"}
+    assert dict(rnn.SEQUENCE_PARALLEL)["length"] == "sequence"
+    assert [name for name, _ in rnn.FSDP] == list(rnn.LOGICAL_AXES)
+    with pytest.raises(ValueError, match="layouts"):
+        rnn.logical_rules("pipeline")
+
+
+def test_creation_does_not_shard_and_names_every_parameter():
+    """No mesh needed to build; every parameter has one logical name per dimension."""
+    model = from_pretrained(GLA)
+    for path, spec in nnx.to_flat_state(rnn.logical_specs(model)):
+        assert isinstance(spec.get_value(), PartitionSpec), path
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        names = variable.get_metadata()["out_sharding"]
+        assert len(names) == variable.get_value().ndim, path
+        assert set(names) <= set(rnn.LOGICAL_AXES) | {None}, path
+        assert len(variable.get_value().sharding.device_set) == 1, path
+
+
+def test_placed_parameters_are_sharded_as_the_rules_say():
+    model = from_pretrained(GLA)
+    layer = model.model.layers[0].attn
+    rnn.shard_model(model, mesh(2, 2, 2), rnn.logical_rules("fsdp", "tensor"))
+    expected = [  # by hand from the table: embed → data, heads/kv_heads/vocab → tensor
+        (model.model.embeddings.embedding, ("tensor", "data")),        # [vocab, embed]
+        (layer.q_proj.kernel, ("data", "tensor")),                     # [embed, heads]
+        (layer.k_proj.kernel, ("data", "tensor")),                     # [embed, kv_heads]
+        (layer.o_proj.kernel, ("tensor", "data")),                     # [heads, embed]
+        (layer.q_conv1d.kernel, (None, "tensor")),                     # [conv, heads]
+        (layer.gk_proj.layers[0].kernel, ("data", None)),              # [embed, low rank]
+        (model.model.norm.weight, ("data",)),                          # [embed]
+        (layer.g_norm_swish_gate.weight, (None,)),                     # [head_dim]
+    ]
+    for variable, spec in expected:
+        value = variable.get_value()
+        assert value.sharding.spec == PartitionSpec(*spec)
+        shard = value.addressable_shards[0].data.shape
+        assert shard == tuple(n // (2 if axis else 1) for n, axis in zip(value.shape, spec))
+
+
+
+@partial(jax.jit, static_argnames="graphdef")
+def logits_and_grads(graphdef, params, tokens, cu_seqlens):
+    """Logits, and the gradient of a fixed random projection of them for every parameter."""
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens, cu_seqlens=cu_seqlens)
+        weights = jax.random.normal(jax.random.key(7), logits.shape, logits.dtype)
+        return jnp.sum(logits * weights), logits
+
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logits, grads
+
+
+def run(model, inputs):
+    graphdef, params = nnx.split(model)
+    return logits_and_grads(graphdef, params, *inputs)
+
+
+def inputs_of(model, packed: bool):
+    """[4, 16] token rows, or 64 packed tokens in sequences of 5, 0, 30, 29 crossing every shard boundary."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (4, 16)), jnp.int32)
+    if not packed:
+        return tokens, None
+    return tokens.reshape(-1), jnp.array([0, 5, 5, 35, 64], jnp.int32)
+
+
+MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON}
+LAYOUTS = {
+    "data2-tensor4": ((2, 4, 1), ("data", "tensor")),
+    "fsdp2-tensor2": ((2, 2, 1), ("fsdp", "tensor")),
+}
+FAST = {("gla", "fsdp2-tensor2", True), ("bamba", "data2-tensor4", False)}
+"""The default tier's cases (each compiles a model's forward and backward for a mesh)."""
+
+
+def cases():
+    for family in MODELS:
+        for layout in LAYOUTS:
+            for packed in (False, True):
+                slow = (family, layout, packed) not in FAST
+                yield pytest.param(family, layout, packed, id=f"{family}-{layout}-{'packed' if packed else 'dense'}",
+                                   marks=pytest.mark.slow if slow else ())
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """Each model's single-device logits and gradients (computed when first asked for)."""
+    results = {}
+
+    def get(family, packed):
+        if (family, packed) not in results:
+            model = from_pretrained(MODELS[family])
+            results[family, packed] = run(model, inputs_of(model, packed))
+        return results[family, packed]
+
+    return get
+
+
+@pytest.mark.parametrize("family, layout, packed", list(cases()))
+def test_forward_and_gradients_equal_one_device(one_device, family, layout, packed):
+    sizes, layouts = LAYOUTS[layout]
+    device_mesh, rules = mesh(*sizes), rnn.logical_rules(*layouts)
+    model = rnn.shard_model(from_pretrained(MODELS[family]), device_mesh, rules)
+    inputs = inputs_of(model, packed)
+    with rnn.use_mesh(device_mesh, rules):
+        logits, grads = run(model, inputs)
+    want_logits, want_grads = one_device(family, packed)
+    assert relative_error(logits, want_logits) < TOLERANCE
+    for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads)):
+        assert relative_error(got.get_value(), want.get_value()) < TOLERANCE, path
