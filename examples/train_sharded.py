@@ -119,43 +119,51 @@ def train_step(graphdef, optimizer):
 
 
 def make_mesh(sizes: dict[str, int]):
-    """A mesh over every device of the job with the axes `data`, `tensor`, `sequence`."""
+    """A mesh with the axes `data`, `tensor`, `sequence` over the first devices of the job."""
     import jax
 
     count = math.prod(sizes.values())
-    if count != jax.device_count():
+    if count > jax.device_count():
         raise SystemExit(f"--mesh {sizes} needs {count} devices; the job has {jax.device_count()}")
-    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+                         devices=jax.devices()[:count])
 
 
-def param_shardings(params, mesh, fsdp: bool):
-    """PROVISIONAL (until the mesh API lands): replicated, or with `fsdp` the first axis the
-    data axis divides sharded over it."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
+def rules(fsdp: bool):
+    """The rules table: batch over `data` (with `fsdp`, the parameters' `embed` axis too), heads
+    and MLP widths over `tensor`, tokens over `sequence` (`recurrax.nn.logical_rules`)."""
+    import recurrax.nn as rnn
 
-    def sharding(x):
-        spec = [None] * x.ndim
-        if fsdp:
-            axis = next((i for i, n in enumerate(x.shape) if n % mesh.shape["data"] == 0), None)
-            if axis is not None:
-                spec[axis] = "data"
-        return NamedSharding(mesh, PartitionSpec(*spec))
-
-    return jax.tree.map(sharding, params)
+    return rnn.logical_rules("fsdp" if fsdp else "data", "tensor", "sequence")
 
 
-def state_shardings(params, optimizer, mesh, fsdp: bool):
-    """(parameter shardings, optimizer-state shardings): each optimizer moment is sharded like
-    its parameter, the rest (step counts) replicated. `params` may be abstract."""
+def state_shardings(model, optimizer, mesh, fsdp: bool):
+    """(parameter shardings, optimizer-state shardings) of `model` (concrete or abstract) on
+    `mesh`: each optimizer moment is sharded like its parameter, step counts replicated."""
     import jax
     import optax
+    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    params_sharding = param_shardings(params, mesh, fsdp)
-    opt_sharding = optax.tree_map_params(optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
-                                         params_sharding, transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+    import recurrax.nn as rnn
+
+    params_sharding = rnn.parameter_shardings(model, mesh, rules(fsdp))
+    opt_sharding = optax.tree_map_params(optimizer, lambda _, sharding: sharding,
+                                         jax.eval_shape(optimizer.init, nnx.state(model)), params_sharding,
+                                         transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
     return params_sharding, opt_sharding
+
+
+def jit_step(graphdef, optimizer, mesh, params_sharding, opt_sharding, donate: bool = False):
+    """`train_step` jitted for the mesh: tokens `[B, T]` split over (`data`, `sequence`), the
+    state kept in its shardings. Call (and trace) it inside `recurrax.nn.use_mesh(mesh, rules)`."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    tokens = NamedSharding(mesh, PartitionSpec("data", "sequence"))
+    return jax.jit(train_step(graphdef, optimizer), in_shardings=(params_sharding, opt_sharding, tokens, tokens),
+                   out_shardings=(params_sharding, opt_sharding, NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=(0, 1) if donate else ())
 
 
 def to_mesh(host_tree, shardings):
@@ -230,17 +238,19 @@ def run_process(args: argparse.Namespace, sizes: dict[str, int]) -> int:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
+    import recurrax.nn as rnn
     from recurrax.nn.pretrained import from_pretrained, save_pretrained
 
     me = f"[process {jax.process_index()}/{jax.process_count()}]"
     mesh = make_mesh(sizes)
+    if mesh.size != jax.device_count():
+        raise SystemExit(f"--mesh {sizes} has {mesh.size} devices; the job has {jax.device_count()}")
     model = from_pretrained(args.model)
-    graphdef, host_params = nnx.split(model, nnx.Param)
+    graphdef, host_params = nnx.split(model)
     optimizer = optax.adamw(args.learning_rate)
-    params_sharding, opt_sharding = state_shardings(host_params, optimizer, mesh, args.fsdp)
+    params_sharding, opt_sharding = state_shardings(model, optimizer, mesh, args.fsdp)
     batch_sharding = NamedSharding(mesh, PartitionSpec("data", "sequence"))
-    step_fn = jax.jit(train_step(graphdef, optimizer), in_shardings=(params_sharding, opt_sharding, batch_sharding,
-                      batch_sharding), out_shardings=(params_sharding, opt_sharding, NamedSharding(mesh, PartitionSpec())))
+    step_fn = jit_step(graphdef, optimizer, mesh, params_sharding, opt_sharding)
     print(f"{me} {jax.local_device_count()} local of {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"mesh {dict(mesh.shape)}{' with FSDP' if args.fsdp else ''}", flush=True)
 
@@ -261,7 +271,8 @@ def run_process(args: argparse.Namespace, sizes: dict[str, int]) -> int:
         if step == first and not args.resume:   # the first step against the same step on one device
             reference = jax.jit(train_step(graphdef, optimizer))(host_params, optimizer.init(host_params),
                                                                   inputs, targets)
-        new = step_fn(params, opt_state, to_mesh(inputs, batch_sharding), to_mesh(targets, batch_sharding))
+        with rnn.use_mesh(mesh, rules(args.fsdp)):
+            new = step_fn(params, opt_state, to_mesh(inputs, batch_sharding), to_mesh(targets, batch_sharding))
         if step == first and not args.resume:
             errors = {"loss": abs(float(new[2]) - float(reference[2])) / abs(float(reference[2])),
                       "optimizer state": relative_error(new[1], reference[1])}

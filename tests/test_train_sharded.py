@@ -25,6 +25,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+import recurrax.nn as rnn  # noqa: E402
 from recurrax.nn.pretrained import from_pretrained, save_pretrained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,20 +52,19 @@ OPTIMIZER = optax.adamw(LEARNING_RATE, b1=B1)
 
 @functools.cache
 def _model(family: str):
-    """(graphdef, host params float32, vocab size) of a fixture."""
+    """(model, graphdef, host params) of a fixture, float32."""
     model = from_pretrained(FIXTURES[family], dtype=jnp.float32)
-    graphdef, params = nnx.split(model, nnx.Param)
-    return graphdef, params, model.vocab_size
+    return model, *nnx.split(model)
 
 
 def _batch(family: str, step: int):
-    return example.make_batch(0, step, B, T, _model(family)[2])
+    return example.make_batch(0, step, B, T, _model(family)[0].vocab_size)
 
 
 @functools.cache
 def _reference(family: str):
     """The first step on one device: (loss, params, opt_state)."""
-    graphdef, params, _ = _model(family)
+    _, graphdef, params = _model(family)
     new_params, opt_state, loss = jax.jit(example.train_step(graphdef, OPTIMIZER))(
         params, OPTIMIZER.init(params), *_batch(family, 0))
     return loss, new_params, opt_state
@@ -72,30 +72,28 @@ def _reference(family: str):
 
 @functools.cache
 def _sharded(family: str, layout: str):
-    """(jitted step, params sharding, opt sharding, batch sharding, mesh) of `layout`."""
-    graphdef, params, _ = _model(family)
+    """(jitted step, params sharding, opt sharding, batch sharding, mesh, rules) of `layout`."""
+    model, graphdef, _ = _model(family)
     mesh_text, fsdp = LAYOUTS[layout]
     mesh = example.make_mesh(example.parse_mesh(mesh_text))
-    params_sharding, opt_sharding = example.state_shardings(params, OPTIMIZER, mesh, fsdp)
+    params_sharding, opt_sharding = example.state_shardings(model, OPTIMIZER, mesh, fsdp)
+    step = example.jit_step(graphdef, OPTIMIZER, mesh, params_sharding, opt_sharding)
     batch_sharding = NamedSharding(mesh, PartitionSpec("data", "sequence"))
-    step = jax.jit(example.train_step(graphdef, OPTIMIZER),
-                   in_shardings=(params_sharding, opt_sharding, batch_sharding, batch_sharding),
-                   out_shardings=(params_sharding, opt_sharding, NamedSharding(mesh, PartitionSpec())))
-    return step, params_sharding, opt_sharding, batch_sharding
+    return step, params_sharding, opt_sharding, batch_sharding, mesh, example.rules(fsdp)
 
 
 def _start(family: str, layout: str):
     """Params and optimizer state placed on `layout`'s mesh, before any step."""
-    _, params, _ = _model(family)
-    _, params_sharding, opt_sharding, _ = _sharded(family, layout)
-    placed = example.to_mesh(params, params_sharding)
+    _, params_sharding, opt_sharding, *_ = _sharded(family, layout)
+    placed = example.to_mesh(_model(family)[2], params_sharding)
     return placed, jax.jit(OPTIMIZER.init, out_shardings=opt_sharding)(placed)
 
 
 def _step(family: str, layout: str, params, opt_state, step: int):
-    run, _, _, batch_sharding = _sharded(family, layout)
+    run, _, _, batch_sharding, mesh, rules = _sharded(family, layout)
     inputs, targets = (example.to_mesh(x, batch_sharding) for x in _batch(family, step))
-    return run(params, opt_state, inputs, targets)
+    with rnn.use_mesh(mesh, rules):
+        return run(params, opt_state, inputs, targets)
 
 
 def _tree_error(tree, reference) -> float:
@@ -143,10 +141,10 @@ def test_checkpoint_resumes_bit_identically_and_onto_another_layout(tmp_path):
     saved = {"params": params, "opt_state": opt_state}
     continued = _step(family, saved_layout, params, opt_state, 2)
 
-    _, host_params, _ = _model(family)
+    host_params = _model(family)[2]
     host_state = {"params": host_params, "opt_state": jax.eval_shape(OPTIMIZER.init, host_params)}
     for layout in (saved_layout, other_layout):
-        _, params_sharding, opt_sharding, _ = _sharded(family, layout)
+        _, params_sharding, opt_sharding, *_ = _sharded(family, layout)
         step, restored = example.restore_checkpoint(str(tmp_path), example.abstract(
             host_state, {"params": params_sharding, "opt_state": opt_sharding}))
         assert step == 2 and _equal(restored, saved)
@@ -164,11 +162,11 @@ def test_save_pretrained_of_a_sharded_model_is_the_single_host_checkpoint(tmp_pa
     model.safetensors; read back unsharded, every parameter equals the sharded one."""
     family, layout = "mamba2", "fsdp4_tensor2"
     model = from_pretrained(FIXTURES[family], dtype=jnp.float32)
-    params = example.to_mesh(nnx.state(model, nnx.Param), _sharded(family, layout)[1])
+    params = example.to_mesh(nnx.state(model), _sharded(family, layout)[1])
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
     nnx.update(model, params)
     save_pretrained(model, tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {"config.json", "generation_config.json", "model.safetensors"}
-    reloaded = nnx.state(from_pretrained(tmp_path, dtype=jnp.float32), nnx.Param)
+    reloaded = nnx.state(from_pretrained(tmp_path, dtype=jnp.float32))
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(reloaded))
     assert _equal(reloaded, params)
