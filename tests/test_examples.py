@@ -171,12 +171,14 @@ def test_train_sharded():
 @NEEDS_OPTAX
 @pytest.mark.slow
 def test_train_sharded_two_processes(tmp_path):
-    """2 processes × 4 devices, FSDP 4 × tensor 2: each process's first step as one device's,
-    the same losses in both, and save_pretrained writes one checkpoint that loads back."""
+    """2 processes × 4 devices, FSDP 2 × tensor 2 × sequence 2: each process's first step as one
+    device's, the same losses in both, an orbax checkpoint written by both, and save_pretrained
+    gathering the shards into one checkpoint that loads back, trained away from the fixture."""
     pytest.importorskip("safetensors")
-    output = run_example("train_sharded.py", "--num-processes", "2", "--mesh", "data=4,tensor=2", "--fsdp",
-                         "--steps", "2", "--seq-len", "8", "--save-pretrained", str(tmp_path / "trained"),
-                         "--timeout", "150", timeout=180.0)
+    pytest.importorskip("orbax.checkpoint")
+    output = run_example("train_sharded.py", "--num-processes", "2", "--mesh", "data=2,tensor=2,sequence=2", "--fsdp",
+                         "--steps", "2", "--seq-len", "8", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                         "--save-pretrained", str(tmp_path / "trained"), "--timeout", "150", timeout=180.0)
     for process in (0, 1):
         assert f"[process {process}/2] 4 local of 8 cpu devices" in output
     assert len(max_errors(output)) == 4, output[-3000:]
@@ -185,5 +187,21 @@ def test_train_sharded_two_processes(tmp_path):
                    for p in (0, 1)]
     assert len(per_process[0]) == 2 and per_process[0] == per_process[1]
     assert "all processes agree with one process" in output
-    assert sorted(p.name for p in (tmp_path / "trained").iterdir()) == ["config.json", "generation_config.json",
-                                                                         "model.safetensors"]
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+    import numpy as np
+    from flax import nnx
+
+    from recurrax.nn.pretrained import from_pretrained
+
+    trained, fixture = (nnx.state(from_pretrained(path)) for path in (tmp_path / "trained", EXAMPLES.parent /
+                                                                      "tests/fixtures/fla/gla_basic"))
+    assert _all_leaves(lambda a, b: a.shape == b.shape and np.isfinite(a).all(), trained, fixture)
+    assert not _all_leaves(lambda a, b: np.array_equal(a, b), trained, fixture)
+
+
+def _all_leaves(check, *trees) -> bool:
+    import jax
+    import numpy as np
+
+    return all(check(*(np.asarray(leaf) for leaf in leaves)) for leaves in zip(*(jax.tree.leaves(t) for t in trees)))

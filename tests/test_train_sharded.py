@@ -110,8 +110,14 @@ def _moments(opt_state):
             jax.tree.map(lambda v: np.asarray(v) / (1 - 0.999), adam.nu))
 
 
-@pytest.mark.parametrize("family", sorted(FIXTURES))
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+FAST = {("gla", "2x2x2"), ("gla", "fsdp4_tensor2"), ("mamba2", "data8")}
+"""The default tier: 3 layouts, 2 families (the checkpoint tests reuse the two GLA steps); the
+other three pairs are slow."""
+
+
+@pytest.mark.parametrize(("family", "layout"), [
+    pytest.param(family, layout, marks=() if (family, layout) in FAST else pytest.mark.slow)
+    for family in sorted(FIXTURES) for layout in sorted(LAYOUTS)])
 def test_step_equals_one_device(family, layout):
     """Loss and gradients (adamw's moments after its first step: mu = (1 − b1)·g,
     nu = (1 − b2)·g²) of one step on the mesh equal one device's within 1e-5 relative."""
