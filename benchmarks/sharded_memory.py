@@ -73,6 +73,21 @@ SEQUENCE_LAYOUTS = ["data=8 fsdp", "data=8,sequence=2 fsdp", "data=8,sequence=8 
 TINY_PARAMETER_LAYOUTS = ["data=4,tensor=2 fsdp"]
 TINY_SEQUENCE_LAYOUTS = ["data=2 fsdp", "data=2,sequence=2 fsdp", "data=2,sequence=4 fsdp"]
 MiB = 2**20
+NOTES = [
+    "Parameter and optimizer bytes are what the shardings hold; XLA's argument bytes (the "
+    "arguments column) agree to within one device's tokens. Temporaries include the step's "
+    "gradients (sharded like the parameters) and, under FSDP, the gathered weights of a layer.",
+    "",
+    "The temporaries at 32,768 tokens per row are the CPU compiler's buffer assignment of the whole "
+    "step (about 310 GiB per device at sequence 1; the float32 logits alone are 32,768 × vocabulary × "
+    "4 bytes, 4 GiB for GLA, per copy); a GPU or TPU compile, which schedules for memory, may hold "
+    "much less (not measured here). The ratio column is the measured effect of the sequence axis.",
+    "",
+    "The tokens are split by the step's input sharding (`length` → `sequence` in the rules) and "
+    "XLA's SPMD partitioner lays out the layers' computations from it; once the models call "
+    "`recurrax.parallel.recurrent` themselves, re-measure with `--part sequence`.",
+]
+"""Read with the tables (written into the results file)."""
 
 
 def example():
@@ -125,7 +140,7 @@ def mib(n: float) -> str:
 
 def parameter_table(rows: list[dict]) -> list[str]:
     lines = ["| model | layout | devices | FSDP × tensor | params / device MiB | optimizer / device MiB | "
-             "(params + opt) × FSDP × tensor / total | XLA arguments MiB (= params + opt + tokens) | "
+             "(params + opt) × FSDP × tensor / (params + opt of one copy) | XLA arguments MiB (= params + opt + tokens) | "
              "temporaries MiB | target (within 10%) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ratio = (r["params"] + r["opt"]) * r["split"] / (3 * r["total"])
@@ -267,6 +282,7 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float) -> str:
         f"## Temporaries vs the sequence axis ({long_len:,} tokens per row, FSDP over `data`)", "",
         "Target: activation memory per device falls as the sequence axis grows.", "",
         *sequence_table([r for r in rows if r["kind"] == "sequence"]), "",
+        *NOTES, "",
         "![memory per device](sharded_memory.png)", "",
     ])
 
