@@ -2,7 +2,8 @@
 device, on the 8 simulated CPU devices of conftest.py, in float32.
 
 Each case compares the logits and the gradient of a fixed random projection of them with
-respect to every parameter, computed on one device, with the same computation on a mesh.
+respect to every parameter, computed on one device, with the same computation on a mesh
+(parameters placed by `shard_model`, forward under `use_mesh`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import recurrax.nn as rnn
 from recurrax.nn.pretrained import from_pretrained
@@ -25,6 +26,10 @@ GLA = FIXTURES / "fla" / "gla_gqa_conv_clamp"          # GLA, grouped heads, sho
 BAMBA = FIXTURES / "transformers" / "bamba_basic"                  # Mamba-2 (short conv) and attention layers
 NEMOTRON = FIXTURES / "transformers" / "nemotron_h_pattern_moe"   # Mamba-2, attention, MLP, MoE
 TOLERANCE = 1e-5
+"""Relative error of the logits and of all gradients together (float32 against float32)."""
+PER_PARAMETER = 1e-4
+"""...and of each parameter's gradient: small reductions (Mamba-2's `D`, `dt_bias` of a few heads
+over 64 tokens) carry float32 noise of ~1e-5 on one device already (1.5e-5 against float64)."""
 
 
 def mesh(data: int, tensor: int, sequence: int):
@@ -114,9 +119,11 @@ def inputs_of(model, packed: bool):
 MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON}
 LAYOUTS = {
     "data2-tensor4": ((2, 4, 1), ("data", "tensor")),
-    "fsdp2-tensor2": ((2, 2, 1), ("fsdp", "tensor")),
+    "fsdp2-tensor2-seq2": ((2, 2, 2), ("fsdp", "tensor", "sequence")),
+    "data2-tensor2-seq2": ((2, 2, 2), ("data", "tensor", "sequence")),
+    "tensor2-seq4": ((1, 2, 4), ("tensor", "sequence")),
 }
-FAST = {("gla", "fsdp2-tensor2", True), ("bamba", "data2-tensor4", False)}
+FAST = {("gla", "fsdp2-tensor2-seq2", True), ("bamba", "data2-tensor2-seq2", False)}
 """The default tier's cases (each compiles a model's forward and backward for a mesh)."""
 
 
@@ -153,5 +160,92 @@ def test_forward_and_gradients_equal_one_device(one_device, family, layout, pack
         logits, grads = run(model, inputs)
     want_logits, want_grads = one_device(family, packed)
     assert relative_error(logits, want_logits) < TOLERANCE
-    for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads)):
-        assert relative_error(got.get_value(), want.get_value()) < TOLERANCE, path
+    pairs = [(path, got.get_value(), want.get_value())
+             for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads))]
+    flat = lambda i: np.concatenate([np.ravel(pair[i]) for pair in pairs])  # noqa: E731
+    assert relative_error(flat(1), flat(2)) < TOLERANCE
+    for path, got, want in pairs:
+        assert relative_error(got, want) < PER_PARAMETER, path
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_short_convolution_split_over_the_sequence_axis(packed):
+    """Taps and new buffer with the tokens over 4 devices equal one device's, from a non-zero
+    buffer (a prefill continuing a cache), packed sequences crossing shard boundaries."""
+    from recurrax.nn._conv import causal_taps
+
+    keys = jax.random.split(jax.random.key(3), 2)
+    width, C = 4, 3
+    x = jax.random.normal(keys[0], (1, 16, C) if packed else (2, 16, C), jnp.float32)
+    cu = jnp.array([0, 2, 2, 9, 16], jnp.int32) if packed else None
+    buffer = jax.random.normal(keys[1], (4 if packed else 2, width - 1, C), jnp.float32)
+    want = causal_taps(x, buffer, cu, width)
+    device_mesh = mesh(2, 1, 4)
+    with rnn.use_mesh(device_mesh, rnn.logical_rules("data", "sequence")):
+        got = jax.jit(causal_taps, static_argnums=3)(x, buffer, cu, width)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    lags = np.stack([np.roll(np.asarray(x), lag, axis=1) for lag in range(width)])  # by hand, dense row 0
+    if not packed:
+        np.testing.assert_array_equal(np.asarray(got[0])[:, 0, width:], lags[:, 0, width:])
+
+
+HYBRID = FIXTURES / "fla" / "gla_hybrid_attn"   # GLA layers and one softmax-attention layer (a KV cache)
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9, 3, 2, 3, 8, 4, 6], [2, 6, 4]]
+
+
+def serving_mesh():
+    return mesh(2, 4, 1), rnn.logical_rules("fsdp", "tensor")  # weights over data × tensor, pool rows over data
+
+
+def test_cache_pool_is_sharded():
+    """generate's slot pool: rows over data, a recurrent state's heads over tensor (4 of 4),
+    an attention buffer's rows over data (its 2 kv heads do not divide over 4)."""
+    from recurrax.nn.pretrained._generate import _empty_pool
+
+    device_mesh, rules = serving_mesh()
+    model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
+    with rnn.use_mesh(device_mesh, rules):
+        pool = _empty_pool(model, 4, 32)
+    state, keys = pool.layers[0].state, pool.layers[1].keys
+    assert state.sharding.is_equivalent_to(NamedSharding(device_mesh, PartitionSpec("data", "tensor", None, None)), 4)
+    assert state.addressable_shards[0].data.shape == (2, 1, *state.shape[2:])
+    assert keys.sharding.spec[0] == "data" and keys.addressable_shards[0].data.shape[0] == 2
+
+
+@pytest.mark.slow
+def test_generate_on_a_mesh_equals_one_device():
+    """Greedy tokens of 4 prompts in 4 slots, weights and cache pool sharded, equal one device's."""
+    from recurrax.nn.pretrained import generate
+
+    want = generate(from_pretrained(HYBRID), PROMPTS, 6, num_slots=4)
+    device_mesh, rules = serving_mesh()
+    model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
+    with rnn.use_mesh(device_mesh, rules):
+        got = generate(model, PROMPTS, 6, num_slots=4)
+    assert got == want and all(len(tokens) == 6 for tokens in got)
+
+
+@partial(jax.jit, static_argnames="graphdef")
+def prefill_then_step(graphdef, params, tokens, cu_seqlens, next_tokens):
+    """Logits of a packed prefill into a 4-slot cache and of one decode step after it."""
+    from recurrax.nn.pretrained._generate import constrain_cache
+
+    model = nnx.merge(graphdef, params)
+    prefill_logits, cache = model.prefill(tokens, cu_seqlens, constrain_cache(model.generation_cache(4, 32)))
+    step_logits, _ = model.decode_step(next_tokens, constrain_cache(cache))
+    return prefill_logits, step_logits
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_logits_on_a_mesh_equal_one_device():
+    tokens = jnp.array([t for prompt in PROMPTS for t in prompt], jnp.int32)
+    cu_seqlens = jnp.array(np.cumsum([0] + [len(p) for p in PROMPTS]), jnp.int32)
+    next_tokens = jnp.array([1, 2, 3, 4], jnp.int32)
+    want = prefill_then_step(*nnx.split(from_pretrained(HYBRID)), tokens, cu_seqlens, next_tokens)
+    device_mesh, rules = serving_mesh()
+    model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
+    with rnn.use_mesh(device_mesh, rules):
+        got = prefill_then_step(*nnx.split(model), tokens, cu_seqlens, next_tokens)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < TOLERANCE

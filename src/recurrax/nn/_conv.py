@@ -1,17 +1,28 @@
-"""A short causal depthwise convolution over time, with a decode buffer and packed sequences.
+"""Short causal depthwise convolutions over time, with a decode buffer, packed sequences and the
+token axis split over a device mesh: `recurrax.nn.ShortConvolution` and fla's `CausalConv1d`.
 
-| symbol | meaning                                            |
-|--------|----------------------------------------------------|
-| B, T   | batch rows, tokens per row (packed: B = 1, T = N)  |
-| C      | channels                                           |
-| W      | kernel size (taps); the buffer keeps W − 1 tokens  |
-| R      | buffer rows: B, or S packed sequences              |
+| symbol | meaning                                                     |
+|--------|-------------------------------------------------------------|
+| B, T   | batch rows, tokens per row (packed: B = 1, T = N)           |
+| C      | channels                                                    |
+| W      | kernel size (taps); the buffer keeps W − 1 tokens           |
+| R      | buffer rows: B, or S packed sequences                       |
+| P, L   | sequence shards (mesh axis of `length`), tokens per shard   |
 
-    y_t = silu(Σ_{l=0}^{W−1} w[W−1−l] ⊙ x_{t−l})
+    y_t = act(Σ_{l=0}^{W−1} w[W−1−l] ⊙ x_{t−l} (+ b))      act: SiLU (ShortConvolution), SiLU or none (CausalConv1d)
 
 where `x_{t−l}` before the start of a sequence comes from its buffer (the sequence's last
 W − 1 inputs so far, zeros for a fresh one). The new buffer holds the last W − 1 inputs of
 each sequence, so convolving a sequence in pieces equals convolving it whole.
+
+On a mesh whose rules map `length` to an axis of P > 1 devices (`recurrax.nn.use_mesh`),
+each device convolves its L ≥ W − 1 tokens after the previous shard's last W − 1 inputs,
+received in one neighbour exchange (`ppermute`, shard p → p + 1); shard 0 reads the buffer.
+Packed sequences that cross a shard boundary read those inputs only where they belong to
+the same sequence. The new buffer is assembled with one `psum` over the sequence axis.
+
+Both layers store `kernel [W, C]` (fla's depthwise `Conv1d` weight `[C, 1, W]` is
+`kernel[j] = weight[:, 0, j]`).
 """
 
 from __future__ import annotations
@@ -19,10 +30,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float, Int
 
-from ..varlen import segments
-from ._sharding import param
+from ..parallel import _shard_map
+from ._sharding import mesh_axis, param
+
+Taps = Float[Array, "W B T C"]
+Buffer = Float[Array, "R W_minus_1 C"]
 
 
 class ShortConvolution(nnx.Module):
@@ -45,9 +60,9 @@ class ShortConvolution(nnx.Module):
     def __call__(
         self,
         x: Float[Array, "B T C"],
-        buffer: Float[Array, "R W_minus_1 C"] | None = None,
+        buffer: Buffer | None = None,
         cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-    ) -> tuple[Float[Array, "B T C"], Float[Array, "R W_minus_1 C"]]:
+    ) -> tuple[Float[Array, "B T C"], Buffer]:
         """Convolve `x` after `buffer`; returns `(y, new_buffer)`.
 
         **Arguments:**
@@ -60,46 +75,149 @@ class ShortConvolution(nnx.Module):
             buffer = self.empty_buffer(rows, x.dtype)
         elif buffer.shape != (rows, self.kernel_size - 1, self.channels):
             raise ValueError(f"buffer must be [{rows}, {self.kernel_size - 1}, {self.channels}], got {buffer.shape}")
-        buffer = buffer.astype(x.dtype)
-        if cu_seqlens is None:
-            taps, new_buffer = _dense_taps(x, buffer, self.kernel_size)
-        else:
-            taps, new_buffer = _packed_taps(x[0], buffer, cu_seqlens, self.kernel_size)
-            taps = taps[:, None]
+        taps, new_buffer = causal_taps(x, buffer.astype(x.dtype), cu_seqlens, self.kernel_size)
         kernel = self.kernel[...].astype(self.dtype)[::-1]  # [W, C], lag l ↦ w[W−1−l]
         y = jnp.einsum("lbtc,lc->btc", taps.astype(self.dtype), kernel)
         return jax.nn.silu(y), new_buffer
 
-    def empty_buffer(self, rows: int, dtype=jnp.float32) -> Float[Array, "R W_minus_1 C"]:
+    def empty_buffer(self, rows: int, dtype=jnp.float32) -> Buffer:
         """Zeros `[rows, W − 1, C]`: the buffer of sequences with no tokens yet."""
         return jnp.zeros((rows, self.kernel_size - 1, self.channels), dtype)
 
 
-def _dense_taps(x: Float[Array, "B T C"], buffer: Float[Array, "B P C"], width: int):
-    """Lagged copies `[W, B, T, C]` (lag l at index l) and the last W − 1 inputs per row."""
+class CausalConv1d(nnx.Module):
+    """fla's `ShortConvolution`: causal depthwise convolution of `kernel_size` taps, optional
+    bias, optional SiLU; computes in float32 and returns the input's dtype.
+
+    **Arguments:**
+    - `channels`: C; `kernel_size`: W ≥ 2; `bias`: learn a bias `[C]`.
+    - `activation`: `"silu"`/`"swish"` or `None`.
+    - `axis`: the channels' logical axis name (`recurrax.nn`'s sharding table); the taps are `conv`.
+    - `dtype`: parameter and computation dtype; `rngs`: initialisation.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, *, bias: bool = False, activation: str | None = "silu",
+                 axis: str = "inner", dtype=jnp.float32, rngs: nnx.Rngs):
+        if kernel_size < 2:
+            raise ValueError(f"conv_size must be at least 2, got {kernel_size}")
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+        bound = kernel_size**-0.5
+        kernel = jax.random.uniform(rngs.params(), (kernel_size, channels), dtype, -bound, bound)
+        self.kernel = param(kernel, "conv", axis)
+        self.bias = param(jnp.zeros((channels,), dtype), axis) if bias else None
+        self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
+
+    def __call__(
+        self,
+        x: Float[Array, "B T C"],
+        buffer: Buffer | None = None,
+        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
+    ) -> tuple[Float[Array, "B T C"], Buffer]:
+        """Convolve `x` after `buffer` (zeros when `None`); returns `(y, new_buffer)`."""
+        rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        if buffer is None:
+            buffer = self.empty_buffer(rows, x.dtype)
+        taps, new_buffer = causal_taps(x, buffer.astype(x.dtype), cu_seqlens, self.kernel_size)
+        kernel = self.kernel[...].astype(jnp.float32)[::-1]  # lag l ↦ kernel[W−1−l]
+        y = jnp.einsum("lbtc,lc->btc", taps.astype(jnp.float32), kernel)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        if self.activation is not None:
+            y = jax.nn.silu(y)
+        return y.astype(x.dtype), new_buffer
+
+    def empty_buffer(self, rows: int, dtype=jnp.float32) -> Buffer:
+        """Zeros `[rows, W − 1, C]`: the buffer of sequences with no tokens yet."""
+        return jnp.zeros((rows, self.kernel_size - 1, self.channels), dtype)
+
+
+def causal_taps(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"] | None,
+                width: int) -> tuple[Taps, Buffer]:
+    """Lagged copies `[W, B, T, C]` (lag l at index l, never crossing a sequence start) and the
+    new buffer; split over the mesh axis of `length` when there is one (module docstring)."""
+    B, T = x.shape[:2]
+    sequence = mesh_axis("length", T)
+    if sequence is not None and T // jax.sharding.get_abstract_mesh().shape[sequence] >= width - 1:
+        return _split_taps(x, buffer, cu_seqlens, width, sequence)
+    if cu_seqlens is None:
+        return _dense_taps(x, buffer, width)
+    previous = jnp.zeros((width - 1, x.shape[-1]), x.dtype)
+    taps = _packed_taps(x[0], buffer, cu_seqlens, width, previous, 0)
+    return taps[:, None], _finish_buffer(_packed_buffer(x[0], cu_seqlens, width, 0), buffer, cu_seqlens, width)
+
+
+def _dense_taps(x: Float[Array, "B T C"], previous: Float[Array, "B W_minus_1 C"], width: int):
+    """Lagged copies `[W, B, T, C]` after `previous` (the W − 1 inputs before x) and the last W − 1 inputs."""
     T = x.shape[1]
-    window = jnp.concatenate([buffer, x], axis=1)  # [B, W − 1 + T, C]
+    window = jnp.concatenate([previous, x], axis=1)  # [B, W − 1 + T, C]
     taps = jnp.stack([window[:, width - 1 - lag : width - 1 - lag + T] for lag in range(width)])
     return taps, window[:, window.shape[1] - (width - 1) :]
 
 
-def _packed_taps(x: Float[Array, "N C"], buffer: Float[Array, "S P C"], cu_seqlens: Int[Array, " S_plus_1"],
-                 width: int):
-    """Lagged copies `[W, N, C]` that never cross a sequence start, and the new buffers."""
-    N = x.shape[0]
-    seq = segments(cu_seqlens, N).seq_id  # [N]
-    tokens = jnp.arange(N)
-    position = tokens - cu_seqlens[seq]  # [N] offset inside the sequence
+def _packed_taps(x: Float[Array, "L C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"], width: int,
+                 previous: Float[Array, "W_minus_1 C"], first) -> Float[Array, "W L C"]:
+    """Lagged copies `[W, L, C]` of packed tokens `first … first + L − 1` that never cross a
+    sequence start; `previous` holds the W − 1 tokens before `first`."""
+    L = x.shape[0]
+    tokens = first + jnp.arange(L)  # global indices
+    seq = jnp.searchsorted(cu_seqlens[1:], tokens, side="right")  # [L]
+    position = tokens - cu_seqlens[seq]  # offset inside the sequence
+    window = jnp.concatenate([previous, x], axis=0)  # [W − 1 + L, C]
     taps = []
     for lag in range(width):
-        inside = lag <= position
-        from_x = x[jnp.clip(tokens - lag, 0, N - 1)]
+        from_x = window[width - 1 - lag : width - 1 - lag + L]
         from_buffer = buffer[seq, jnp.clip(width - 1 - lag + position, 0, width - 2)]
-        taps.append(jnp.where(inside[:, None], from_x, from_buffer))
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [S]
-    offsets = lengths[:, None] - (width - 1) + jnp.arange(width - 1)  # [S, W − 1] offsets in each sequence
-    from_x = x[jnp.clip(cu_seqlens[:-1, None] + offsets, 0, N - 1)]
+        taps.append(jnp.where((lag <= position)[:, None], from_x, from_buffer))
+    return jnp.stack(taps)
+
+
+def _packed_buffer(x: Float[Array, "L C"], cu_seqlens: Int[Array, " S_plus_1"], width: int, first) -> Buffer:
+    """Each sequence's last W − 1 inputs that are among the tokens `first … first + L − 1` of
+    `x`, zeros for the others (`_finish_buffer` fills those of short sequences)."""
+    L = x.shape[0]
+    offsets = _last_offsets(cu_seqlens, width)  # [S, W − 1]
+    local = cu_seqlens[:-1, None] + offsets - first
+    here = (offsets >= 0) & (local >= 0) & (local < L)
+    return jnp.where(here[..., None], x[jnp.clip(local, 0, L - 1)], jnp.zeros((), x.dtype))
+
+
+def _finish_buffer(from_x: Buffer, buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"], width: int) -> Buffer:
+    """The new buffer: the last inputs `from_x`, and the old buffer's where a sequence is short."""
+    offsets = _last_offsets(cu_seqlens, width)
     rows = jnp.arange(buffer.shape[0])[:, None]
     from_buffer = buffer[rows, jnp.clip(width - 1 + offsets, 0, width - 2)]
-    new_buffer = jnp.where((offsets >= 0)[..., None], from_x, from_buffer)
-    return jnp.stack(taps), new_buffer
+    return jnp.where((offsets >= 0)[..., None], from_x, from_buffer)
+
+
+def _last_offsets(cu_seqlens: Int[Array, " S_plus_1"], width: int) -> Int[Array, "S W_minus_1"]:
+    """Offsets inside each sequence of the W − 1 positions before its end (negative: before its start)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return lengths[:, None] - (width - 1) + jnp.arange(width - 1)
+
+
+def _split_taps(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens, width: int, sequence: str):
+    """`causal_taps` with the token axis split over the mesh axis `sequence` (shard_map)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    P = mesh.shape[sequence]
+    packed = cu_seqlens is not None
+    batch = None if packed else mesh_axis("batch", x.shape[0])
+    batch = None if batch == sequence else batch
+
+    def body(x, buffer, cu_seqlens):
+        index = jax.lax.axis_index(sequence)
+        tail = x[:, x.shape[1] - (width - 1):]  # [B, W − 1, C], this shard's last inputs
+        received = jax.lax.ppermute(tail, sequence, [(p, p + 1) for p in range(P - 1)])  # zeros on shard 0
+        if not packed:
+            taps, last = _dense_taps(x, jnp.where(index == 0, buffer, received), width)
+            return taps, jax.lax.psum(jnp.where(index == P - 1, last, jnp.zeros_like(last)), sequence)
+        first = index * x.shape[1]
+        taps = _packed_taps(x[0], buffer, cu_seqlens, width, received[0], first)[:, None]
+        from_x = jax.lax.psum(_packed_buffer(x[0], cu_seqlens, width, first), sequence)
+        return taps, _finish_buffer(from_x, buffer, cu_seqlens, width)
+
+    rows = Spec(batch, None, None)
+    specs = (Spec(batch, sequence, None), rows, Spec())
+    split = _shard_map(body, mesh, specs, (Spec(None, batch, sequence, None), rows))
+    return split(x, buffer, jnp.zeros((0,), jnp.int32) if cu_seqlens is None else cu_seqlens)
+

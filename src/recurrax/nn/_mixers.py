@@ -33,12 +33,11 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from .._recurrent import recurrent
 from ..decays import alibi_slopes, lightning_g_gamma, retention_g_gamma
 from ..decode import recurrent_step
 from ..registry import kernel_registry
 from ._conv import ShortConvolution
-from ._sharding import partitioned
+from ._sharding import partitioned, recurrent_on_mesh
 
 default_kernel_init = nnx.initializers.lecun_normal()  # nnx.Linear's default
 ones = nnx.initializers.ones_init()
@@ -215,8 +214,8 @@ class RecurrentMixer(nnx.Module):
         """The recurrence: parallel from nothing, or continuing from `state` (decoding)."""
         scale = self.softmax_scale
         if state is None or cu_seqlens is not None:
-            return recurrent(q, k, v, **decays, softmax_scale=scale, initial_state=state, cu_seqlens=cu_seqlens,
-                             implementation=self.implementation)
+            return recurrent_on_mesh(q, k, v, **decays, softmax_scale=scale, initial_state=state,
+                                     cu_seqlens=cu_seqlens, implementation=self.implementation)
         return recurrent_step(q, k, v, state, **decays, softmax_scale=scale)
 
     def _output(self, o: Float[Array, "B T H V"], x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:

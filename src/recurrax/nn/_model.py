@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
-from ._sharding import partitioned
+from ._sharding import RESIDUAL, constrain, partitioned
 from ._tokens import check_token_ids
 
 MIXERS = {
@@ -144,15 +144,16 @@ class LanguageModel(nnx.Module):
         """
         _check_tokens(tokens, cu_seqlens)
         check_token_ids(tokens, self.vocab_size)
-        x = self.embed(tokens)
+        x = constrain(self.embed(tokens), *RESIDUAL)
         caches = (None,) * len(self.blocks) if cache is None else cache
         if len(caches) != len(self.blocks):
             raise ValueError(f"cache must hold one state per block ({len(self.blocks)}), got {len(caches)}")
         new_caches = []
         for block, block_cache in zip(self.blocks, caches):
             x, new_cache = block(x, block_cache, cu_seqlens=cu_seqlens)
+            x = constrain(x, *RESIDUAL)
             new_caches.append(new_cache)
-        logits = self.embed.attend(self.norm(x))
+        logits = constrain(self.embed.attend(self.norm(x)), "batch", "length", "vocab")
         return logits if cache is None else (logits, tuple(new_caches))
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:

@@ -50,6 +50,9 @@ from flax.linen import spmd as linen_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
+from .. import parallel
+from .._recurrent import recurrent
+
 LOGICAL_AXES = ("batch", "length", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "inner",
                 "conv", "layers")
 """Every logical axis name the layers use (parameters and activations)."""
@@ -59,6 +62,9 @@ TENSOR_AXES = ("heads", "kv_heads", "mlp", "experts", "vocab", "inner")
 
 LAYOUTS = ("data", "fsdp", "tensor", "sequence")
 """The layouts `logical_rules` combines."""
+
+RESIDUAL = ("batch", "length", "embed")
+"""The logical axes of the residual stream `[B, T, D]`, constrained at every block boundary."""
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -176,6 +182,37 @@ def use_mesh(mesh: Any, rules: Rules) -> Iterator[Any]:
     """
     with jax.set_mesh(mesh), core_spmd.logical_axis_rules(rules):
         yield mesh
+
+
+def mesh_axis(name: str, size: int | None = None) -> str | None:
+    """The mesh axis the logical axis `name` maps to under the current mesh and rules
+    (`use_mesh`), or None: no mesh or rules, no single mesh axis for it, an axis of size 1, or
+    one that does not divide `size`."""
+    rules = core_spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return None
+    axis = next((axes for logical, axes in rules if logical == name), None)
+    if not isinstance(axis, str) or mesh.shape[axis] == 1 or (size is not None and size % mesh.shape[axis]):
+        return None
+    return axis
+
+
+def recurrent_on_mesh(query, key, value, *, cu_seqlens=None, implementation: str | None = None, **options):
+    """`recurrax.recurrent`, or `recurrax.parallel.recurrent` over the mesh axis of `length`
+    when the current rules map it to one that divides the token count (batch rows and heads
+    over the axes of `batch` and `heads` where those divide too). Same arguments and results."""
+    B, T, H = query.shape[:3]
+    sequence = mesh_axis("length", T)
+    if sequence is None:
+        return recurrent(query, key, value, cu_seqlens=cu_seqlens, implementation=implementation, **options)
+    batch = None if cu_seqlens is not None else mesh_axis("batch", B)
+    head = mesh_axis("heads", H)
+    batch = None if batch == sequence else batch
+    head = None if head in (sequence, batch) else head
+    return parallel.recurrent(query, key, value, cu_seqlens=cu_seqlens, implementation=implementation,
+                              mesh=jax.sharding.get_abstract_mesh(), sequence_axis=sequence, batch_axis=batch,
+                              head_axis=head, **options)
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:

@@ -10,10 +10,10 @@ with fla's softmax attention (config `attn`). Needs `flax` and, for checkpoints,
 `safetensors` (`pip install 'recurrax[pretrained]'`).
 """
 
+from .._conv import CausalConv1d
 from ._attention import Attention, KVCache
 from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
 from ._config import SUPPORTED
-from ._conv import CausalConv1d
 from ._generate import CachedLanguageModel, generate
 from ._gla import GatedLinearAttention
 from ._hgrn2 import HGRN2Attention

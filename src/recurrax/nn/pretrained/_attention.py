@@ -23,6 +23,11 @@ Memory: dense rows read their own buffer in place (scores `[B, H, T, L]`). A pac
 (scores `[H, N, N]`), and to the entries written before the call one row and one block of
 positions at a time (scores `[H, N, 256]`; skipped when every sequence starts empty, as in
 a prefill); the parts merge by their log-sum-exp. No token copies its row's buffer.
+
+Sequence parallelism (`length` over P devices, `recurrax.nn.use_mesh`): a parallel pass
+all-gathers the keys and values (each device holds all T of them, `2·B·T·Hkv·D` numbers,
+and scores `[B, H, T/P, T]` for its own T/P queries), so attention crosses shard boundaries
+and packed sequences alike; no ring attention.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ...varlen import segments
+from .._sharding import constrain, mesh_axis
 from ._mixer import heads, linear
 from ._rotary import apply_rotary, token_positions
 
@@ -90,6 +96,8 @@ class Attention(nnx.Module):
                 raise ValueError("attention with a cache needs the tokens' positions")
             positions = token_positions(x3, cu_seqlens)
         q, k, v = self._project(x3, positions)
+        if cache is None and mesh_axis("length", T) is not None:  # sequence-parallel: every shard's keys
+            k, v = (constrain(t, "batch", None, "kv_heads", "head_dim") for t in (k, v))
         seq = None if cu_seqlens is None else segments(cu_seqlens, T).seq_id[None]  # [1, N]
         if cache is None:
             o = self._attend(q, k, v, positions, positions, seq, seq)

@@ -39,8 +39,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from .._conv import CausalConv1d
 from ._config_checks import ConfigError
-from ._conv import CausalConv1d
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
 from ._hf_model import HFCausalLM

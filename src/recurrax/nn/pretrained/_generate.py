@@ -33,6 +33,11 @@ sequence that softmax-attention layers keep (longest prompt + max_new_tokens, bu
 model whose cache does not depend on it ignores it. The model is a `flax.nnx.Module`; one
 lacking a member is a `TypeError` naming the missing ones.
 
+On a mesh (inside `recurrax.nn.use_mesh(mesh, rules)`, the model placed by `shard_model`),
+the pool's rows are split over the mesh axis of `batch` and the heads of its states and
+attention buffers over those of `heads` / `kv_heads` (where they divide); the results equal
+one device's.
+
 The caches (the pool of P slots and one prefill's P + 1 rows) are sized before anything
 runs; a request whose caches exceed `max_cache_bytes` (default: the free memory of the
 device, or of the host for CPU) is a `ValueError` naming `max_new_tokens`, the longest
@@ -55,6 +60,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from .._sharding import constrain
 from .._tokens import check_token_ids
 
 
@@ -185,7 +191,7 @@ def generate(
     graphdef, params = nnx.split(model)
     static = dict(graphdef=graphdef, slots=P, capacity=capacity)
     sampling = (jnp.float32(temperature), jnp.int32(top_k or model.vocab_size), jnp.float32(top_p or 1.0))
-    pool = model.generation_cache(P, capacity)
+    pool = _empty_pool(model, P, capacity)
     queue = deque(range(len(prompts)))
     slot_prompt, next_tokens = [-1] * P, np.zeros(P, np.int32)
 
@@ -230,14 +236,40 @@ def _admit(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling
     logits, fresh = net.prefill(tokens, cu_seqlens, net.generation_cache(slots + 1, capacity))
     last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
     pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
-    return _sample(last, _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids)), sampling), pool
+    return _sample(last, _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids)), sampling), constrain_cache(pool)
 
 
 @partial(jax.jit, static_argnames=STATIC)
 def _step(params, tokens, pool, prompt_ids, counts, seed, sampling, *, graphdef, slots, capacity):
     """Advance every slot by its pending token; sample the next ones."""
     logits, pool = nnx.merge(graphdef, params).decode_step(tokens, pool)
-    return _sample(logits, _keys(seed, prompt_ids, counts), sampling), pool
+    return _sample(logits, _keys(seed, prompt_ids, counts), sampling), constrain_cache(pool)
+
+
+def _empty_pool(model, slots: int, capacity: int):
+    """`model.generation_cache(slots, capacity)`, laid out by `constrain_cache`."""
+    return jax.jit(lambda: constrain_cache(model.generation_cache(slots, capacity)))()
+
+
+CACHE_AXES = {
+    "state": ("batch", "heads", None, None),           # a recurrent state [R, H, K, V]
+    "normalizer": ("batch", "heads", None),             # [R, H, K]
+    "keys": ("batch", None, "kv_heads", "head_dim"),    # an attention buffer [R, L, Hkv, D]
+    "values": ("batch", None, "kv_heads", "head_dim"),
+}
+"""Logical axes of the cache arrays, by their field name; any other array: rows (`batch`) first."""
+
+
+def constrain_cache(cache):
+    """Every array of `cache` constrained to the current mesh and rules (`recurrax.nn.use_mesh`):
+    rows over `batch`, a recurrent state's heads over `heads`, an attention buffer's over
+    `kv_heads`; unchanged outside a mesh."""
+
+    def one(path, x):
+        names = CACHE_AXES.get(getattr(path[-1], "name", None) if path else None)
+        return constrain(x, *(names if names and len(names) == x.ndim else ("batch",) + (None,) * (x.ndim - 1)))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
 
 
 def _sample(logits, keys, sampling):

@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ..._recurrent import recurrent
 from ...decode import recurrent_step
-from .._sharding import partitioned
-from ._conv import CausalConv1d
+from .._conv import CausalConv1d
+from .._sharding import partitioned, recurrent_on_mesh
 
 
 class RecurrentCache(NamedTuple):
@@ -110,7 +109,8 @@ class FlaMixer(nnx.Module):
     def _recur(self, q, k, v, *, state, cu_seqlens, scale: float | None = None, **decays):
         """`recurrent` for a parallel pass or a prefill, `recurrent_step` for dense decoding."""
         if state is None or cu_seqlens is not None or q.shape[1] > 1:
-            return recurrent(q, k, v, **decays, softmax_scale=scale, initial_state=state, cu_seqlens=cu_seqlens)
+            return recurrent_on_mesh(q, k, v, **decays, softmax_scale=scale, initial_state=state,
+                                     cu_seqlens=cu_seqlens)
         return recurrent_step(q, k, v, state, **decays, softmax_scale=scale)
 
 

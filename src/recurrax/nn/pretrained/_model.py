@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from ...problem import runtime_checks_enabled
 from ...varlen import segments
-from .._sharding import param, partitioned
+from .._sharding import RESIDUAL, constrain, param, partitioned
 from .._tokens import check_token_ids
 from ._attention import Attention, KVCache
 from ._config import attention_spec, intermediate_size, native_mixer, resolve
@@ -171,7 +171,7 @@ class CausalLM(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         check_token_ids(tokens, self.vocab_size)
-        h = self._embed(tokens[None] if packed else tokens)  # [B, T, D]
+        h = constrain(self._embed(tokens[None] if packed else tokens), *RESIDUAL)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
         capacity = None if cache is None else _capacity(cache)
         _refuse_past_capacity(positions, capacity)
@@ -182,8 +182,9 @@ class CausalLM(nnx.Module):
         new_caches = []
         for block, layer_cache, context in zip(layers, layer_caches, self._layer_context()):
             h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
+            h = constrain(h, *RESIDUAL)
             new_caches.append(new_cache)
-        logits = self._head(h)
+        logits = constrain(self._head(h), "batch", "length", "vocab")
         if capacity is not None:  # traced positions: the tokens past it get NaN logits
             logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
         logits = logits[0] if packed else logits
