@@ -79,13 +79,11 @@ NOTES = [
     "gradients (sharded like the parameters) and, under FSDP, the gathered weights of a layer.",
     "",
     "The temporaries at 32,768 tokens per row are the CPU compiler's buffer assignment of the whole "
-    "step (about 310 GiB per device at sequence 1; the float32 logits alone are 32,768 × vocabulary × "
+    "step (130 to 160 GiB per device at sequence 1; the float32 logits alone are 32,768 × vocabulary × "
     "4 bytes, 4 GiB for GLA, per copy); a GPU or TPU compile, which schedules for memory, may hold "
-    "much less (not measured here). The ratio column is the measured effect of the sequence axis.",
-    "",
-    "The tokens are split by the step's input sharding (`length` → `sequence` in the rules) and "
-    "XLA's SPMD partitioner lays out the layers' computations from it; once the models call "
-    "`recurrax.parallel.recurrent` themselves, re-measure with `--part sequence`.",
+    "much less (not measured here). The ratio column is the measured effect of the sequence axis: "
+    "the models split the tokens themselves (`recurrax.parallel.recurrent` in the mixers, a "
+    "neighbour exchange in the short convolutions).",
 ]
 """Read with the tables (written into the results file)."""
 
