@@ -53,12 +53,13 @@ def free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start one copy of this script per process, relay their output, kill them on timeout."""
+def launch(args: argparse.Namespace, argv: list[str], script: str = __file__) -> int:
+    """Start one copy of `script` (this one by default) per process with `argv`, relay their
+    output, kill them on timeout. `args` holds `num_processes`, `coordinator` and `timeout`."""
     coordinator = args.coordinator or f"127.0.0.1:{free_local_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     children = [
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i),
+        subprocess.Popen([sys.executable, os.path.abspath(script), *argv, "--process-id", str(i),
                           "--coordinator", coordinator], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env=env)
         for i in range(args.num_processes)

@@ -146,3 +146,62 @@ def test_help_documents_every_option(script):
         assert formatter.endswith("ArgumentDefaultsHelpFormatter"), f"{script}: --help does not show defaults"
     undocumented = [ast.unparse(call.args[0]) for call in options if "help" not in {kw.arg for kw in call.keywords}]
     assert not undocumented, f"{script}: options without help text: {undocumented}"
+
+
+def _losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"step +\d+ loss ([-+.\deE]+)$", output, re.M)]
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+@NEEDS_OPTAX
+@pytest.mark.slow
+def test_train_sharded():
+    """The default 2 data × 2 tensor × 2 sequence mesh: the first step as one device's, a falling loss."""
+    pytest.importorskip("safetensors")
+    output = run_example("train_sharded.py", "--steps", "4", "--seq-len", "16", timeout=120.0)
+    assert "8 local of 8 cpu devices; mesh {'data': 2, 'tensor': 2, 'sequence': 2}" in output
+    assert_errors(output, {"first step loss", "first step optimizer state"}, 1e-4)
+    losses = _losses(output)
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses     # log(128) = 4.85 at the start
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+@NEEDS_OPTAX
+@pytest.mark.slow
+def test_train_sharded_two_processes(tmp_path):
+    """2 processes × 4 devices, FSDP 2 × tensor 2 × sequence 2: each process's first step as one
+    device's, the same losses in both, an orbax checkpoint written by both, and save_pretrained
+    gathering the shards into one checkpoint that loads back, trained away from the fixture."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("orbax.checkpoint")
+    output = run_example("train_sharded.py", "--num-processes", "2", "--mesh", "data=2,tensor=2,sequence=2", "--fsdp",
+                         "--steps", "2", "--seq-len", "8", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                         "--save-pretrained", str(tmp_path / "trained"), "--timeout", "150", timeout=180.0)
+    for process in (0, 1):
+        assert f"[process {process}/2] 4 local of 8 cpu devices" in output
+    assert len(max_errors(output)) == 4, output[-3000:]
+    assert_errors(output, {"first step loss", "first step optimizer state"}, 1e-4)
+    per_process = [[float(x) for x in re.findall(rf"\[process {p}/2\] step +\d+ loss ([-+.\deE]+)$", output, re.M)]
+                   for p in (0, 1)]
+    assert len(per_process[0]) == 2 and per_process[0] == per_process[1]
+    assert "all processes agree with one process" in output
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+    import numpy as np
+    from flax import nnx
+
+    from recurrax.nn.pretrained import from_pretrained
+
+    trained, fixture = (nnx.state(from_pretrained(path)) for path in (tmp_path / "trained", EXAMPLES.parent /
+                                                                      "tests/fixtures/fla/gla_basic"))
+    assert _all_leaves(lambda a, b: a.shape == b.shape and np.isfinite(a).all(), trained, fixture)
+    assert not _all_leaves(lambda a, b: np.array_equal(a, b), trained, fixture)
+
+
+def _all_leaves(check, *trees) -> bool:
+    import jax
+    import numpy as np
+
+    return all(check(*(np.asarray(leaf) for leaf in leaves)) for leaves in zip(*(jax.tree.leaves(t) for t in trees)))

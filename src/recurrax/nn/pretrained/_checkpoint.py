@@ -33,9 +33,11 @@ import shutil
 import tempfile
 from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from .._conv import CausalConv1d
 from ._config_checks import ConfigError
@@ -113,9 +115,18 @@ def tensors(model: nnx.Module, prefix: str = "") -> dict[str, Tensor]:
 
 
 def state_dict(model: CausalLM) -> dict[str, np.ndarray]:
-    """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes."""
-    return {name: np.ascontiguousarray(t.to_fla(np.asarray(t.variable.get_value())))
+    """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes. A
+    parameter sharded over several processes is gathered (every process must call this)."""
+    return {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
             for name, t in tensors(model).items()}
+
+
+def _host_value(value) -> np.ndarray:
+    """The whole of a parameter on this host: gathered from the other processes where it has
+    shards this process does not hold (a model on a multi-host mesh)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
 
 
 def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
@@ -248,13 +259,27 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
     Atomic: the files are written into a temporary directory beside `path`, then moved into
     place; a failure leaves an earlier checkpoint in `path` as it was. Files of an earlier
     save that this one replaces (a sharded index and its shards) are removed; nothing else.
+
+    A model on a mesh is written whole, as one host's checkpoint. On several processes
+    every process must call this: the parameters are gathered, process 0 writes the files,
+    and all return once they are in place.
     """
     save_file = _safetensors().save_file
+    weights = state_dict(model)
+    if jax.process_count() > 1:
+        if jax.process_index() == 0:
+            _write_checkpoint(model, weights, path, save_file)
+        multihost_utils.sync_global_devices(f"save_pretrained {os.path.abspath(os.fspath(path))}")
+    else:
+        _write_checkpoint(model, weights, path, save_file)
+
+
+def _write_checkpoint(model: CausalLM, weights: dict[str, np.ndarray], path, save_file) -> None:
+    """Write `weights` and `model`'s configs into `path` through a staging directory."""
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=os.path.dirname(path))
     try:
-        weights = state_dict(model)
         save_file(weights, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         _write_json(os.path.join(staging, "config.json"), _saved_config(model.config, weights))
         _write_json(os.path.join(staging, "generation_config.json"), _generation_config(model.config))
