@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from .._conv import _dense_taps, _packed_taps
+from .._conv import _dense_taps, _packed_taps, depthwise
 
 
 class CausalConv1d(nnx.Module):
@@ -56,12 +56,11 @@ class CausalConv1d(nnx.Module):
             buffer = self.empty_buffer(rows, x.dtype)
         buffer = buffer.astype(x.dtype)
         if cu_seqlens is None:
-            taps, new_buffer = _dense_taps(x, buffer, self.kernel_size)  # [W, B, T, C]
+            taps, new_buffer = _dense_taps(x, buffer, self.kernel_size)  # W × [B, T, C]
         else:
             taps, new_buffer = _packed_taps(x[0], buffer, cu_seqlens, self.kernel_size)
-            taps = taps[:, None]  # [W, 1, N, C]
-        kernel = self.kernel[...].astype(jnp.float32)[::-1]  # lag l ↦ kernel[W−1−l]
-        y = jnp.einsum("lbtc,lc->btc", taps.astype(jnp.float32), kernel)
+            taps = [tap[None] for tap in taps]  # W × [1, N, C]
+        y = depthwise(taps, self.kernel[...][::-1])  # lag l ↦ kernel[W−1−l]
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         if self.activation is not None:
