@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._tokens import check_token_ids
+from ._tied import tied_logits
 
 MIXERS = {
     "gla": GatedLinearAttention,
@@ -144,7 +145,7 @@ class LanguageModel(nnx.Module):
         for block, block_cache in zip(self.blocks, caches):
             x, new_cache = block(x, block_cache, cu_seqlens=cu_seqlens)
             new_caches.append(new_cache)
-        logits = self.embed.attend(self.norm(x))
+        logits = tied_logits(self.embed, self.norm(x))
         return logits if cache is None else (logits, tuple(new_caches))
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:
