@@ -12,16 +12,22 @@ same checkpoint and inputs:
 - load time (`from_pretrained` of the directory);
 - prefill tokens/s: 8 prompts × 512 tokens in one call (`[8, 512]`), logits of the last
   position only on both sides (`logits_to_keep=1` for transformers);
-- decode tokens/s at batch 1, 8 and 64: one token per sequence per step through the cache.
+- decode tokens/s at batch 1, 8 and 64: one token per sequence per step through the cache
+  (ours donated to the step, so updated in place as `transformers` updates its own).
 Each figure is the median of `--repeats` runs (decode: of 8 steps), after a warm-up; the
 spread is min–max. Also the max logit difference on a check batch `[2, 64]` against
-`transformers` and against a float64 run of ours, and where our prefill time goes (the SSD
-calls alone, the B/C head repeat alone). Writes results/mamba2_130m.md and .png.
+`transformers` and against a float64 run of ours; where our time goes (`_mamba2_parts.py`:
+each part of a layer timed alone); and this CPU's floors (`_floors.py` and the torch side):
+float32 matmul GFLOP/s at the model's shapes and streaming-read GB/s, hence the least time a
+prefill (its FLOPs at the measured matmul rates) and a decode step (the bytes it must read at
+the measured bandwidth, or its FLOPs if slower) can take, and the highest ratio to
+`transformers` reachable here. Writes results/mamba2_130m.md and .png.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -37,11 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recurrax import recurrent
+from recurrax.chunk import default_tiling
 from recurrax.nn.pretrained import from_pretrained, save_pretrained
 from recurrax.nn.pretrained._hf_model import HFCausalLM
 from recurrax.tools.bench.machine import machine_description
 
+from _floors import matmul_gflops, read_gbps
+from _mamba2_parts import PARTS, part_seconds
 from _timing import timed
 
 MAMBA2_130M = dict(
@@ -93,7 +101,7 @@ def ours(directory: Path, inputs: dict, repeats: int, decode_steps: int) -> dict
     prompts = jnp.asarray(inputs["prefill"], jnp.int32)
     prefill = timed(lambda: forward(state, prompts), repeats)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(2,))  # the cache is updated in place, as transformers' is
     def step(state, token, cache):
         logits, cache = nnx.merge(graphdef, state)(token, cache)
         return jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32), cache
@@ -120,18 +128,88 @@ def float64_logits(directory: Path, check) -> np.ndarray:
         return np.asarray(model(jnp.asarray(check, jnp.int32)))
 
 
-def ssd_breakdown(config: dict, batch: int, length: int, repeats: int) -> dict:
-    """One layer's SSD call at the prefill shape, and the B/C repeat from 1 group to H heads, alone."""
-    H, P, N = config["num_heads"], config["head_dim"], config["state_size"]
-    rng = np.random.default_rng(1)
-    c = jnp.asarray(rng.standard_normal((batch, length, 1, N)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((batch, length, 1, N)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((batch, length, H, P)), jnp.float32)
-    g = -jnp.asarray(rng.random((batch, length, H)), jnp.float32) * 0.1
-    ssd = jax.jit(lambda c, b, v, g: recurrent(jnp.repeat(c, H, 2), jnp.repeat(b, H, 2), v, g=g, softmax_scale=1.0)[0])
-    repeat = jax.jit(lambda c, b: (jnp.repeat(c, H, 2), jnp.repeat(b, H, 2)))
-    return dict(ssd=statistics.median(timed(lambda: ssd(c, b, v, g), repeats)),
-                repeat=statistics.median(timed(lambda: repeat(c, b), repeats)))
+def workload(config: dict, batch: int, length: int, parameters: int) -> dict:
+    """The model's matmul shapes ('MxKxN' for the prefill and the decode batches), the prefill's
+    FLOPs per matmul shape and of the SSD (the chunk algorithm's forward at its CPU tiling), and
+    the bytes a decode step must read (every parameter once, the states read and written)."""
+    D, L, V = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    H, P, N, G = config["num_heads"], config["head_dim"], config["state_size"], config["n_groups"]
+    I = H * P
+    in_dim = 2 * I + 2 * G * N + H
+    tokens = batch * length
+    C = default_tiling(False).fitted(length).chunk_size
+    prefill = {f"{tokens}x{D}x{in_dim}": 2 * tokens * D * in_dim * L, f"{tokens}x{I}x{D}": 2 * tokens * I * D * L,
+               f"{batch}x{D}x{V}": 2 * batch * D * V}
+    return dict(prefill_flops=prefill, ssd_flops=tokens * H * L * (4 * N * P + 2 * C * (N + P)), chunk=C,
+                param_bytes=4 * parameters, state_bytes=2 * 4 * L * H * N * P,
+                step_flops=2 * (L * (D * in_dim + I * D) + D * V), in_proj=f"{tokens}x{D}x{in_dim}")
+
+
+def floors(work: dict, rates: dict, read: float, torch_prefill: float, torch_decode: dict) -> dict:
+    """Least seconds of a prefill and of a decode step per batch at the measured rates, and the
+    highest ratio to transformers' measured times that they allow."""
+    prefill = sum(flops / (rates[shape] * 1e9) for shape, flops in work["prefill_flops"].items())
+    prefill += work["ssd_flops"] / (rates[work["in_proj"]] * 1e9)
+    best_rate = max(rates.values()) * 1e9
+    decode = {b: max((work["param_bytes"] + b * work["state_bytes"]) / (read * 1e9),
+                     b * work["step_flops"] / best_rate) for b in BATCHES}
+    return dict(prefill=prefill, decode=decode, prefill_ratio=torch_prefill / prefill,
+                decode_ratio={b: torch_decode[b] / decode[b] for b in BATCHES})
+
+
+def parts_table(parts: dict, prefill: float, decode: dict, batch: int, length: int, layers: int) -> list[str]:
+    """Markdown: each part's ms (and share of the whole call) for the prefill and each decode batch."""
+    columns = ["prefill"] + list(BATCHES)
+    whole = {"prefill": prefill, **decode}
+    head = [f"prefill {batch} × {length}"] + [f"decode step b={b}" for b in BATCHES]
+    lines = ["", f"Where our time goes (`_mamba2_parts.py`: each part of a layer jitted and timed alone, × {layers} "
+             "layers; the head once; the rest is the whole call's median minus the parts: the glue between them — "
+             "splits, dt and gate math, the D skip, residuals, cache writes, argmax — and dispatch):", "",
+             "| part | " + " | ".join(head) + " |", "|---|" + "---:|" * len(columns)]
+    share = lambda t, c: f"{t * 1e3:,.1f} ms ({t / whole[c]:.0%})"  # noqa: E731
+    for name in PARTS:
+        lines.append(f"| {name} | " + " | ".join(share(parts[c][name], c) for c in columns) + " |")
+    rest = {c: whole[c] - sum(parts[c].values()) for c in columns}
+    lines.append("| rest | " + " | ".join(share(rest[c], c) for c in columns) + " |")
+    lines.append("| whole (median above) | " + " | ".join(f"{whole[c] * 1e3:,.1f} ms" for c in columns) + " |")
+    return lines
+
+
+def floor_lines(work: dict, xla: dict, theirs: dict, batch: int, length: int) -> list[str]:
+    """Markdown: this CPU's measured rates, the least times they allow and the highest ratios."""
+    med = statistics.median
+    torch = theirs["floors"]
+    torch_prefill = med(theirs["prefill_seconds"])
+    torch_decode = {b: med(theirs["decode_seconds"][str(b)]) for b in BATCHES}
+    ours_floor = floors(work, xla["matmul_gflops"], max(xla["read_gbps"], torch["read_gbps"]), torch_prefill,
+                        torch_decode)
+    torch_floor = floors(work, torch["matmul_gflops"], max(xla["read_gbps"], torch["read_gbps"]), torch_prefill,
+                         torch_decode)
+    names = {shape: what for shape, what in zip(work["prefill_flops"], ("in_proj", "out_proj", "head"))}
+    lines = ["", "This CPU's floors (float32, medians, measured in the same run):", "",
+             "| | XLA (recurrax) | torch (transformers) |", "|---|---:|---:|"]
+    for shape in work["prefill_flops"]:
+        lines.append(f"| matmul {shape.replace('x', ' × ', 1).replace('x', ' @ ', 1)} ({names[shape]}), GFLOP/s | "
+                     f"{xla['matmul_gflops'][shape]:.0f} | {torch['matmul_gflops'][shape]:.0f} |")
+    lines.append(f"| streaming read of {work['param_bytes'] / 1e6:,.0f} MB (the weights), GB/s | "
+                 f"{xla['read_gbps']:.1f} | {torch['read_gbps']:.1f} |")
+    gflop = sum(work["prefill_flops"].values()) / 1e9
+    lines += [
+        "",
+        f"- Prefill {batch} × {length}: {gflop:,.0f} GFLOP of matmuls (projections and the last-position head, the "
+        f"same on both sides) and {work['ssd_flops'] / 1e9:,.0f} GFLOP in our SSD (the chunk algorithm's forward "
+        f"at C = {work['chunk']}); at XLA's measured rates (the SSD at in_proj's) that is at least "
+        f"**{ours_floor['prefill']:.2f} s**, so at most **{ours_floor['prefill_ratio']:.1f}×** transformers' "
+        f"{torch_prefill:.2f} s on this machine (transformers' own floor at torch's rates: "
+        f"{torch_floor['prefill']:.2f} s).",
+        f"- Decode step: every weight read once ({work['param_bytes'] / 1e6:,.0f} MB) plus the SSM states read and "
+        f"written ({work['state_bytes'] / 1e6:.1f} MB per row), at the best measured read bandwidth, or the step's "
+        f"FLOPs at the best matmul rate if slower: at least "
+        + "; ".join(f"b={b} **{ours_floor['decode'][b] * 1e3:,.1f} ms** (at most "
+                    f"**{ours_floor['decode_ratio'][b]:.1f}×** transformers' {torch_decode[b] * 1e3:,.1f} ms)"
+                    for b in BATCHES) + ".",
+    ]
+    return lines
 
 
 def figure(ours_tps: dict, torch_tps: dict, path: Path) -> None:
@@ -170,13 +248,23 @@ def main(argv: list[str]) -> int:
     rng = np.random.default_rng(0)
     inputs = dict(prefill=rng.integers(0, config["vocab_size"], (batch, length)),
                   check=rng.integers(0, config["vocab_size"], (2, 64 if not args.tiny else 8)))
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        save_pretrained(random_model(config), directory)
+        built = random_model(config)
+        save_pretrained(built, directory)
         np.savez(directory / "inputs.npz", **inputs)
+        parameters = sum(x.size for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
+        work = workload(config, batch, length, parameters)
+        (directory / "floor_shapes.json").write_text(json.dumps(
+            dict(matmuls=list(work["prefill_flops"]), read_bytes=work["param_bytes"])))
         mine = ours(directory, inputs, args.repeats, args.decode_steps)
         exact = float64_logits(directory, inputs["check"])
-        breakdown = ssd_breakdown(config, batch, length, args.repeats)
+        parts = {"prefill": part_seconds(mine["model"], batch, length, False, args.repeats)}
+        parts.update({b: part_seconds(mine["model"], b, 1, True, args.repeats) for b in BATCHES})
+        xla_floor = dict(matmul_gflops=matmul_gflops(
+            [tuple(int(n) for n in key.split("x")) for key in work["prefill_flops"]], args.repeats),
+            read_gbps=read_gbps(work["param_bytes"], args.repeats))
         command = [args.torch_python, str(Path(__file__).with_name("mamba2_130m_torch.py")), str(directory),
                    "--threads", str(args.threads), "--repeats", str(args.repeats),
                    "--decode-steps", str(args.decode_steps)]
@@ -194,13 +282,13 @@ def main(argv: list[str]) -> int:
         ours_tps[f"decode b={b}"] = b / med(mine["decode"][b])
         torch_tps[f"decode b={b}"] = b / med(theirs["decode_seconds"][str(b)])
     machine = machine_description()
-    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(mine["model"], nnx.Param)))
     lines = [
         "# mamba2-130m shape: recurrax vs transformers on this CPU" if not args.tiny else "# Tiny Mamba2 (smoke run)",
         "",
         f"`python benchmarks/mamba2_130m.py` — {parameters / 1e6:.1f}M parameters, float32, random weights; "
-        f"{machine['cpu']}, {machine['usable_cpus']} CPUs, load average {os.getloadavg()[0]:.1f} as the results "
-        f"were written (ratios come from one run); JAX {jax.__version__}; torch {theirs['versions']['torch']} with "
+        f"{machine['cpu']}, {machine['usable_cpus']} CPUs, load average {load_at_start:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the end (a machine shared with other jobs: the ratios are side by side in "
+        f"one run, each side under the load of its turn); JAX {jax.__version__}; torch {theirs['versions']['torch']} with "
         f"{theirs['threads']} threads, transformers {theirs['versions']['transformers']} (pure-PyTorch path); "
         f"commit {machine['commit']}.",
         "",
@@ -224,14 +312,10 @@ def main(argv: list[str]) -> int:
         f"recurrax float32 vs recurrax float64 {errors['ours_vs_f64']:.2e}; transformers float32 vs recurrax float64 "
         f"{errors['torch_vs_f64']:.2e}; recurrax vs transformers {errors['ours_vs_torch']:.2e} "
         f"({errors['ours_vs_torch'] / scale:.1e} relative).",
-        "",
-        f"Where our prefill time goes: the SSD (`recurrax.recurrent`, chunk algorithm on CPU, B/C repeated to "
-        f"{config['num_heads']} heads) takes {breakdown['ssd'] * 1e3:.0f} ms per layer at [{batch}, {length}], "
-        f"{layers * breakdown['ssd'] / med(mine['prefill']):.0%} of the prefill for {layers} layers; the B/C "
-        f"repeat alone {breakdown['repeat'] * 1e3:.1f} ms per layer "
-        f"({layers * breakdown['repeat'] / med(mine['prefill']):.1%}); the rest is the projections (in_proj "
-        f"768→3,352, out_proj 1,536→768), the conv, the norms and the tied 50,280-way head.",
     ]
+    lines += parts_table(parts, med(mine["prefill"]), {b: med(mine["decode"][b]) for b in BATCHES}, batch, length,
+                         layers)
+    lines += floor_lines(work, xla_floor, theirs, batch, length)
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.tiny:

@@ -3,8 +3,10 @@
     /work/venv-hf/bin/python benchmarks/mamba2_130m_torch.py DIR [--threads 2] [--repeats 3]
 
 Run by `mamba2_130m.py` (not on its own): reads DIR (config.json + model.safetensors,
-written by recurrax's `save_pretrained`) and DIR/inputs.npz, writes DIR/torch_measurements.json
-and DIR/torch_logits.npy. PyTorch on the CPU, pure-PyTorch path (`mamba_ssm` and
+written by recurrax's `save_pretrained`), DIR/inputs.npz and DIR/floor_shapes.json, writes
+DIR/torch_measurements.json and DIR/torch_logits.npy. Also this CPU's floors for torch: float32
+`F.linear` GFLOP/s at the model's matmul shapes and the GB/s of a `sum` over as many bytes as
+the weights. PyTorch on the CPU, pure-PyTorch path (`mamba_ssm` and
 `causal_conv1d` absent), float32, `torch.set_num_threads(threads)`, inference mode.
 """
 
@@ -48,6 +50,18 @@ def decode_samples(model, batch: int, steps: int, vocab: int) -> list[float]:
     return samples[1:]  # the first step is the warm-up
 
 
+def floors(shapes: dict, repeats: int) -> dict:
+    """GFLOP/s of `F.linear` per 'MxKxN' shape (median), GB/s of one streaming `sum`."""
+    rates = {}
+    for key in shapes["matmuls"]:
+        M, K, N = (int(n) for n in key.split("x"))
+        x, w = torch.randn(M, K), torch.randn(N, K)
+        rates[key] = 2 * M * K * N / statistics.median(timed(lambda: torch.nn.functional.linear(x, w), repeats)) / 1e9
+    data = torch.ones(shapes["read_bytes"] // 4)
+    read = data.numel() * 4 / statistics.median(timed(lambda: data.sum(), repeats)) / 1e9
+    return dict(matmul_gflops=rates, read_gbps=read)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directory", type=Path)
@@ -67,8 +81,9 @@ def main(argv: list[str]) -> int:
         prompts = torch.from_numpy(inputs["prefill"])
         prefill = timed(lambda: model(input_ids=prompts, use_cache=False, logits_to_keep=1), args.repeats)
         decode = {b: decode_samples(model, b, args.decode_steps, vocab) for b in (1, 8, 64)}
+        floor = floors(json.loads((args.directory / "floor_shapes.json").read_text()), args.repeats)
     report = dict(load_seconds=load_seconds, prefill_seconds=prefill, prefill_tokens=int(prompts.numel()),
-                  decode_seconds={str(b): s for b, s in decode.items()}, threads=args.threads,
+                  decode_seconds={str(b): s for b, s in decode.items()}, floors=floor, threads=args.threads,
                   versions=dict(torch=torch.__version__, transformers=transformers.__version__))
     (args.directory / "torch_measurements.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(dict(load=load_seconds, prefill=statistics.median(prefill),

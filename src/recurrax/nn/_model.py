@@ -21,6 +21,7 @@ from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, 
 from ._mixers import default_kernel_init, ones
 from ._sharding import RESIDUAL, constrain, partitioned
 from ._tokens import check_token_ids
+from ._tied import tied_logits
 
 MIXERS = {
     "gla": GatedLinearAttention,
@@ -153,7 +154,7 @@ class LanguageModel(nnx.Module):
             x, new_cache = block(x, block_cache, cu_seqlens=cu_seqlens)
             x = constrain(x, *RESIDUAL)
             new_caches.append(new_cache)
-        logits = constrain(self.embed.attend(self.norm(x)), "batch", "length", "vocab")
+        logits = constrain(tied_logits(self.embed, self.norm(x)), "batch", "length", "vocab")
         return logits if cache is None else (logits, tuple(new_caches))
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:

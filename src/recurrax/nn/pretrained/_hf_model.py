@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._sharding import partitioned
+from .._tied import tied_logits
 from ._attention import KVCache
 from ._hf_config import resolve_hf
 from ._hf_layers import GatedMLP, GraniteMoE, GraniteSharedMLP, HFAttention, NemotronMoE, PlainMLP
@@ -207,7 +208,7 @@ class HFCausalLM(CausalLM):
 
     def _head(self, h):
         h = self.body.final_norm(h).astype(self.dtype)
-        logits = (self.lm_head(h) if self.lm_head is not None else self.body.embedding.attend(h)).astype(jnp.float32)
+        logits = (self.lm_head(h) if self.lm_head is not None else tied_logits(self.body.embedding, h)).astype(jnp.float32)
         return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:

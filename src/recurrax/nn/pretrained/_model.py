@@ -38,6 +38,7 @@ from ...problem import runtime_checks_enabled
 from ...varlen import segments
 from .._sharding import RESIDUAL, constrain, param, partitioned
 from .._tokens import check_token_ids
+from .._tied import tied_logits
 from ._attention import Attention, KVCache
 from ._config import attention_spec, intermediate_size, native_mixer, resolve
 from ._config_checks import ConfigError
@@ -233,7 +234,7 @@ class CausalLM(nnx.Module):
         h = self.model.norm(h)
         if self.lm_head is not None:
             return self.lm_head(h).astype(jnp.float32)
-        return self.model.embeddings.attend(h).astype(jnp.float32)
+        return tied_logits(self.model.embeddings, h).astype(jnp.float32)
 
     @staticmethod
     def _positions(h, cache, cu_seqlens):
