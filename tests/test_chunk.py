@@ -44,6 +44,36 @@ def test_gate_matrix(gates, reverse):
     assert_matches(SMALL, Case(gates=gates, reverse=reverse))
 
 
+# Query and key shared by groups of value heads (Mamba-2): the per-head-decay path computes
+# them unrepeated (`_shared.py`); with per-channel decays the heads are expanded first.
+SHARED = [
+    Case(gates=("g_head",), Hqk=2, H=4, T=11),  # 3 chunks over 2 steps, the last padded
+    Case(gates=("g_head", "g_gamma"), Hqk=1, H=3, V=5, reverse=True, initial_state=False),
+    Case(gates=("g_head",), Hqk=2, H=6, cu_seqlens=(0, 5, 5, 14, 15)),  # empty, one-token, multi-chunk
+    Case(gates=("g_head", "gk"), Hqk=1, H=2),  # per channel: expanded
+]
+
+
+@pytest.mark.parametrize("case", SHARED, ids=str)
+def test_shared_query_key(case):
+    assert_matches(SMALL, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(Hqk=1, H=4),  # no decay
+        Case(gates=("g_head",), Hqk=2, H=4, cu_seqlens=(0, 9, 10, 20), reverse=True),
+        Case(gates=("g_gamma_rows",), Hqk=1, H=2, cu_seqlens=(0, 3, 12), packed_3d=True),
+        Case(gates=("g_head", "gv"), Hqk=2, H=4, reverse=True),
+    ],
+    ids=str,
+)
+def test_shared_query_key_more(case):
+    assert_matches(SMALL, case)
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -188,12 +218,15 @@ def cases(draw):
     if "g_channel" in gates and "g_head" in gates:
         gates = tuple(g for g in gates if g != "g_head")
     packed = draw(st.booleans())
-    H, groups = draw(st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 2)]))
+    # (heads, grouped key/value heads per key head, query/key heads shared by the value heads)
+    H, groups, shared = draw(st.sampled_from([(1, 1, None), (2, 1, None), (2, 2, None), (4, 2, None), (4, 1, 2),
+                                              (3, 1, 1)]))
     case = Case(
         B=draw(st.integers(1, 2)),
         T=draw(st.integers(1, 12)),
         H=H,
         Hkv=H // groups,
+        Hqk=shared,
         K=draw(st.integers(1, 5)),
         V=draw(st.integers(1, 5)),
         gates=gates,

@@ -36,6 +36,7 @@ def reference(kwargs: dict, initial_state=None):
 CASES = [Case(T=5, gates=gates) for gates in GATE_COMBOS] + [
     Case(T=4, H=6, Hkv=2, K=3, V=7, gates=("g_head", "gv"), scale=0.7),
     Case(T=3, H=2, Hkv=1, K=5, V=4, gates=("g_channel", "g_gamma")),
+    Case(T=4, H=4, Hqk=2, gates=("g_head",)),  # query and key shared by two value heads each
 ]
 
 

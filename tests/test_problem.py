@@ -243,3 +243,19 @@ def test_concrete_cu_seqlens_messages_match_the_runtime_checks(cu_seqlens, messa
     """The eager checks word each fault as `runtime_checks()` does under jit."""
     with pytest.raises(ValueError, match=message):
         recurrax.recurrent(**packed(cu_seqlens=jnp.array(cu_seqlens)))
+
+
+def test_query_and_key_shared_by_groups_of_value_heads():
+    """Mamba-2's layout: query and key with fewer heads than value; gates and state per value head."""
+    q, v = jnp.ones((B, T, 1, K)), jnp.ones((B, T, 3, V))
+    o, state = recurrax.recurrent(q, q, v, g=jnp.zeros((B, T, 3)), initial_state=jnp.zeros((B, 3, K, V)))
+    assert o.shape == (B, T, 3, V) and state.shape == (B, 3, K, V)
+    problem = recurrax.Problem.create(query=q, key=q, value=v)
+    assert problem.shares_query_key and problem.query.shape[2] == 1
+    assert problem.expanded().query.shape == (B, T, 3, K) and not problem.expanded().shares_query_key
+    with pytest.raises(ValueError, match="value must be a head count that num_heads=2 divides"):
+        recurrax.recurrent(jnp.ones((B, T, 2, K)), jnp.ones((B, T, 2, K)), jnp.ones((B, T, 5, V)))
+    with pytest.raises(ValueError, match=r"g must be .* = \[2, 5, 3\]"):
+        recurrax.recurrent(q, q, v, g=jnp.zeros((B, T, 1)))
+    with pytest.raises(ValueError, match="key must be a head count dividing num_heads=1"):
+        recurrax.recurrent(q, jnp.ones((B, T, 3, K)), v)

@@ -1,11 +1,13 @@
 """Dispatch: priorities, fail-closed declarations, forced names, backends."""
 
 import pytest
+from _cases import Case, assert_matches, canonical, make_inputs
 
 from recurrax import Backend, Platform, Request, Support, kernel_registry
 from recurrax.registry import KernelRegistry
 
 FLOAT32 = frozenset({"float32"})
+SHARED = Case(T=5, H=4, Hqk=2, gates=("g_head",), cu_seqlens=(0, 2, 7))
 
 
 def request(**overrides):
@@ -77,3 +79,11 @@ def test_an_unavailable_implementation_says_why_when_forced():
     with pytest.raises(ValueError, match="implementation='kernel' is not available here: this JAX has no such backend"):
         registry.get("kernel", request)
     assert ("kernel", "not available here: this JAX has no such backend") in registry.select(request).answers
+
+
+def test_shared_query_key_reach_other_implementations_expanded():
+    """Only `chunk` declares `shared_query_key`; `scan` gets query and key repeated to every
+    value head by `Implementation.run` and must still match the reference."""
+    assert kernel_registry.get("chunk", Request.of(canonical(make_inputs(SHARED))[0])).support.shared_query_key
+    assert not kernel_registry.get("scan", Request.of(canonical(make_inputs(SHARED))[0])).support.shared_query_key
+    assert_matches("scan", SHARED)

@@ -50,6 +50,15 @@ def _bad_entries(x) -> Bool[Array, "B T H"]:
     return bad if bad.ndim == 3 else bad.any(-1)
 
 
+def _to_heads(mask: Bool[Array, "B T Hx"], heads: int) -> Bool[Array, "B T heads"]:
+    """A per-head mask between H value heads and the heads of a shared query/key: repeated
+    to every head of a group, or any over the group."""
+    have = mask.shape[2]
+    if have < heads:
+        return jnp.repeat(mask, heads // have, axis=2)
+    return mask if have == heads else mask.reshape(*mask.shape[:2], heads, have // heads).any(-1)
+
+
 def _clean_gate(g):
     """Gates ≤ RESET (−inf included) become RESET, NaN and +inf become 0."""
     g = jnp.where(jnp.isnan(g) | (g == jnp.inf), 0.0, g)
@@ -58,14 +67,14 @@ def _clean_gate(g):
 
 def _clean(problem: Problem) -> tuple[Problem, Bool[Array, "B T H"]]:
     """The problem with every non-finite token entry zeroed and gates clamped; the bad tokens."""
-    bad = jnp.zeros(problem.query.shape[:3], bool)
+    bad = jnp.zeros(problem.value.shape[:3], bool)
     fields = {}
     for name in TOKEN_FIELDS:
         x = getattr(problem, name)
         if x is None:
             continue
         gate = name.startswith("log_decay")
-        bad = bad | _bad_entries(jnp.where(x == -jnp.inf, 0.0, x) if gate else x)
+        bad = bad | _to_heads(_bad_entries(jnp.where(x == -jnp.inf, 0.0, x) if gate else x), bad.shape[2])
         fields[name] = _clean_gate(x) if gate else jnp.where(jnp.isfinite(x), x, 0.0).astype(x.dtype)
     return problem._replace(**fields), bad
 
@@ -149,7 +158,8 @@ def _guarded_bwd(fn, reverse, residuals, cotangents):
     for name in TOKEN_FIELDS:
         x = getattr(grads, name)
         if x is not None:
-            fields[name] = poison(x, per_token if x.ndim == 3 else per_token[..., None])
+            mask = _to_heads(per_token, x.shape[2])
+            fields[name] = poison(x, mask if x.ndim == 3 else mask[..., None])
     fields["initial_state"] = poison(grads.initial_state, (whole | bad_segment)[..., None, None])
     return grads._replace(**fields), None
 

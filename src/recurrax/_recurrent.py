@@ -37,6 +37,10 @@ def recurrent(
       `[1, total_tokens, ...]` with `cu_seqlens`.
     - `key`, `value`: the same layout with `num_kv_heads` dividing `num_heads` (query head h
       reads key/value head `h // (num_heads // num_kv_heads)`); `value`'s last axis may differ.
+      Or query and key *shared*: both with `num_qk_heads` heads dividing `value`'s
+      `num_heads` (Mamba-2's layout: value head h reads query/key head
+      `h // (num_heads // num_qk_heads)`); gates, state and output then have value's heads.
+      Shared heads are never copied by `chunk` with per-head decays.
     - `g`: log decay per head `[batch, seq_len, num_heads]` or per key channel
       `[batch, seq_len, num_heads, qk_head_dim]`.
     - `g_gamma`: constant log decay per head `[num_heads]` (or `[1, num_heads]`), or one row
@@ -77,7 +81,7 @@ def _recurrent(
         query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
     )
     impl = kernel_registry.get(implementation, Request.of(problem))
-    output, final_state = impl.fn(problem, scale=config.scale, reverse=config.reverse)
+    output, final_state = impl.run(problem, scale=config.scale, reverse=config.reverse)
     return layout.restore(output), final_state
 
 

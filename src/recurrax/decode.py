@@ -91,12 +91,13 @@ def _recurrent_step(query, key, value, state, *, g, g_gamma, gk, gv, softmax_sca
         output, new_state = one_step(problem, scale)
     else:
         impl = kernel_registry.get(None, Request.of(problem))
-        output, new_state = impl.fn(problem, scale=scale, reverse=False)
+        output, new_state = impl.run(problem, scale=scale, reverse=False)
     return (output[:, 0] if one_token else output), new_state
 
 
 def one_step(problem: Problem, scale: float) -> tuple[Float[Array, "B 1 H V"], Float[Array, "B H K V"]]:
     """The recurrence for a canonical problem of a single token per row (T = 1, no packing)."""
+    problem = problem.expanded()
     state_dtype = problem.initial_state.dtype
     query, key, value = (x[:, 0].astype(state_dtype) for x in (problem.query, problem.key, problem.value))
     state = problem.initial_state  # [B, H, K, V]

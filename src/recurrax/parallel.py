@@ -266,7 +266,7 @@ class Plan:
     axes: MeshAxes
 
     def run(self, problem: Problem):
-        return self.impl.fn(problem, scale=self.scale, reverse=False)
+        return self.impl.run(problem, scale=self.scale, reverse=False)
 
     def gather(self, state: Float[Array, "B H K V"], totals: Decays) -> tuple[Array, Decays]:
         """Every shard's state and total decays ([P, ...]) in processing order: one all-gather."""
@@ -446,6 +446,7 @@ def _sharded(
     problem, config, layout = canonicalize(
         query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
     )
+    problem = problem.expanded()  # shards hold every head's query and key
     _check_divisible(problem, mesh, axes)
     local_request = dataclasses.replace(Request.of(problem), seq_len=problem.query.shape[1] // axes.shards)
     impl = kernel_registry.get(implementation, local_request)

@@ -9,8 +9,8 @@ this module is a `Problem` that every algorithm takes as it is:
 
 | field            | shape           | dtype                    | meaning                                  |
 |------------------|-----------------|--------------------------|------------------------------------------|
-| query            | [B, T, H, K]    | input dtype              |                                          |
-| key              | [B, T, H, K]    | input dtype ¹            | grouped heads already expanded to H      |
+| query            | [B, T, Hqk, K]  | input dtype              | Hqk = H, or shared: Hqk divides H ²      |
+| key              | [B, T, Hqk, K]  | input dtype ¹            | grouped heads already expanded to H      |
 | value            | [B, T, H, V]    | input dtype ¹            | grouped heads already expanded to H      |
 | log_decay_head   | [B, T, H]       | state dtype, or None     | per-head g plus g_gamma (per row)        |
 | log_decay_key    | [B, T, H, K]    | state dtype, or None     | per-channel g plus gk                    |
@@ -20,6 +20,10 @@ this module is a `Problem` that every algorithm takes as it is:
 
 ¹ The state dtype when grouped heads were expanded (Hkv < H): their gradients are then
 summed over each group in float32 and rounded to the input dtype once.
+
+² Query and key *shared* by groups of H / Hqk value heads (Mamba-2's layout: value head h
+reads query/key head h // (H / Hqk)) stay unexpanded; `Problem.expanded()` repeats them to
+H heads for the algorithms that do not take the shared form (`Support.shared_query_key`).
 
 `g_gamma` may be `[H]`, `[1, H]`, or one row per batch row (`[B, H]`) or per packed
 sequence (`[S, H]`); it is spread over the tokens of its row.
@@ -70,8 +74,8 @@ class Problem(NamedTuple):
     arguments of `recurrax.recurrent` exactly as `recurrent` does.
     """
 
-    query: Float[Array, "B T H K"]
-    key: Float[Array, "B T H K"]
+    query: Float[Array, "B T Hqk K"]
+    key: Float[Array, "B T Hqk K"]
     value: Float[Array, "B T H V"]
     log_decay_head: Float[Array, "B T H"] | None
     log_decay_key: Float[Array, "B T H K"] | None
@@ -106,6 +110,20 @@ class Problem(NamedTuple):
     def default_scale(self) -> float:
         """The softmax scale `recurrent` uses when none is given: qk_head_dim ** -0.5."""
         return float(self.query.shape[-1]) ** -0.5
+
+    @property
+    def shares_query_key(self) -> bool:
+        """Whether query and key have fewer heads than value (each shared by a group of heads)."""
+        return self.query.shape[2] < self.value.shape[2]
+
+    def expanded(self) -> Problem:
+        """The same problem with shared query/key heads repeated to every value head (in the
+        state dtype, as grouped key/value heads are: their gradients sum in float32)."""
+        if not self.shares_query_key:
+            return self
+        groups, state_dtype = self.value.shape[2] // self.query.shape[2], self.initial_state.dtype
+        return self._replace(query=_expand_heads(self.query, groups, state_dtype),
+                             key=_expand_heads(self.key, groups, state_dtype))
 
     @property
     def gates(self) -> frozenset[Gate]:
@@ -370,13 +388,12 @@ def _validated(
     """The canonical problem of the array arguments, and whether the input was packed 3-D."""
     packed = cu_seqlens is not None
     query, packed_3d = _query(query, packed)
-    B, T, H, K = query.shape
+    B, T, Hq, K = query.shape
     gates = {name: x for name, x in (("g", g), ("g_gamma", g_gamma), ("gk", gk), ("gv", gv)) if x is not None}
     key = _token_array("key", key, _KEY, (B, T, None, K), packed, query.shape)
-    Hkv = key.shape[2]
-    if Hkv < 1 or H % Hkv != 0:
-        _fail("key", f"a head count dividing num_heads={H} (grouped heads)", f"num_kv_heads={Hkv}")
-    value = _token_array("value", value, _VALUE, (B, T, Hkv, None), packed, query.shape)
+    value = _token_array("value", value, _VALUE, (B, T, None, None), packed, query.shape)
+    H, value_heads = _head_counts(Hq, key.shape[2], value.shape[2])
+    value = _token_array("value", value, _VALUE, (B, T, value_heads, None), packed, query.shape)
     V = value.shape[3]
     if key.dtype != query.dtype or value.dtype != query.dtype:
         _fail("key and value", f"of the query's dtype {query.dtype}", f"{key.dtype} and {value.dtype}", TypeError)
@@ -411,7 +428,7 @@ def _validated(
     if runtime_checks_enabled():
         _runtime_checks({} if allow_positive_gates else gates, cu_seqlens, T)
 
-    groups = H // Hkv
+    groups = Hq // key.shape[2]  # grouped key/value heads (1 when query and key are shared)
     as_state = lambda x: None if x is None else x.astype(state_dtype)  # noqa: E731
     problem = Problem(
         query=query,
@@ -424,6 +441,20 @@ def _validated(
         cu_seqlens=cu_seqlens,
     )
     return problem, packed_3d
+
+
+def _head_counts(query_heads: int, key_heads: int, value_heads: int) -> tuple[int, int]:
+    """(H, the head count value must have) of grouped key/value heads (key and value
+    with `num_kv_heads` dividing the query's `num_heads`) or shared query/key heads (query
+    and key with `num_heads` dividing the value's)."""
+    if key_heads == query_heads and value_heads > query_heads:
+        if value_heads % query_heads:
+            _fail("value", f"a head count that num_heads={query_heads} divides (query and key shared by groups of "
+                  "value heads), or the key's", f"{value_heads} heads")
+        return value_heads, value_heads
+    if key_heads < 1 or query_heads % key_heads != 0:
+        _fail("key", f"a head count dividing num_heads={query_heads} (grouped heads)", f"num_kv_heads={key_heads}")
+    return query_heads, key_heads
 
 
 def _expand_heads(x: Float[Array, "B T Hkv D"], groups: int, state_dtype) -> Float[Array, "B T H D"]:

@@ -102,12 +102,15 @@ class Support:
     - `gates`: decay kinds it handles; a call with any other kind is refused.
     - `varlen`: whether packed `cu_seqlens` calls are accepted.
     - `check`: optional extra test returning a reason to refuse, or `None` to accept.
+    - `shared_query_key`: whether it takes query and key shared by groups of heads as they
+      are (`Problem.shares_query_key`); otherwise they reach it repeated to every head.
     """
 
     dtypes: frozenset[str]
     gates: frozenset[Gate] = frozenset()
     varlen: bool = False
     check: Callable[[Request], str | None] | None = None
+    shared_query_key: bool = False
 
     def refusal(self, request: Request) -> str | None:
         """Why this declaration does not cover `request`, or `None` when it does."""
@@ -137,6 +140,15 @@ class Implementation:
         if self.backend is not Backend.ANY and self.backend.value != request.backend:
             return f"it runs on {self.backend.value}, this call is on {request.backend}"
         return self.support.refusal(request)
+
+    def run(self, problem: Problem, *, scale: float, reverse: bool):
+        """`fn` on a canonical problem, with shared query/key heads repeated first unless it
+        takes them shared (`Support.shared_query_key`); the output in the query's dtype."""
+        dtype = problem.query.dtype
+        if not self.support.shared_query_key:
+            problem = problem.expanded()
+        output, final_state = self.fn(problem, scale=scale, reverse=reverse)
+        return output.astype(dtype), final_state
 
 
 @dataclasses.dataclass(frozen=True)

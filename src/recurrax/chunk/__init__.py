@@ -5,6 +5,7 @@
 | `_algorithm`    | `chunk_recurrent`: padding, packed layout, the call into the scan    |
 | `_tiling`       | `Tiling` and the default tiling per backend                          |
 | `_state_scan`   | the scan of the state across chunks and its hand-written backward    |
+| `_shared`       | query/key shared by groups of heads with per-head decays (SSD)       |
 | `_intra`        | the decayed causal products inside a chunk (masked matmul, ladder)   |
 """
 

@@ -43,10 +43,11 @@ from .. import varlen
 from .._finite import guarded
 from ..problem import Problem
 from ..registry import ALL_GATES, FLOAT_DTYPES, Support
+from ._shared import shared_chunked
 from ._state_scan import ChunkCall, LogDecays, chunked
 from ._tiling import Tiling, default_tiling
 
-SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True)
+SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True, shared_query_key=True)
 
 
 def chunk_recurrent(
@@ -67,28 +68,41 @@ def chunk_recurrent(
 
 def _chunk_recurrent(tiling: Tiling, scale, reverse, problem: Problem):
     gates = LogDecays(problem.log_decay_head, problem.log_decay_key, problem.log_decay_value)
+    scan = chunked
+    if problem.shares_query_key:
+        if gates.key is None and gates.value is None:
+            scan = _shared
+        else:  # per-channel decays: the general scan on heads expanded
+            problem = problem.expanded()
+    run = functools.partial(_run, scan, float(scale), bool(reverse))
     arrays = (problem.query, problem.key, problem.value)
     if problem.cu_seqlens is None:
-        return _dense(tiling, scale, reverse, arrays, gates, problem.initial_state)
-    return _packed(tiling, scale, reverse, arrays, gates, problem.initial_state, problem.cu_seqlens)
+        return _dense(tiling, run, arrays, gates, problem.initial_state)
+    return _packed(tiling, run, arrays, gates, problem.initial_state, problem.cu_seqlens)
 
 
-def _call(tiling: Tiling, scale, reverse) -> ChunkCall:
-    return ChunkCall(tiling.chunk_size, tiling.leaf_size, tiling.chunks_per_step, float(scale), bool(reverse))
+def _run(scan, scale: float, reverse: bool, tiling: Tiling, q, k, v, gates: LogDecays, init, meta):
+    """`scan` (the general `chunked` or `_shared`) with the tiling fitted to this call."""
+    call = ChunkCall(tiling.chunk_size, tiling.leaf_size, tiling.chunks_per_step, scale, reverse)
+    return scan(call, q, k, v, gates, init, meta)
 
 
-def _dense(tiling: Tiling, scale, reverse, arrays, gates: LogDecays, init):
+def _shared(call: ChunkCall, q, k, v, gates: LogDecays, init, meta):
+    return shared_chunked(call, q, k, v, gates.head, init, meta)
+
+
+def _dense(tiling: Tiling, run, arrays, gates: LogDecays, init):
     T = arrays[0].shape[1]
     tiling = tiling.fitted(T)
     step = tiling.chunk_size * tiling.chunks_per_step
     padded = -(-T // step) * step
     q, k, v = (varlen.pad_tokens(x, padded) for x in arrays)
     gates = LogDecays(*(varlen.pad_tokens(g, padded) for g in gates))
-    out, final = chunked(_call(tiling, scale, reverse), q, k, v, gates, init, None)
+    out, final = run(tiling, q, k, v, gates, init, None)
     return out[:, :T], final
 
 
-def _packed(tiling: Tiling, scale, reverse, arrays, gates: LogDecays, init, cu_seqlens):
+def _packed(tiling: Tiling, run, arrays, gates: LogDecays, init, cu_seqlens):
     num_tokens, num_seqs = arrays[0].shape[1], cu_seqlens.shape[0] - 1
     tiling = tiling.fitted(num_tokens)  # no sequence is longer than all the tokens
     size = tiling.chunk_size
@@ -99,5 +113,5 @@ def _packed(tiling: Tiling, scale, reverse, arrays, gates: LogDecays, init, cu_s
     to_layout = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
     q, k, v = (to_layout(x) for x in arrays)
     gates = LogDecays(*(to_layout(g) for g in gates))
-    out, final = chunked(_call(tiling, scale, reverse), q, k, v, gates, init, layout.owners)
+    out, final = run(tiling, q, k, v, gates, init, layout.owners)
     return varlen.from_chunk_layout(out[0], layout)[None], final

@@ -202,7 +202,7 @@ def recurrent_on_mesh(query, key, value, *, cu_seqlens=None, implementation: str
     """`recurrax.recurrent`, or `recurrax.parallel.recurrent` over the mesh axis of `length`
     when the current rules map it to one that divides the token count (batch rows and heads
     over the axes of `batch` and `heads` where those divide too). Same arguments and results."""
-    B, T, H = query.shape[:3]
+    (B, T), H = query.shape[:2], value.shape[-2]
     sequence = mesh_axis("length", T)
     if sequence is None:
         return recurrent(query, key, value, cu_seqlens=cu_seqlens, implementation=implementation, **options)

@@ -61,6 +61,9 @@ class Case:
     gate_law: str = "uniform"
     """`"uniform"`, or `"log_sigmoid"`: `log_sigmoid(normal) / 16` (mostly −0.01 … −0.2, as
     GLA's gates; what the benchmarks use)."""
+    Hqk: int | None = None
+    """Query/key heads shared by groups of the H value heads (Mamba-2's layout; `Hkv` is then
+    unused), or None: query with H heads, key and value with `Hkv`."""
 
     @classmethod
     def benchmark(cls, B: int, T: int, H: int, K: int, V: int, gates: str = "none", **overrides) -> Case:
@@ -86,10 +89,12 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
             return -np.logaddexp(0.0, -rng.standard_normal(shape)) / 16
         return rng.uniform(case.gate_low, 0.0, size=shape)
 
+    query_heads, key_heads, value_heads = (case.H, case.Hkv, case.Hkv) if case.Hqk is None else (
+        case.Hqk, case.Hqk, case.H)
     kwargs = dict(
-        query=normal(*lead, case.H, case.K),
-        key=normal(*lead, case.Hkv, case.K),
-        value=normal(*lead, case.Hkv, case.V),
+        query=normal(*lead, query_heads, case.K),
+        key=normal(*lead, key_heads, case.K),
+        value=normal(*lead, value_heads, case.V),
         reverse=case.reverse,
         softmax_scale=case.scale,
     )

@@ -21,6 +21,7 @@ CASES = {
     "gk + gv": Case(**SHAPE, gates=("gk", "gv")),
     "all gates, reverse": Case(**SHAPE, gates=("g_head", "g_gamma", "gk", "gv"), reverse=True),
     "GQA 4:1, K != V": Case(**{**SHAPE, "Hkv": 1, "V": 8}, gates=("g_channel",)),
+    "shared q/k 1:4 (Mamba-2)": Case(**SHAPE, Hqk=1, gates=("g_head",), cu_seqlens=(0, 20, 48)),
     "strong decay (-20)": Case(**SHAPE, gates=("g_head", "gk"), gate_low=-20.0),
     "varlen": Case(**SHAPE, gates=("g_channel", "gv"), cu_seqlens=(0, 5, 5, 30, 31, 48), packed_3d=True),
     "varlen, reverse": Case(**SHAPE, gates=("g_head",), cu_seqlens=(0, 17, 40, 48), reverse=True),

@@ -18,8 +18,8 @@
     out            = GatedRMSNorm_G(y, z) W_out (+b)                 (or y ⊙ silu(z) without the norm)
 
 The recurrence is `recurrax.recurrent` with `g = dt·A` per head, `q = C`, `k = B`,
-`v = x·dt` and `softmax_scale = 1`; B and C are repeated from G to H heads (the operation
-takes grouped keys/values, not grouped queries and keys). The dt clamp applies in the parallel
+`v = x·dt` and `softmax_scale = 1`; C and B go in with their G heads, as query and key shared
+by groups of H / G heads (never repeated to H). The dt clamp applies in the parallel
 pass and in every decode step alike (`transformers`' one-token step skips it). `m_in` and
 `mup` are Falcon-H1's `ssm_in_multiplier` and `ssm_multipliers` (1 elsewhere).
 """
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._sharding import param
-from ._mixer import FlaMixer, heads, linear, make_conv, repeat_heads
+from ._mixer import FlaMixer, heads, linear, make_conv
 from ._norm import GroupedGatedRMSNorm
 
 
@@ -102,9 +102,7 @@ class Mamba2Mixer(FlaMixer):
         dt = jnp.clip(dt, *self.time_step_limit)  # [B, T, H]
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         xs = heads(xs, self.head_v_dim)  # [B, T, H, P]
-        per_group = self.num_heads // self.n_groups
-        q = repeat_heads(heads(c, self.head_k_dim), per_group)  # [B, T, H, N]
-        k = repeat_heads(heads(b, self.head_k_dim), per_group)
+        q, k = heads(c, self.head_k_dim), heads(b, self.head_k_dim)  # [B, T, G, N]: shared by H / G heads
         o, state = self._recur(q, k, xs * dt[..., None], g=dt * a, state=None if cache is None else cache.state,
                                cu_seqlens=cu_seqlens, scale=1.0)
         y = o + self.D[...].astype(jnp.float32)[:, None] * xs
