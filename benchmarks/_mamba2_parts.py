@@ -9,7 +9,7 @@
 
 Parts, per call: `in_proj` [B, T, D] → [B, T, 2I + 2N + H]; `conv` (depthwise, SiLU) on
 [B, T, I + 2N] after its buffer; `SSD` (`recurrent` for a prefill, `recurrent_step` for
-one token; B/C repeated to H heads inside); `norms` (the pre-mixer RMSNorm and the gated
+one token; B/C as query/key shared by the H heads, as the mixer passes them); `norms` (the pre-mixer RMSNorm and the gated
 RMSNorm); `out_proj` [B, T, I] → [B, T, D]; `head` (final norm and the tied
 `vocab`-way product, last position only). Times are medians of `repeats` calls of one layer's
 part (its first layer's weights), times L; what a whole call takes beyond their sum is the
@@ -52,8 +52,7 @@ def part_seconds(model, batch: int, length: int, decode: bool, repeats: int) -> 
     g = -jnp.abs(draw(batch, length, H)) * 0.1
 
     def ssd(m, bc, v, g):
-        q = jnp.repeat(bc, H, axis=2)
-        return m._recur(q, q, v, g=g, state=state, cu_seqlens=None, scale=1.0)
+        return m._recur(bc, bc, v, g=g, state=state, cu_seqlens=None, scale=1.0)
 
     per_layer = {
         "in_proj": _seconds(mixer, lambda m, x: m.in_proj(x), (x,), repeats),
@@ -65,3 +64,19 @@ def part_seconds(model, batch: int, length: int, decode: bool, repeats: int) -> 
     seconds = {name: layers * t for name, t in per_layer.items()}
     seconds["head"] = _seconds(model, lambda m, x: m._head(x[:, -1:]), (x,), repeats)
     return seconds
+
+
+def repeated_ssd_seconds(model, batch: int, length: int, repeats: int) -> float:
+    """Seconds of the prefill's SSD with B/C repeated to every head first (what the mixer did
+    before `recurrent` took query and key shared by the heads), summed over the layers."""
+    mixer, layers = model.body.layers[0].mixer, len(model.body.layers)
+    H, P, N = mixer.num_heads, mixer.head_v_dim, mixer.head_k_dim
+    rng = np.random.default_rng(2)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    bc, v, g = draw(batch, length, 1, N), draw(batch, length, H, P), -jnp.abs(draw(batch, length, H)) * 0.1
+
+    def ssd(m, bc, v, g):
+        q = jnp.repeat(bc, H, axis=2)
+        return m._recur(q, q, v, g=g, state=None, cu_seqlens=None, scale=1.0)
+
+    return layers * _seconds(mixer, ssd, (bc, v, g), repeats)

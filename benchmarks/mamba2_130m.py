@@ -49,7 +49,7 @@ from recurrax.nn.pretrained._hf_model import HFCausalLM
 from recurrax.tools.bench.machine import machine_description
 
 from _floors import matmul_gflops, read_gbps
-from _mamba2_parts import PARTS, part_seconds
+from _mamba2_parts import PARTS, part_seconds, repeated_ssd_seconds
 from _timing import timed
 
 MAMBA2_130M = dict(
@@ -140,7 +140,10 @@ def workload(config: dict, batch: int, length: int, parameters: int) -> dict:
     C = default_tiling(False).fitted(length).chunk_size
     prefill = {f"{tokens}x{D}x{in_dim}": 2 * tokens * D * in_dim * L, f"{tokens}x{I}x{D}": 2 * tokens * I * D * L,
                f"{batch}x{D}x{V}": 2 * batch * D * V}
-    return dict(prefill_flops=prefill, ssd_flops=tokens * H * L * (4 * N * P + 2 * C * (N + P)), chunk=C,
+    # the shared-query/key chunk forward: per head 2·C·P (scores applied) + 4·N·P (state update,
+    # inter-chunk product), per group 2·C·N (the scores, formed once for the group's heads)
+    ssd = tokens * L * (H * (4 * N * P + 2 * C * P) + G * 2 * C * N)
+    return dict(prefill_flops=prefill, ssd_flops=ssd, chunk=C,
                 param_bytes=4 * parameters, state_bytes=2 * 4 * L * H * N * P,
                 step_flops=2 * (L * (D * in_dim + I * D) + D * V), in_proj=f"{tokens}x{D}x{in_dim}")
 
@@ -198,7 +201,7 @@ def floor_lines(work: dict, xla: dict, theirs: dict, batch: int, length: int) ->
         "",
         f"- Prefill {batch} × {length}: {gflop:,.0f} GFLOP of matmuls (projections and the last-position head, the "
         f"same on both sides) and {work['ssd_flops'] / 1e9:,.0f} GFLOP in our SSD (the chunk algorithm's forward "
-        f"at C = {work['chunk']}); at XLA's measured rates (the SSD at in_proj's) that is at least "
+        f"at C = {work['chunk']}, query/key shared by the heads); at XLA's measured rates (the SSD at in_proj's) that is at least "
         f"**{ours_floor['prefill']:.2f} s**, so at most **{ours_floor['prefill_ratio']:.1f}×** transformers' "
         f"{torch_prefill:.2f} s on this machine (transformers' own floor at torch's rates: "
         f"{torch_floor['prefill']:.2f} s).",
@@ -262,6 +265,7 @@ def main(argv: list[str]) -> int:
         exact = float64_logits(directory, inputs["check"])
         parts = {"prefill": part_seconds(mine["model"], batch, length, False, args.repeats)}
         parts.update({b: part_seconds(mine["model"], b, 1, True, args.repeats) for b in BATCHES})
+        repeated_ssd = repeated_ssd_seconds(mine["model"], batch, length, args.repeats)
         xla_floor = dict(matmul_gflops=matmul_gflops(
             [tuple(int(n) for n in key.split("x")) for key in work["prefill_flops"]], args.repeats),
             read_gbps=read_gbps(work["param_bytes"], args.repeats))
@@ -315,6 +319,10 @@ def main(argv: list[str]) -> int:
     ]
     lines += parts_table(parts, med(mine["prefill"]), {b: med(mine["decode"][b]) for b in BATCHES}, batch, length,
                          layers)
+    lines += ["", f"The prefill's SSD with B/C repeated to all {config['num_heads']} heads first (as before `recurrent` "
+              f"took query and key shared by the heads), timed the same way: {repeated_ssd * 1e3:,.1f} ms, against "
+              f"{parts['prefill']['SSD'] * 1e3:,.1f} ms shared "
+              f"({repeated_ssd / parts['prefill']['SSD']:.2f}×)."]
     lines += floor_lines(work, xla_floor, theirs, batch, length)
     text = "\n".join(lines) + "\n"
     print(text)

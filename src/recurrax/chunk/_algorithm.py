@@ -61,7 +61,8 @@ def chunk_recurrent(
     - `tiling`: static tile sizes; None takes this backend's default (`default_tiling`).
     """
     if tiling is None:
-        tiling = default_tiling(problem.log_decay_key is not None or problem.log_decay_value is not None)
+        per_channel = problem.log_decay_key is not None or problem.log_decay_value is not None
+        tiling = default_tiling(per_channel, shared_query_key=problem.shares_query_key)
     tiling.check()
     return guarded(functools.partial(_chunk_recurrent, tiling, scale, reverse), bool(reverse), problem)
 
