@@ -98,8 +98,8 @@ class HFBlock(nnx.Module):
         if self.family == "falcon_h1":
             m = dict(self.branch_multipliers)
             y, mamba_cache = run_mixer(self.mamba, x, None if cache is None else cache.mamba, context)
-            a, attention_cache = run_mixer(self.self_attn, x * m["attention_in"], None if cache is None else cache.attention,
-                                      context)
+            a, attention_cache = run_mixer(self.self_attn, x * m["attention_in"],
+                                           None if cache is None else cache.attention, context)
             h = h + (y * m["ssm_out"] + a * m["attention_out"])
         elif self.mamba is not None:
             y, mamba_cache = run_mixer(self.mamba, x, None if cache is None else cache.mamba, context)

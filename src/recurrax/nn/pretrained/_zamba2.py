@@ -153,7 +153,7 @@ class HybridLayer(nnx.Module):
                  rngs: nnx.Rngs):
         D = spec["hidden_size"]
         self.shared_transformer, self.use = shared_transformer, use
-        self.linear = linear(D, D, axes=("embed", "embed"), dtype=dtype, rngs=rngs)
+        self.linear = linear(D, D, axes=("embed", None), dtype=dtype, rngs=rngs)
         self.mamba_decoder = MambaLayer(spec, dtype=dtype, rngs=rngs)
 
     def init_cache(self, rows: int, capacity: int) -> LayerCache:
