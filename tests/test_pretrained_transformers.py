@@ -4,8 +4,9 @@ The fixtures in tests/fixtures/transformers/<name>/ were made by `transformers` 
 (make_fixtures.py there): its config.json + model.safetensors, and its own float32 logits and
 greedy continuations (each token chosen from a full parallel forward, since `transformers`'
 cached step ignores `time_step_limit`). Logits are checked on every fixture; decode, packing,
-generation and saving on Mamba2 (groups, dt limit, tied, biases) in the default tier, on all
-fixtures with `-m ""` (the hybrids' decode, packing and generation too).
+generation and saving on Mamba2 (groups, dt limit, tied, biases) and Zamba2 (shared blocks,
+adapters, rope, dt floor) in the default tier, on all fixtures with `-m ""` (the other hybrids'
+decode, packing and generation too).
 
 Error metric: max |ours − transformers| / max |transformers| (float32 throughout).
 """
@@ -35,7 +36,7 @@ from recurrax.nn.pretrained import (  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
 NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists()) if FIXTURES.is_dir() else []
-FAST = {"mamba2_groups_limit_tied_bias"}  # CI time: the others run with -m ""
+FAST = {"mamba2_groups_limit_tied_bias", "zamba2_shared_adapters_rope_tied"}  # CI time: the others run with -m ""
 TOLERANCE = 1e-4
 needs_fixtures = pytest.mark.skipif(not NAMES, reason="no fixtures in tests/fixtures/transformers")
 
@@ -116,9 +117,9 @@ def test_save_pretrained_round_trip(name, tmp_path):
     assert all(np.array_equal(saved[k], original[k]) for k in original)
     assert json.loads((tmp_path / "config.json").read_text(), parse_constant=float) == \
         json.loads((FIXTURES / name / "config.json").read_text(), parse_constant=float)
-    again = from_pretrained(tmp_path)
+    again = nnx.split(from_pretrained(tmp_path))[1]  # through the fixture's compiled forward
     tokens = jnp.asarray(fixture.expected["input_ids"])
-    assert max_rel_error(again(tokens), fixture.forward(fixture.params, tokens)) < 1e-5  # eager vs jit rounding
+    assert max_rel_error(fixture.forward(again, tokens), fixture.forward(fixture.params, tokens)) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,3 +191,53 @@ def test_state_dict_names_are_transformers_names():
     fixture = loaded("nemotron_h_pattern_moe")
     assert sorted(state_dict(fixture.model)) == sorted(load_file(FIXTURES / "nemotron_h_pattern_moe" /
                                                                  "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Zamba2's shared blocks
+# ----------------------------------------------------------------------------------------------
+
+ZAMBA2_TIED = "zamba2_shared_adapters_rope_tied"  # hybrid layers 1, 2, 3 run blocks 0, 1, 0
+
+
+@needs_fixtures
+def test_zamba2_tied_block_copies_load_as_the_shared_block(tmp_path):
+    """A checkpoint holding the tied block under every use (as PyTorch's own state_dict names it)
+    loads the same parameters; a later use's copy alone stands in for the first's."""
+    weights = load_file(FIXTURES / ZAMBA2_TIED / "model.safetensors")
+    first, later = "model.layers.1.shared_transformer.", "model.layers.3.shared_transformer."
+    copies = {later + k[len(first):]: v for k, v in weights.items() if k.startswith(first)}
+    assert len(copies) == 26  # 2 norms, q/k/v/o, MLP with biases, its and q/k/v adapters of uses 0 and 2
+    moved = {**weights, **copies}
+    only_later = first + "self_attn.q_proj.weight"
+    moved.pop(only_later)
+    shutil.copytree(FIXTURES / ZAMBA2_TIED, tmp_path, dirs_exist_ok=True)
+    save_file(moved, tmp_path / "model.safetensors")
+    model = from_pretrained(tmp_path)
+    layers = model.model.layers
+    assert layers[1].shared_transformer is layers[3].shared_transformer is not layers[2].shared_transformer
+    saved = state_dict(model)
+    assert sorted(saved) == sorted(weights)
+    assert all(np.array_equal(saved[k], weights[k]) for k in weights)
+
+
+@needs_fixtures
+def test_zamba2_untied_blocks_are_one_per_layer():
+    """transformers 5.25 ties Zamba2's blocks only with tie_word_embeddings: here each hybrid
+    layer loads its own block (the two differ in the checkpoint)."""
+    model = loaded("zamba2_gqa_untied").model
+    first, second = model.model.layers[0].shared_transformer, model.model.layers[2].shared_transformer
+    assert first is not second
+    assert not np.array_equal(first.self_attn.q_proj.kernel[...], second.self_attn.q_proj.kernel[...])
+
+
+@needs_fixtures
+@pytest.mark.parametrize("edit, refused", [
+    (dict(use_shared_attention_adapter=True), "use_shared_attention_adapter"),  # with GQA
+    (dict(hidden_act="gelu_fast"), "hidden_act"),
+    (dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)), "rotary"),
+])
+def test_zamba2_unsupported_options_are_refused_by_name(tmp_path, edit, refused):
+    config = dict(edit, use_mem_rope=True) if "rope_parameters" in edit else edit
+    with pytest.raises(NotImplementedError, match=refused):
+        from_pretrained(_rewritten("zamba2_gqa_untied", tmp_path, lambda c: c.update(config)))

@@ -89,13 +89,17 @@ class Attention(nnx.Module):
         lower_bound=None,
     ):
         """Like the recurrent layers: `y = attn(x)` or `y, cache = attn(x, cache, positions=...)`."""
+        return self._attention(x, cache, cu_seqlens, positions, self._project)
+
+    def _attention(self, x, cache, cu_seqlens, positions, project):
+        """The call, with `project(x [B, T, ·], positions)` giving q, k, v (a subclass may pass its own)."""
         x3 = x[None] if x.ndim == 2 else x
         B, T, _ = x3.shape
         if positions is None:
             if cache is not None:
                 raise ValueError("attention with a cache needs the tokens' positions")
             positions = token_positions(x3, cu_seqlens)
-        q, k, v = self._project(x3, positions)
+        q, k, v = project(x3, positions)
         if cache is None and mesh_axis("length", T) is not None:  # sequence-parallel: every shard's keys
             k, v = (constrain(t, "batch", None, "kv_heads", "head_dim") for t in (k, v))
         seq = None if cu_seqlens is None else segments(cu_seqlens, T).seq_id[None]  # [1, N]

@@ -14,7 +14,9 @@ parameter name; only the layout of some parameters differs:
 `nnx.Sequential` children are numbered like PyTorch's (`gk_proj.0`, `gk_proj.1`). A
 LinearAttention whose q and k share one feature map (`tie_feature_map_qk`) holds it as
 `feature_map_q`; PyTorch names the shared tensors under `feature_map_k` too, so those names
-are accepted (either spelling suffices) and written as aliases. With
+are accepted (either spelling suffices) and written as aliases. A module held at several
+places (Zamba2's tied shared blocks) is named, loaded and saved at its first place; the later
+places' names are accepted when loading and not written, as `transformers` saves them. With
 `tie_word_embeddings` the head is the embedding and `lm_head.weight` is neither written nor
 required (and ignored when present), as in Hugging Face's checkpoints.
 
@@ -59,6 +61,7 @@ class Tensor(NamedTuple):
     to_fla: Callable[[np.ndarray], np.ndarray]
     from_fla: Callable[[np.ndarray], np.ndarray]
     alias: bool = False  # a second name of a shared tensor: optional when loading
+    saved: bool = True  # written by state_dict (not a tied module's later places)
 
 
 def _same(a):
@@ -111,6 +114,18 @@ def tensors(model: nnx.Module, prefix: str = "") -> dict[str, Tensor]:
     if isinstance(model, LinearAttention) and model.tie_feature_map_qk:
         shared = tensors(model.feature_map_q, f"{prefix}feature_map_k.")
         found.update({name: tensor._replace(alias=True) for name, tensor in shared.items()})
+    return _later_places_as_aliases(found)
+
+
+def _later_places_as_aliases(found: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Tensors met again under a later name (a module held at several places) as unsaved aliases."""
+    first = set()
+    for name, tensor in found.items():
+        if tensor.alias:
+            continue
+        if id(tensor.variable) in first:
+            found[name] = tensor._replace(alias=True, saved=False)
+        first.add(id(tensor.variable))
     return found
 
 
@@ -118,7 +133,7 @@ def state_dict(model: CausalLM) -> dict[str, np.ndarray]:
     """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes. A
     parameter sharded over several processes is gathered (every process must call this)."""
     return {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
-            for name, t in tensors(model).items()}
+            for name, t in tensors(model).items() if t.saved}
 
 
 def _host_value(value) -> np.ndarray:

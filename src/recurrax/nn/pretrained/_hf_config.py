@@ -1,8 +1,8 @@
 """`transformers`' config.json of Mamba-2 and its hybrids, read into one layout spec.
 
 `resolve_hf(config)` returns a dict with the family, the widths, `layers` (one kind per layer:
-`mamba`, `attention`, `mlp`, `moe` or Falcon-H1's `parallel`) and the keyword arguments of each
-layer kind, with the defaults of `transformers` 5.25's config classes for absent keys. Configs
+`mamba`, `attention`, `mlp`, `moe`, Falcon-H1's `parallel` or Zamba2's `hybrid`) and the keyword
+arguments of each layer kind, with the defaults of `transformers` 5.25's config classes for absent keys. Configs
 are read as the Hub publishes them too: Nemotron-H's `hybrid_override_pattern` (`M * - E`) and
 `mamba_*` aliases, the older `mamba` / `attention` layer names, a bare `Infinity` (json reads
 it) and `transformers` 5's `{"__float__": "Infinity"}`.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-HF_FAMILIES = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
+HF_FAMILIES = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2")
 
 FLA_MAMBA2_KEYS = ("fuse_norm", "fuse_cross_entropy", "fuse_linear_cross_entropy", "fuse_swiglu", "attn")
 """Keys of fla's own `mamba2` config.json, which `transformers`' Mamba2Config never writes."""
@@ -55,6 +55,12 @@ DEFAULTS = {
                       lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=None, key_multiplier=1.0,
                       attention_out_multiplier=1.0, attention_in_multiplier=1.0, ssm_multipliers=None,
                       ssm_in_multiplier=1.0, ssm_out_multiplier=1.0, attention_bias=False, mlp_bias=False),
+    "zamba2": dict(vocab_size=32000, max_position_embeddings=4096, hidden_size=2560, num_hidden_layers=54,
+                   layers_block_type=None, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1,
+                   time_step_min=0.001, n_mamba_heads=8, add_bias_linear=False, intermediate_size=None,
+                   hidden_act="gelu", num_attention_heads=32, num_key_value_heads=None, num_mem_blocks=1,
+                   use_shared_attention_adapter=False, adapter_rank=128, use_mem_rope=False, rms_norm_eps=1e-5,
+                   use_long_context=False, tie_word_embeddings=True),
 }
 """Defaults of `transformers` 5.25's config classes, per `model_type` (the keys read here)."""
 
@@ -63,6 +69,9 @@ NEMOTRON_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
 PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 LAYER_NAMES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
                "mlp": "mlp", "moe": "moe"}
+ZAMBA2_LAYERS = ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3 + [
+    "hybrid"] + ["mamba"] * 2
+"""Zamba2Config's `layers_block_type` when a config has none (54 layers)."""
 
 
 def decode_floats(value):
@@ -94,6 +103,12 @@ def _layer_kinds(c: dict, family: str) -> list[str]:
     if family == "bamba":
         attention = set(c["attn_layer_indices"] or ())
         return ["attention" if i in attention else "mamba" for i in range(c["num_hidden_layers"])]
+    if family == "zamba2":
+        names = c.get("layers_block_type") or c.get("layer_types") or ZAMBA2_LAYERS
+        unknown = sorted(set(names) - {"linear_attention", "mamba", "hybrid"})
+        if unknown:
+            raise NotImplementedError(f"unsupported layer types {unknown} in a zamba2 config")
+        return ["hybrid" if name == "hybrid" else "mamba" for name in names]
     if family == "nemotron_h":
         if c.get("layers_block_type") is not None:
             names = c["layers_block_type"]
@@ -172,6 +187,33 @@ def _attention(c: dict, family: str) -> dict:
     return spec
 
 
+def _zamba2(c: dict) -> dict:
+    """Zamba2's Mamba layers and its shared transformer blocks (their attention reads [h | embeddings], 2D wide)."""
+    D, heads = c["hidden_size"], c["num_attention_heads"]
+    width = int(c["mamba_expand"] * D)
+    if width % c["n_mamba_heads"]:
+        raise ValueError(f"zamba2 needs n_mamba_heads ({c['n_mamba_heads']}) to divide mamba_expand·hidden_size "
+                         f"({width})")
+    kv_heads = c["num_key_value_heads"] or heads
+    head_dim = 2 * D // heads  # transformers' attention_head_dim (a config's head_dim is overwritten by it)
+    if c["use_shared_attention_adapter"] and not heads * head_dim == kv_heads * head_dim == 2 * D:
+        raise NotImplementedError(
+            "zamba2's use_shared_attention_adapter needs num_key_value_heads == num_attention_heads dividing "
+            f"2·hidden_size (its adapters are 2·hidden_size wide), got {kv_heads}, {heads}, {2 * D}; transformers "
+            "cannot run this config either")
+    rotary_dim, theta = _rope(c, head_dim, 1.0) if c["use_mem_rope"] else (0, 10000.0)
+    return dict(
+        mamba=dict(num_heads=c["n_mamba_heads"], head_dim=width // c["n_mamba_heads"], state_size=c["mamba_d_state"],
+                   n_groups=c["mamba_ngroups"], conv_kernel=c["mamba_d_conv"], use_conv_bias=True,  # always, as in
+                   use_bias=c["add_bias_linear"], time_step_limit=(float(c["time_step_min"]), math.inf),  # transformers
+                   eps=1e-5),
+        attention=dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                       rope_theta=theta, scale=(head_dim / 2) ** -0.5),
+        mlp=dict(width=c["intermediate_size"] or 4 * D, bias=c["add_bias_linear"], act=c["hidden_act"]),
+        shared=dict(blocks=c["num_mem_blocks"], rank=c["adapter_rank"],
+                    attention_adapters=bool(c["use_shared_attention_adapter"])))
+
+
 def resolve_hf(config: dict) -> dict:
     """The layout spec of a `transformers` Mamba-2 family config (see the module docstring)."""
     family = config["model_type"]
@@ -188,6 +230,11 @@ def resolve_hf(config: dict) -> dict:
                 eps=c.get("layer_norm_epsilon", c.get("rms_norm_eps")),
                 residual_in_fp32=bool(c.get("residual_in_fp32", False)),
                 max_position_embeddings=c.get("max_position_embeddings", 2048))
+    if family == "zamba2":
+        if c["use_long_context"]:
+            spec["max_position_embeddings"] = 16384  # what transformers' config sets (its rope is unchanged)
+        spec.update(_zamba2(c), embedding_multiplier=1.0, residual_multiplier=1.0, logits_multiplier=1.0)
+        return spec
     if "mamba" in kinds or "parallel" in kinds:
         spec["mamba"] = _mamba(c, family)
     if "attention" in kinds or "parallel" in kinds:

@@ -23,16 +23,32 @@ pays E/k times the routed FLOPs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
 from .._sharding import param
-from ._attention import Attention
-from ._mixer import heads, linear
+from ._attention import Attention, KVCache
+from ._mixer import RecurrentCache, heads, linear
 from ._norm import activation
 from ._rotary import apply_rotary
+
+
+class LayerCache(NamedTuple):
+    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
+
+    mamba: RecurrentCache | None
+    attention: KVCache | None
+
+
+def run_mixer(layer, x, cache, context):
+    """A mixer called with or without its cache: `(y, new_cache)`."""
+    if cache is None:
+        return layer(x, **context), None
+    return layer(x, cache, **context)
 
 
 class HFAttention(Attention):
@@ -40,12 +56,13 @@ class HFAttention(Attention):
 
     **Arguments:** `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`; `bias` (all four
     projections); `rotary_dim` (rotated leading channels of each head, 0 for no positional
-    encoding); `rope_theta`; `scale` (default `head_dim^{−1/2}`); `key_multiplier`; `dtype`, `rngs`.
+    encoding); `rope_theta`; `scale` (default `head_dim^{−1/2}`); `key_multiplier`; `out_size`
+    (o_proj's output width, default `hidden_size`); `dtype`, `rngs`.
     """
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
                  rotary_dim: int = 0, rope_theta: float = 10000.0, scale: float | None = None,
-                 key_multiplier: float = 1.0, dtype=jnp.float32, rngs: nnx.Rngs):
+                 key_multiplier: float = 1.0, out_size: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
         if rotary_dim % 2 or rotary_dim > head_dim:
@@ -57,7 +74,8 @@ class HFAttention(Attention):
         self.q_proj = linear(hidden_size, q_dim, axes=("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(q_dim, hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_dim, out_size or hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype,
+                             rngs=rngs)
 
     def _rotate(self, x, positions):
         if not self.rotary_dim:
@@ -66,11 +84,15 @@ class HFAttention(Attention):
         return jnp.concatenate([rotated, x[..., self.rotary_dim:]], axis=-1)
 
     def _project(self, x, positions):
-        k = heads(self.k_proj(x), self.head_dim)
+        return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions)
+
+    def _split_heads(self, q, k, v, positions):
+        """Projected q, k, v as heads, k multiplied, q and k rotated."""
+        k = heads(k, self.head_dim)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
-        q = self._rotate(heads(self.q_proj(x), self.head_dim), positions)
-        return q, self._rotate(k, positions), heads(self.v_proj(x), self.head_dim)
+        q = self._rotate(heads(q, self.head_dim), positions)
+        return q, self._rotate(k, positions), heads(v, self.head_dim)
 
 
 class GatedMLP(nnx.Module):

@@ -1,4 +1,4 @@
-"""`transformers`' Mamba-2 causal LMs: Mamba2, Nemotron-H, Bamba, Granite 4.0-H, Falcon-H1.
+"""`transformers`' Mamba-2 causal LMs: Mamba2, Nemotron-H, Bamba, Granite 4.0-H, Falcon-H1, Zamba2.
 
 | symbol | meaning                                                           |
 |--------|-------------------------------------------------------------------|
@@ -14,6 +14,8 @@
     falcon_h1:           x = input_layernorm(h)
                          h = h + m_ssm_out · mamba(x) + m_attn_out · self_attn(m_attn_in · x)
                          h = h + feed_forward(pre_ff_layernorm(h))
+    zamba2:              Mamba layers, and hybrid layers that first run a shared block on [h | E[tokens]]
+                         (see `_zamba2`)
     logits = final_norm(h) W_head · m_logits        (W_head = Eᵀ with tie_word_embeddings)
 
 The module tree has the names of the checkpoints `transformers` writes (`backbone.` for
@@ -24,20 +26,19 @@ Mamba2 and Nemotron-H, `model.` for the others), so weights load by name. With
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
-
 import jax.numpy as jnp
 from flax import nnx
 
 from .._sharding import partitioned
 from .._tied import tied_logits
-from ._attention import KVCache
 from ._hf_config import resolve_hf
-from ._hf_layers import GatedMLP, GraniteMoE, GraniteSharedMLP, HFAttention, NemotronMoE, PlainMLP
+from ._hf_layers import (GatedMLP, GraniteMoE, GraniteSharedMLP, HFAttention, LayerCache, NemotronMoE, PlainMLP,
+                         run_mixer)
 from ._mamba2 import Mamba2Mixer
-from ._mixer import RecurrentCache, linear
+from ._mixer import linear
 from ._model import CausalLM, ModelCache
 from ._norm import RMSNorm
+from ._zamba2 import zamba2_layers
 
 NAMES = {  # family: (backbone, embedding, final norm)
     "mamba2": ("backbone", "embeddings", "norm_f"),
@@ -45,21 +46,8 @@ NAMES = {  # family: (backbone, embedding, final norm)
     "bamba": ("model", "embed_tokens", "final_layernorm"),
     "granitemoehybrid": ("model", "embed_tokens", "norm"),
     "falcon_h1": ("model", "embed_tokens", "final_layernorm"),
+    "zamba2": ("model", "embed_tokens", "final_layernorm"),
 }
-
-
-class LayerCache(NamedTuple):
-    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
-
-    mamba: RecurrentCache | None
-    attention: KVCache | None
-
-
-def _run(layer, x, cache, context):
-    """A mixer called with or without its cache: `(y, new_cache)`."""
-    if cache is None:
-        return layer(x, **context), None
-    return layer(x, cache, **context)
 
 
 class HFBlock(nnx.Module):
@@ -109,15 +97,15 @@ class HFBlock(nnx.Module):
         mamba_cache = attention_cache = None
         if self.family == "falcon_h1":
             m = dict(self.branch_multipliers)
-            y, mamba_cache = _run(self.mamba, x, None if cache is None else cache.mamba, context)
-            a, attention_cache = _run(self.self_attn, x * m["attention_in"], None if cache is None else cache.attention,
-                                      context)
+            y, mamba_cache = run_mixer(self.mamba, x, None if cache is None else cache.mamba, context)
+            a, attention_cache = run_mixer(self.self_attn, x * m["attention_in"],
+                                           None if cache is None else cache.attention, context)
             h = h + (y * m["ssm_out"] + a * m["attention_out"])
         elif self.mamba is not None:
-            y, mamba_cache = _run(self.mamba, x, None if cache is None else cache.mamba, context)
+            y, mamba_cache = run_mixer(self.mamba, x, None if cache is None else cache.mamba, context)
             h = h + y * self.residual_multiplier
         else:
-            y, attention_cache = _run(self.self_attn, x, None if cache is None else cache.attention, context)
+            y, attention_cache = run_mixer(self.self_attn, x, None if cache is None else cache.attention, context)
             h = h + y * self.residual_multiplier
         if self.family == "granitemoehybrid":
             x = self.post_attention_layernorm(h)
@@ -132,10 +120,10 @@ class HFBlock(nnx.Module):
         x = self.norm(h.astype(self.dtype))
         residual = h.astype(jnp.float32) if self.residual_in_fp32 else h
         if self.kind == "mamba":
-            y, new = _run(self.mixer, x, None if cache is None else cache.mamba, context)
+            y, new = run_mixer(self.mixer, x, None if cache is None else cache.mamba, context)
             return residual + y, None if cache is None else cache._replace(mamba=new)
         if self.kind == "attention":
-            y, new = _run(self.mixer, x, None if cache is None else cache.attention, context)
+            y, new = run_mixer(self.mixer, x, None if cache is None else cache.attention, context)
             return residual + y, None if cache is None else cache._replace(attention=new)
         return residual + self.mixer(x), cache
 
@@ -149,7 +137,10 @@ class HFBackbone(nnx.Module):
         init = partitioned(nnx.initializers.normal(0.02), "vocab", "embed")
         setattr(self, embedding, nnx.Embed(spec["vocab_size"], D, embedding_init=init, dtype=dtype, param_dtype=dtype,
                                            rngs=rngs))
-        self.layers = nnx.List([HFBlock(spec, kind, dtype=dtype, rngs=rngs) for kind in spec["layers"]])
+        if spec["family"] == "zamba2":
+            self.layers = nnx.List(zamba2_layers(spec, dtype=dtype, rngs=rngs))
+        else:
+            self.layers = nnx.List([HFBlock(spec, kind, dtype=dtype, rngs=rngs) for kind in spec["layers"]])
         setattr(self, final_norm, RMSNorm(D, eps=spec["eps"], dtype=dtype))
         self.embedding_name, self.final_norm_name = embedding, final_norm
 
@@ -164,7 +155,7 @@ class HFBackbone(nnx.Module):
 
 class HFCausalLM(CausalLM):
     """A `transformers` `Mamba2ForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`,
-    `GraniteMoeHybridForCausalLM` or `FalconH1ForCausalLM`: a `CausalLM` (same calls, cache
+    `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM` or `Zamba2ForCausalLM`: a `CausalLM` (same calls, cache
     and `config`) with the family's own layers.
 
     **Arguments:**
@@ -194,7 +185,7 @@ class HFCausalLM(CausalLM):
     @property
     def uses_attention(self) -> bool:
         """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
-        return any(block.kind in ("attention", "parallel") for block in self.body.layers)
+        return any(block.kind in ("attention", "parallel", "hybrid") for block in self.body.layers)
 
     def _embed(self, tokens):
         h = self.body.embedding(tokens)
@@ -203,8 +194,9 @@ class HFCausalLM(CausalLM):
     def _layers(self):
         return self.body.layers
 
-    def _layer_context(self):
-        return [{}] * len(self.body.layers)
+    def _layer_context(self, embedded):
+        """Zamba2's hybrid layers read the embedded tokens."""
+        return [dict(embeddings=embedded) if block.kind == "hybrid" else {} for block in self.body.layers]
 
     def _head(self, h):
         h = self.body.final_norm(h).astype(self.dtype)

@@ -181,7 +181,7 @@ class CausalLM(nnx.Module):
         if len(layer_caches) != len(layers):
             raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(layer_caches)}")
         new_caches = []
-        for block, layer_cache, context in zip(layers, layer_caches, self._layer_context()):
+        for block, layer_cache, context in zip(layers, layer_caches, self._layer_context(h)):
             h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
             h = constrain(h, *RESIDUAL)
             new_caches.append(new_cache)
@@ -225,8 +225,8 @@ class CausalLM(nnx.Module):
     def _layers(self):
         return self.model.layers
 
-    def _layer_context(self):
-        """Per-layer keyword arguments of the blocks (HGRN2's lower bounds)."""
+    def _layer_context(self, embedded):
+        """Per-layer keyword arguments of the blocks (HGRN2's lower bounds), given the embedded tokens."""
         return [dict(lower_bound=bound) for bound in self.model.layer_lower_bounds()]
 
     def _head(self, h):
