@@ -241,3 +241,19 @@ def test_zamba2_unsupported_options_are_refused_by_name(tmp_path, edit, refused)
     config = dict(edit, use_mem_rope=True) if "rope_parameters" in edit else edit
     with pytest.raises(NotImplementedError, match=refused):
         from_pretrained(_rewritten("zamba2_gqa_untied", tmp_path, lambda c: c.update(config)))
+
+
+def test_transformers_gelu_is_the_exact_one():
+    """`transformers`' `gelu` is erf-based (fla's is the tanh approximation): Bamba, Falcon-H1,
+    Granite, Nemotron-H and Zamba2 MLPs take `transformers`' table."""
+    from recurrax.nn.pretrained._hf_layers import activation
+
+    x = np.linspace(-4, 4, 33)
+    exact = np.array([0.5 * t * (1 + math.erf(t / math.sqrt(2))) for t in x])
+    tanh = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    np.testing.assert_allclose(np.asarray(activation("gelu", "hidden_act")(jnp.asarray(x, jnp.float64))), exact,
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(activation("gelu_pytorch_tanh", "hidden_act")(jnp.asarray(x))), tanh,
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="hidden_act"):
+        activation("gelu_fast", "hidden_act")

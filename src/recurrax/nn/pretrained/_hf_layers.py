@@ -33,7 +33,6 @@ from jaxtyping import Array, Float
 from .._sharding import param
 from ._attention import Attention, KVCache
 from ._mixer import RecurrentCache, heads, linear
-from ._norm import activation
 from ._rotary import apply_rotary
 
 
@@ -95,6 +94,27 @@ class HFAttention(Attention):
         return q, self._rotate(k, positions), heads(v, self.head_dim)
 
 
+TRANSFORMERS_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "sigmoid": jax.nn.sigmoid,
+}
+"""`transformers`' activations by its names (its `gelu` is the exact, erf one; fla's, in
+`_norm.ACTIVATIONS`, is the tanh approximation)."""
+
+
+def activation(name: str, what: str):
+    """`transformers`' activation called `name`, or NotImplementedError naming `what`."""
+    if name not in TRANSFORMERS_ACTIVATIONS:
+        raise NotImplementedError(f"{what} must be one of {sorted(TRANSFORMERS_ACTIVATIONS)}, got {name!r}")
+    return TRANSFORMERS_ACTIVATIONS[name]
+
+
 class GatedMLP(nnx.Module):
     """`W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d` (Bamba's and Falcon-H1's `feed_forward`)."""
 
@@ -119,7 +139,7 @@ class PlainMLP(nnx.Module):
                  dtype=jnp.float32, rngs: nnx.Rngs):
         self.up_proj = linear(hidden_size, width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = linear(width, hidden_size, axes=("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
-        self.act = "sqrelu" if act == "relu2" else act
+        self.act = act
         activation(self.act, "mlp_hidden_act")
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:

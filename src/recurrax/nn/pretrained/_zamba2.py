@@ -29,25 +29,14 @@ layer has its own block (holding the adapters of every use of its b, of which it
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ._hf_layers import HFAttention, LayerCache, run_mixer
+from ._hf_layers import HFAttention, LayerCache, activation, run_mixer
 from ._mamba2 import Mamba2Mixer
 from ._mixer import linear
 from ._norm import RMSNorm
-
-ACT2FN = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "relu": jax.nn.relu,
-}
-"""`transformers`' activations by its names (its `gelu` is the exact, erf one)."""
 
 
 def adapter_list(uses: int, block: int, blocks: int, d_in: int, rank: int, d_out: int, axis: str, *, dtype,
@@ -93,9 +82,8 @@ class ZambaMLP(nnx.Module):
 
     def __init__(self, hidden_size: int, *, width: int, bias: bool, act: str, adapters: tuple[int, int, int, int],
                  dtype=jnp.float32, rngs: nnx.Rngs):
-        if act not in ACT2FN:
-            raise NotImplementedError(f"zamba2's hidden_act must be one of {sorted(ACT2FN)}, got {act!r}")
         self.act = act
+        activation(act, "zamba2's hidden_act")
         self.gate_up_proj = linear(hidden_size, 2 * width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = linear(width, hidden_size, axes=("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
         self.gate_up_proj_adapter_list = adapter_list(*adapters[:3], hidden_size, adapters[3], 2 * width, "mlp",
@@ -103,7 +91,7 @@ class ZambaMLP(nnx.Module):
 
     def __call__(self, y: Float[Array, "... D"], use: int) -> Float[Array, "... D"]:
         gate, up = jnp.split(self.gate_up_proj(y) + self.gate_up_proj_adapter_list[use](y), 2, axis=-1)
-        return self.down_proj(ACT2FN[self.act](gate) * up)
+        return self.down_proj(activation(self.act, "hidden_act")(gate) * up)
 
 
 class SharedTransformer(nnx.Module):
