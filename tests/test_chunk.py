@@ -48,7 +48,6 @@ def test_gate_matrix(gates, reverse):
 # them unrepeated (`_shared.py`); with per-channel decays the heads are expanded first.
 SHARED = [
     Case(gates=("g_head",), Hqk=2, H=4, T=11),  # 3 chunks over 2 steps, the last padded
-    Case(gates=("g_head", "g_gamma"), Hqk=1, H=3, V=5, reverse=True, initial_state=False),
     Case(gates=("g_head",), Hqk=2, H=6, cu_seqlens=(0, 5, 5, 14, 15)),  # empty, one-token, multi-chunk
     Case(gates=("g_head", "gk"), Hqk=1, H=2),  # per channel: expanded
 ]
@@ -64,6 +63,7 @@ def test_shared_query_key(case):
     "case",
     [
         Case(Hqk=1, H=4),  # no decay
+        Case(gates=("g_head", "g_gamma"), Hqk=1, H=3, V=5, reverse=True, initial_state=False),
         Case(gates=("g_head",), Hqk=2, H=4, cu_seqlens=(0, 9, 10, 20), reverse=True),
         Case(gates=("g_gamma_rows",), Hqk=1, H=2, cu_seqlens=(0, 3, 12), packed_3d=True),
         Case(gates=("g_head", "gv"), Hqk=2, H=4, reverse=True),
