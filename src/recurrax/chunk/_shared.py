@@ -8,21 +8,25 @@
 | C, P   | chunk size, chunks per scan step                                               |
 | R      | state rows: B, or S sequences when packed (then B = 1)                         |
 | A_t    | Σ_{u≤t} a_u inside a chunk, per head: the cumulative log decay                 |
-| S_n    | state entering chunk n, per group [X, K] (its heads' [K, V] states, transposed) |
+| S_n    | state entering chunk n, per group [K, X] (its heads' [K, V] states side by side) |
 
 Stack the r heads of a group side by side: their values form one [X] row per token and
-their states one [X, K] matrix. A per-head decay is then a decay of that matrix's rows,
+their states one [K, X] matrix. A per-head decay is then a decay of that matrix's columns,
 so each group is one recurrence whose products over K are shared by its heads. Per chunk
 (q already carries the softmax scale; t, s index the chunk's tokens, h a head of the group):
 
-    o_t^h = Σ_{s≤t} (q_t · k_s) e^{A_t^h − A_s^h} v_s^h  +  e^{A_t^h} (S_n q_t)^h
-    S_{n+1} = e^{A_C} ⊙ S_n + U_n,        U_n = Σ_s (e^{A_C − A_s} ⊙ v_s) k_sᵀ
+    o_t^h = Σ_{s≤t} (q_t · k_s) e^{A_t^h − A_s^h} v_s^h  +  e^{A_t^h} (q_tᵀ S_n)^h
+    S_{n+1} = S_n ⊙ e^{A_C} + U_n,        U_n = Σ_s k_s (e^{A_C − A_s} ⊙ v_s)ᵀ
 
 The scores q_t · k_s are formed once per group (C²·K), not once per head; the decay matrix
 e^{A_t − A_s} (masked to −∞ above the diagonal before the exp: every exponent ≤ 0, exact
-for any decay) weights them per head; the inter-chunk product S_n q_t and the update U_n
+for any decay) weights them per head; the inter-chunk product q_tᵀ S_n and the update U_n
 are one [C, K] × [K, X] product per group. No head is repeated: compared with expanding
 query and key to H heads, this saves (r − 1)/r of their memory and of the score products.
+The update takes k transposed per chunk, [K, C] × [C, X]: both state products are then
+plain row-major matmuls, which XLA on CPU hands to its fast (YNNPACK) path; contracting
+over the tokens of both operands went to a slower one (6% of the forward at mamba2-130m's
+SSD shape).
 
 A `lax.scan` steps through P chunks at a time (their products batched, the state
 recurrence unrolled over P); each step is rematerialised in the backward (`jax.checkpoint`),
@@ -49,15 +53,15 @@ def _per_column(factor: Array, width: int) -> Array:
 
 
 def _chunks(static: ChunkCall, q, k, v, log_decay, state, init, step_meta, V: int):
-    """Outputs [B, G, P, C, X] of one step's chunks, and the states leaving each [B, G, P, X, K]."""
+    """Outputs [B, G, P, C, X] of one step's chunks, and the states leaving each [B, G, P, K, X]."""
     P, C = static.chunks_per_step, static.chunk_size
     cum = chunk_cumsum(log_decay, True)  # [B, G, P, C, r]
     last = cum[..., -1:, :]
-    update = dot("...sx,...sk->...xk", v * _per_column(jnp.exp(last - cum), V), k)
-    factor = _per_column(jnp.exp(last[..., 0, :]), V)[..., None]  # [B, G, P, X, 1]
+    update = dot("...ks,...sx->...kx", jnp.swapaxes(k, -1, -2), v * _per_column(jnp.exp(last - cum), V))
+    factor = _per_column(jnp.exp(last[..., 0, :]), V)[..., None, :]  # [B, G, P, 1, X]
     starts, _, _ = _chunk_starts(state, update, factor, init, step_meta, P)
     leaving = starts * factor + update
-    inter = dot("...tk,...xk->...tx", q, starts) * _per_column(jnp.exp(cum), V)
+    inter = dot("...tk,...kx->...tx", q, starts) * _per_column(jnp.exp(cum), V)
     lower = jnp.tril(jnp.ones((C, C), bool))
     heads_cum = jnp.swapaxes(cum, -1, -2)  # [B, G, P, r, C]
     decay = jnp.exp(jnp.where(lower, heads_cum[..., :, None] - heads_cum[..., None, :], -jnp.inf))
@@ -87,7 +91,7 @@ def shared_chunked(
     if log_decay is None:
         log_decay = jnp.zeros((B, T, H), dtype)
     v, log_decay = v.reshape(B, T, G, r * V), log_decay.reshape(B, T, G, r)
-    grouped_init = jnp.swapaxes(init.reshape(init.shape[0], G, r, K, V), -1, -2).reshape(-1, G, r * V, K)
+    grouped_init = jnp.moveaxis(init.reshape(init.shape[0], G, r, K, V), 2, 3).reshape(-1, G, K, r * V)
 
     @jax.checkpoint
     def body(state, step):
@@ -97,11 +101,11 @@ def shared_chunked(
         out, leaving = _chunks(static, qc, kc, vc, ac, state, grouped_init, step_meta, V)
         return leaving[:, :, -1], (out.astype(q.dtype), leaving if meta is not None else None)
 
-    state0 = grouped_init if meta is None else jnp.zeros((1, G, r * V, K), dtype)
+    state0 = grouped_init if meta is None else jnp.zeros((1, G, K, r * V), dtype)
     last, (outs, leaving) = lax.scan(body, state0, jnp.arange(num_steps))
     out = _in_token_order(outs, static.reverse).reshape(B, G, T, r, V)
     final = last if meta is None else _packed_finals(leaving, meta, grouped_init, static.reverse)
-    final = jnp.swapaxes(final.reshape(-1, G, r, V, K), -1, -2).reshape(-1, H, K, V)
+    final = jnp.moveaxis(final.reshape(-1, G, K, r, V), 3, 2).reshape(-1, H, K, V)
     return jnp.moveaxis(out, 2, 1).reshape(B, T, H, V), final
 
 
@@ -113,7 +117,7 @@ def _in_token_order(per_step: Array, reverse: bool) -> Array:
 
 
 def _packed_finals(leaving: Array, meta: ChunkOwners, init: Array, reverse: bool) -> Array:
-    """Each sequence's state after its last chunk in processing order, [S, G, X, K]; the
+    """Each sequence's state after its last chunk in processing order, [S, G, K, X]; the
     initial state for a sequence without tokens."""
     steps, _, G, P = leaving.shape[:4]
     chunks = jnp.moveaxis(leaving[:, 0], 1, 0).reshape(G, steps * P, *leaving.shape[4:])  # processing order
