@@ -14,7 +14,7 @@ same checkpoint and inputs:
   position only on both sides (`logits_to_keep=1` for transformers);
 - decode tokens/s at batch 1, 8 and 64: one token per sequence per step through the cache
   (ours donated to the step, so updated in place as `transformers` updates its own).
-Each figure is the median of `--repeats` runs (decode: of 8 steps), after a warm-up; the
+Each figure is the median of `--repeats` runs (decode: of `--decode-steps` steps, 16), after a warm-up; the
 spread is min–max. Also the max logit difference on a check batch `[2, 64]` against
 `transformers` and against a float64 run of ours; where our time goes (`_mamba2_parts.py`:
 each part of a layer timed alone); and this CPU's floors (`_floors.py` and the torch side):
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--torch-python", default="/work/venv-hf/bin/python")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     config = TINY if args.tiny else MAMBA2_130M
