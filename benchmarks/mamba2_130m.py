@@ -21,7 +21,8 @@ each part of a layer timed alone); and this CPU's floors (`_floors.py` and the t
 float32 matmul GFLOP/s at the model's shapes and streaming-read GB/s, hence the least time a
 prefill (its FLOPs at the measured matmul rates) and a decode step (the bytes it must read at
 the measured bandwidth, or its FLOPs if slower) can take, and the highest ratio to
-`transformers` reachable here. Writes results/mamba2_130m.md and .png.
+`transformers` reachable here. Writes results/mamba2_130m.md and .png, and adds a row of
+ratios to results/mamba2_130m_runs.md.
 """
 
 from __future__ import annotations
@@ -330,7 +331,31 @@ def main(argv: list[str]) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mamba2_130m.md").write_text(text)
         figure(ours_tps, torch_tps, args.out / "mamba2_130m.png")
+        ratios = {key: ours_tps[key] / torch_tps[key] for key in ours_tps}
+        append_run(args.out / RUNS, machine["commit"], load_at_start, os.getloadavg()[0], ratios)
     return 0
+
+
+RUNS = "mamba2_130m_runs.md"
+RUNS_HEADER = """# mamba2-130m shape: every run's ratios to transformers
+
+One row per run of `python benchmarks/mamba2_130m.py` (appended by the script; the newest
+run's details are in `mamba2_130m.md`): the run-to-run spread of the side-by-side ratios on
+this shared 2-CPU machine.
+
+| date (UTC) | commit | load start → end | prefill | decode b=1 | decode b=8 | decode b=64 |
+|---|---|---|---:|---:|---:|---:|
+"""
+
+
+def append_run(path: Path, commit: str, load_start: float, load_end: float, ratios: dict) -> None:
+    """Add one row of `ratios` (prefill and decode per batch, ours over transformers') to the runs table."""
+    if not path.exists():
+        path.write_text(RUNS_HEADER)
+    cells = [f"{ratios['prefill']:.1f}×"] + [f"{ratios[f'decode b={b}']:.1f}×" for b in BATCHES]
+    date = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    with path.open("a") as table:
+        table.write(f"| {date} | {commit} | {load_start:.1f} → {load_end:.1f} | " + " | ".join(cells) + " |\n")
 
 
 if __name__ == "__main__":
