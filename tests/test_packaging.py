@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_license_matches_pyproject():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["license"] == {"text": "Apache-2.0"}
+    assert pyproject["project"]["license"] == "Apache-2.0"  # an SPDX expression (PEP 639)
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
