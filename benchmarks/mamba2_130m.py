@@ -14,8 +14,8 @@ same checkpoint and inputs:
   position only on both sides (`logits_to_keep=1` for transformers);
 - decode tokens/s at batch 1, 8 and 64: one token per sequence per step through the cache
   (ours donated to the step, so updated in place as `transformers` updates its own).
-Each figure is the median of `--repeats` runs (decode: of `--decode-steps` steps, 16), after a warm-up; the
-spread is min–max. Also the max logit difference on a check batch `[2, 64]` against
+Each figure is the median of `--repeats` runs (decode: of `--decode-steps` steps, 16), after
+a warm-up; the spread is min–max. Also the max logit difference on a check batch `[2, 64]` against
 `transformers` and against a float64 run of ours; where our time goes (`_mamba2_parts.py`:
 each part of a layer timed alone); and this CPU's floors (`_floors.py` and the torch side):
 float32 matmul GFLOP/s at the model's shapes and streaming-read GB/s, hence the least time a
@@ -64,6 +64,26 @@ TINY = {**MAMBA2_130M, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4
         "vocab_size": 256}
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 8, 64)
+RUNS = "mamba2_130m_runs.md"
+RUNS_HEADER = """# mamba2-130m shape: every run's ratios to transformers
+
+One row per run of `python benchmarks/mamba2_130m.py` (appended by the script; the newest
+run's details are in `mamba2_130m.md`): the run-to-run spread of the side-by-side ratios on
+this shared 2-CPU machine.
+
+| date (UTC) | commit | load start → end | prefill | decode b=1 | decode b=8 | decode b=64 |
+|---|---|---|---:|---:|---:|---:|
+"""
+
+
+def append_run(path: Path, commit: str, load_start: float, load_end: float, ratios: dict) -> None:
+    """Add one row of `ratios` (prefill and decode per batch, ours over transformers') to the runs table."""
+    if not path.exists():
+        path.write_text(RUNS_HEADER)
+    cells = [f"{ratios['prefill']:.1f}×"] + [f"{ratios[f'decode b={b}']:.1f}×" for b in BATCHES]
+    date = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    with path.open("a") as table:
+        table.write(f"| {date} | {commit} | {load_start:.1f} → {load_end:.1f} | " + " | ".join(cells) + " |\n")
 
 
 def random_model(config: dict, seed: int = 0) -> HFCausalLM:
@@ -286,6 +306,7 @@ def main(argv: list[str]) -> int:
     for b in BATCHES:
         ours_tps[f"decode b={b}"] = b / med(mine["decode"][b])
         torch_tps[f"decode b={b}"] = b / med(theirs["decode_seconds"][str(b)])
+    ratios = {key: ours_tps[key] / torch_tps[key] for key in ours_tps}
     machine = machine_description()
     lines = [
         "# mamba2-130m shape: recurrax vs transformers on this CPU" if not args.tiny else "# Tiny Mamba2 (smoke run)",
@@ -303,13 +324,13 @@ def main(argv: list[str]) -> int:
         f"{theirs['load_seconds'] / mine['load']:.1f}× |",
         f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
         f"({spread(mine['prefill'])}) | {torch_tps['prefill']:,.0f} ({spread(theirs['prefill_seconds'])}) | "
-        f"**{ours_tps['prefill'] / torch_tps['prefill']:.1f}×** |",
+        f"**{ratios['prefill']:.1f}×** |",
     ]
     for b in BATCHES:
         key = f"decode b={b}"
         lines.append(f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[key]:,.0f} "
                      f"({spread(mine['decode'][b])}) | {torch_tps[key]:,.0f} "
-                     f"({spread(theirs['decode_seconds'][str(b)])}) | **{ours_tps[key] / torch_tps[key]:.1f}×** |")
+                     f"({spread(theirs['decode_seconds'][str(b)])}) | **{ratios[key]:.1f}×** |")
     layers = config["num_hidden_layers"]
     lines += [
         "",
@@ -331,31 +352,8 @@ def main(argv: list[str]) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mamba2_130m.md").write_text(text)
         figure(ours_tps, torch_tps, args.out / "mamba2_130m.png")
-        ratios = {key: ours_tps[key] / torch_tps[key] for key in ours_tps}
         append_run(args.out / RUNS, machine["commit"], load_at_start, os.getloadavg()[0], ratios)
     return 0
-
-
-RUNS = "mamba2_130m_runs.md"
-RUNS_HEADER = """# mamba2-130m shape: every run's ratios to transformers
-
-One row per run of `python benchmarks/mamba2_130m.py` (appended by the script; the newest
-run's details are in `mamba2_130m.md`): the run-to-run spread of the side-by-side ratios on
-this shared 2-CPU machine.
-
-| date (UTC) | commit | load start → end | prefill | decode b=1 | decode b=8 | decode b=64 |
-|---|---|---|---:|---:|---:|---:|
-"""
-
-
-def append_run(path: Path, commit: str, load_start: float, load_end: float, ratios: dict) -> None:
-    """Add one row of `ratios` (prefill and decode per batch, ours over transformers') to the runs table."""
-    if not path.exists():
-        path.write_text(RUNS_HEADER)
-    cells = [f"{ratios['prefill']:.1f}×"] + [f"{ratios[f'decode b={b}']:.1f}×" for b in BATCHES]
-    date = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    with path.open("a") as table:
-        table.write(f"| {date} | {commit} | {load_start:.1f} → {load_end:.1f} | " + " | ".join(cells) + " |\n")
 
 
 if __name__ == "__main__":
