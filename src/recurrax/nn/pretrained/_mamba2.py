@@ -107,16 +107,16 @@ class Mamba2Mixer(FlaMixer):
                                cu_seqlens=cu_seqlens, scale=1.0)
         y = o + self.D[...].astype(jnp.float32)[:, None] * xs
         y = y.reshape(*y.shape[:-2], self.width)
-        y = y * jax.nn.silu(z.astype(jnp.float32)) if self.norm is None else self.norm(y, z)
+        y = y * jax.nn.silu(z.astype(jnp.float32)) if self.norm is None else _materialised(self.norm(y, z))
         new_cache = None if cache is None else cache._replace(state=state, conv=buffers)
-        return self.out_proj(_materialised(y.astype(self.dtype))), new_cache
+        return self.out_proj(y.astype(self.dtype)), new_cache
 
 
 def _materialised(y):
-    """`y`, computed before the product that reads it. XLA on CPU otherwise fuses the gated
-    norm (a reduction) into out_proj's matmul, where it is recomputed per tile of the output:
-    the mamba2-130m prefill [8, 512] took 6.76 s with the fusion and 6.04 s without (the
-    fused out_proj 1.88 s, alone 1.16 s). The barrier changes no value; on GPU and TPU, whose
-    matmuls do not take a reduction as a fused operand, it should cost nothing (not measured
-    there)."""
+    """The gated norm's output `y`, computed before the product that reads it. XLA on CPU
+    otherwise fuses the norm (a reduction) into out_proj's matmul, where it is recomputed per
+    tile of the output: in XLA's per-op trace the mamba2-130m prefill [8, 512] took 6.76 s
+    with the fusion and 6.04 s without (the fused out_proj 1.88 s, alone 1.16 s). The barrier
+    changes no value; on GPU and TPU, whose matmuls do not take a reduction as a fused
+    operand, it should cost nothing (not measured there)."""
     return jax.lax.optimization_barrier(y)
