@@ -133,7 +133,9 @@ def test_tpu_interpret_bfloat16(gates):
 def test_tpu_interpret_extreme_decays_stay_finite():
     """Gates down to −1e4 (docs/design.md §1): every exponent the kernels evaluate is ≤ 0, so all
     results are finite and match. The true gate gradients are ~0 there (e^{−1e4}) and come
-    back as sums of O(1) terms that cancel, so they are held to an absolute bound."""
+    back as sums of O(1) terms that cancel, so they are held to an absolute bound; so is the
+    initial state's, which such resets zero in float64 and the kernels leave at e^−20 times O(1)
+    terms (`kernels._driver.STRONGEST_DECAY`, below float32's rounding of those terms)."""
     case = Case(T=20, gates=("g_head", "gk"), gate_low=-1e4, **SMALL)
     kwargs = make_inputs(case)
     exact = {k: (v.astype(jnp.float64) if k in DIFF_ARGS else v) for k, v in kwargs.items()}
@@ -142,9 +144,9 @@ def test_tpu_interpret_extreme_decays_stay_finite():
     for x in jax.tree.leaves(got):
         assert np.isfinite(np.asarray(x, np.float64)).all()
     assert max_rel_error(o, o_ref) <= F32_TOL and max_rel_error(state, state_ref) <= F32_TOL
-    for name in ("query", "key", "value", "initial_state"):
+    for name in ("query", "key", "value"):
         assert max_rel_error(grads[name], grads_ref[name]) <= F32_TOL, name
-    for name in ("g", "gk"):
+    for name in ("g", "gk", "initial_state"):
         assert np.max(np.abs(np.asarray(grads[name], np.float64) - np.asarray(grads_ref[name]))) < 1e-4, name
 
 

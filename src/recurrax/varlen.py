@@ -34,6 +34,7 @@ class Segments(NamedTuple):
 
 def segments(cu_seqlens: Int[Array, " S_plus_1"], num_tokens: int) -> Segments:
     """Sequence membership of every token of a packed batch."""
+    cu_seqlens = jnp.asarray(cu_seqlens)
     tokens = jnp.arange(num_tokens, dtype=cu_seqlens.dtype)
     seq_id = jnp.searchsorted(cu_seqlens[1:], tokens, side="right").astype(jnp.int32)
     starts = tokens == cu_seqlens[seq_id]
@@ -104,7 +105,7 @@ def chunk_layout(
     - `cu_seqlens`: [S + 1] sequence boundaries; `num_tokens`: N; `chunk_size`: C.
     - `num_chunks`: M, at least `max_chunks(N, S, C)` (the default); extra chunks are unused.
     """
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
     num_seqs = cu.shape[0] - 1
     needed = max_chunks(num_tokens, num_seqs, chunk_size)
     num_chunks = needed if num_chunks is None else num_chunks

@@ -239,6 +239,24 @@ def _leaf_apply_t(leaves: Array, z: Array, lad: Ladder) -> Array:
     return out.reshape(*lead, C, D)
 
 
+def head_decay(log_decay: Float[Array, "... C"]) -> tuple[Array, Array, Array]:
+    """A per-head decay's factors inside a chunk: `start` e^{A_t} and `end` e^{A_{C−1} − A_t}
+    [..., C], and the decay matrix e^{A_t − A_s} [..., C, C] (0 above the diagonal).
+
+    Each entry is a product of α_u = e^{a_u} over its run of tokens, assembled along the
+    ladder (`ladder` with one channel): the R×L corner of an m-block is the outer product of
+    the right half's prefix products and the left half's suffix products. No cumulative sum
+    is differenced, so a strong decay (a hard reset, −1e4) elsewhere in the chunk costs the
+    other entries no precision: e^{A_t − A_s} from float32 cumulative sums near −1e4 would
+    keep only about 3 correct digits. One exp per token, and no exp per matrix entry.
+    """
+    lad, prefix, after = ladder(log_decay[..., None], 1)
+    matrix = jnp.ones((*log_decay.shape, 1, 1), log_decay.dtype)  # the diagonal: 1
+    for _, left, right in lad.levels:
+        matrix = _grow(matrix, right[..., :, :] * jnp.swapaxes(left, -1, -2))
+    return prefix[..., 0], after[..., 0], matrix.reshape(*log_decay.shape, log_decay.shape[-1])
+
+
 def chunk_cumsum(x: Array, channel: bool, reverse: bool = False) -> Array:
     """Inclusive cumulative sum over the chunk axis (-2 per channel, -1 per head), from the
     front, or from the back when `reverse`.
@@ -280,11 +298,8 @@ class ChunkDecay:
         if form in CHANNEL_FORMS:
             lad, start, end = ladder(log_decay, leaf)
             return ChunkDecay(form, start, end, start[..., -1, :], lad=lad)
-        cum = chunk_cumsum(log_decay, False)
-        last = cum[..., -1:]
-        start, end, total = jnp.exp(cum), jnp.exp(last - cum), jnp.exp(last[..., 0])
-        exponent = jnp.where(_lower(size), cum[..., :, None] - cum[..., None, :], -jnp.inf)
-        return ChunkDecay(Gate.HEAD, start, end, total, mask=jnp.exp(exponent))
+        start, end, matrix = head_decay(log_decay)
+        return ChunkDecay(Gate.HEAD, start, end, start[..., -1], mask=matrix)
 
     @property
     def per_channel(self) -> bool:

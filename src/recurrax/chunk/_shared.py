@@ -19,8 +19,8 @@ so each group is one recurrence whose products over K are shared by its heads. P
     S_{n+1} = S_n ⊙ e^{A_C} + U_n,        U_n = Σ_s k_s (e^{A_C − A_s} ⊙ v_s)ᵀ
 
 The scores q_t · k_s are formed once per group (C²·K), not once per head; the decay matrix
-e^{A_t − A_s} (masked to −∞ above the diagonal before the exp: every exponent ≤ 0, exact
-for any decay) weights them per head; the inter-chunk product q_tᵀ S_n and the update U_n
+e^{A_t − A_s} (`_intra.head_decay`: products of per-token factors, exact for any decay,
+hard resets included) weights them per head; the inter-chunk product q_tᵀ S_n and the update U_n
 are one [C, K] × [K, X] product per group. No head is repeated: compared with expanding
 query and key to H heads, this saves (r − 1)/r of their memory and of the score products.
 The update takes k transposed per chunk, [K, C] × [C, X]: both state products are then
@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from .._finite import clean_cotangent
 from ..varlen import ChunkOwners
-from ._intra import chunk_cumsum, dot
+from ._intra import dot, head_decay
 from ._state_scan import ChunkCall, _chunk_starts, _step, _step_meta
 
 
@@ -55,17 +56,14 @@ def _per_column(factor: Array, width: int) -> Array:
 
 def _chunks(static: ChunkCall, q, k, v, log_decay, state, init, step_meta, V: int):
     """Outputs [B, G, P, C, X] of one step's chunks, and the states leaving each [B, G, P, K, X]."""
-    P, C = static.chunks_per_step, static.chunk_size
-    cum = chunk_cumsum(log_decay, True)  # [B, G, P, C, r]
-    last = cum[..., -1:, :]
-    update = dot("...ks,...sx->...kx", jnp.swapaxes(k, -1, -2), v * _per_column(jnp.exp(last - cum), V))
-    factor = _per_column(jnp.exp(last[..., 0, :]), V)[..., None, :]  # [B, G, P, 1, X]
+    P = static.chunks_per_step
+    from_start, to_end, decay = head_decay(jnp.swapaxes(log_decay, -1, -2))  # [B, G, P, r, C(, C)]
+    from_start, to_end = jnp.swapaxes(from_start, -1, -2), jnp.swapaxes(to_end, -1, -2)  # [B, G, P, C, r]
+    update = dot("...ks,...sx->...kx", jnp.swapaxes(k, -1, -2), v * _per_column(to_end, V))
+    factor = _per_column(from_start[..., -1, :], V)[..., None, :]  # [B, G, P, 1, X]
     starts, _, _ = _chunk_starts(state, update, factor, init, step_meta, P)
     leaving = starts * factor + update
-    inter = dot("...tk,...kx->...tx", q, starts) * _per_column(jnp.exp(cum), V)
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    heads_cum = jnp.swapaxes(cum, -1, -2)  # [B, G, P, r, C]
-    decay = jnp.exp(jnp.where(lower, heads_cum[..., :, None] - heads_cum[..., None, :], -jnp.inf))
+    inter = dot("...tk,...kx->...tx", q, starts) * _per_column(from_start, V)
     scores = dot("...tk,...sk->...ts", q, k)[..., None, :, :] * decay  # [B, G, P, r, C, C]
     values = v.reshape(*v.shape[:-1], -1, V)  # [B, G, P, C, r, V]
     intra = dot("...rts,...srv->...trv", scores, values)
@@ -98,9 +96,9 @@ def shared_chunked(
     def body(state, step):
         where = _step(static, num_steps, step, dtype)
         step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
-        qc, kc, vc, ac = where.load(q) * static.scale, where.load(k), where.load(v), where.load(log_decay)
+        qc, kc, vc, ac = where.load(q) * static.scale, where.load(k), where.load(v), where.load_gate(log_decay)
         out, leaving = _chunks(static, qc, kc, vc, ac, state, grouped_init, step_meta, V)
-        return leaving[:, :, -1], (out.astype(q.dtype), leaving if meta is not None else None)
+        return leaving[:, :, -1], (clean_cotangent(out.astype(q.dtype)), leaving if meta is not None else None)
 
     state0 = grouped_init if meta is None else jnp.zeros((1, G, K, r * V), dtype)
     last, (outs, leaving) = lax.scan(body, state0, jnp.arange(num_steps))

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from .._finite import clean_gate, clean_tokens
 from ..problem import Gate
 from ..varlen import ChunkOwners
 from ._intra import ChunkDecay, chunk_cumsum, dot
@@ -149,13 +150,14 @@ def _decayed(state, factor, p: int):
 # ----------------------------------------------------------------------------- step I/O
 
 
-def _load(x: Array | None, start, length: int, shape: tuple[int, int], reverse: bool, dtype):
-    """Tokens [start, start + length) of x [B, T, H, ...] as [B, H, P, C, ...], processing order."""
+def _load(x: Array | None, start, length: int, shape: tuple[int, int], reverse: bool, dtype, clean=clean_tokens):
+    """Tokens [start, start + length) of x [B, T, H, ...] as [B, H, P, C, ...], processing order,
+    cleaned (`_finite`: non-finite entries read as 0; `clean_gate` for log decays)."""
     if x is None:
         return None
     piece = jnp.moveaxis(lax.dynamic_slice_in_dim(x, start, length, axis=1), 1, 2)
     piece = jnp.flip(piece, axis=2) if reverse else piece
-    return piece.reshape(*piece.shape[:2], *shape, *piece.shape[3:]).astype(dtype)
+    return clean(piece.reshape(*piece.shape[:2], *shape, *piece.shape[3:]).astype(dtype))
 
 
 def _store(buffer: Array | None, piece: Array | None, start, reverse: bool):
@@ -178,11 +180,12 @@ def _step_meta(meta: ChunkOwners | None, first_chunk, count: int, reverse: bool)
 
 
 class _Step(NamedTuple):
-    """One scan step: where it sits and how to read it."""
+    """One scan step: where it sits and how to read it (token arrays and log decays)."""
 
     start: Array  # first token (storage order)
     first_chunk: Array  # first chunk (storage order)
     load: functools.partial
+    load_gate: functools.partial
 
 
 def _step(static: ChunkCall, num_steps: int, step, dtype) -> _Step:
@@ -191,7 +194,7 @@ def _step(static: ChunkCall, num_steps: int, step, dtype) -> _Step:
     load = functools.partial(
         _load, start=index * P * C, length=P * C, shape=(P, C), reverse=static.reverse, dtype=dtype
     )
-    return _Step(index * P * C, index * P, load)
+    return _Step(index * P * C, index * P, load, functools.partial(load, clean=clean_gate))
 
 
 def _chunk_starts(state, updates, factor, init, step_meta, P: int, finals=None):
@@ -224,7 +227,7 @@ def forward(static: ChunkCall, q, k, v, gates: LogDecays, init, meta: ChunkOwner
         state, out, finals = carry
         where = _step(static, num_steps, step, dtype)
         step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
-        key, value, _ = side_decays(LogDecays(*(where.load(g) for g in gates)), static.leaf_size, C)
+        key, value, _ = side_decays(LogDecays(*(where.load_gate(g) for g in gates)), static.leaf_size, C)
         qc, kc, vc = where.load(q) * static.scale, where.load(k), where.load(v)
         updates = chunk_updates(kc, vc, key, value)
         factor = _state_decay(key, value)
@@ -284,7 +287,7 @@ def backward(static: ChunkCall, residuals, d_out, d_final):
         d_end, key_carry, value_carry, buffers, d_init = carry
         where = _step(static, num_steps, step, dtype)
         step_meta = _step_meta(meta, where.first_chunk, P, static.reverse)
-        key, value, head_on = side_decays(LogDecays(*(where.load(g) for g in gates)), static.leaf_size, C)
+        key, value, head_on = side_decays(LogDecays(*(where.load_gate(g) for g in gates)), static.leaf_size, C)
         qc, kc, vc, doc = where.load(q) * static.scale, where.load(k), where.load(v), where.load(d_out)
 
         factor = _state_decay(key, value)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import varlen
-from .._finite import guarded
+from .._finite import clean_gate, clean_tokens, guarded
 from ..problem import Gate, Problem
 from ..registry import Request, Support
 
@@ -167,13 +167,32 @@ def _chunk(call: KernelCall, q, k, v, g, h0, table, empty):
 
 
 def _operands(q, k, v):
-    """k and v in q's dtype: grouped heads arrive expanded in float32 (`problem._expand_heads`),
-    the kernels read one operand dtype; their gradients still leave in k's and v's dtype."""
-    return q, k.astype(q.dtype), v.astype(q.dtype)
+    """q, k and v cleaned (`_finite`: non-finite entries read as 0), k and v in q's dtype:
+    grouped heads arrive expanded in float32 (`problem._expand_heads`), the kernels read one
+    operand dtype; their gradients still leave in k's and v's dtype."""
+    return clean_tokens(q), clean_tokens(k).astype(q.dtype), clean_tokens(v).astype(q.dtype)
+
+
+STRONGEST_DECAY = -20.0
+"""The kernels' per-token log decays are floored here: e^−20 ≈ 2·10⁻⁹ multiplies what a stronger
+decay would zero, below float32's rounding of the state (their state is float32)."""
+
+
+def _local_decay(g, chunk: int):
+    """The kernels' chunk-local cumulative log decay of the cleaned gate (None without one).
+
+    The kernels take e^{A_i − A_j} from differences of these float32 cumulative sums, so a
+    chunk's sum must stay small: with hard resets (−1e4) in a chunk, a difference of two sums
+    near −1e4 keeps about 3 digits. Flooring each token's log decay at `STRONGEST_DECAY`
+    bounds a chunk's sum by C · 20, and the relative error of the decays by about
+    C · 20 · 2⁻²⁴ (1.5·10⁻⁴ at C = 128, whatever the strength of the decays; the XLA `chunk`
+    forms the same factors as products and has no such term).
+    """
+    return None if g is None else chunk_local_cumsum(jnp.maximum(clean_gate(g), STRONGEST_DECAY), chunk)
 
 
 def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
-    a = None if g is None else chunk_local_cumsum(g, call.chunk)
+    a = _local_decay(g, call.chunk)
     o, h_T = call.forward(*_operands(q, k, v), a, h0, table, emit_output=True, emit_states=False)
     if empty is not None:
         h_T = jnp.where(empty[:, None, None, None], h0, h_T)
@@ -183,14 +202,14 @@ def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
 def _chunk_bwd(call: KernelCall, residuals, cotangents):
     q, k, v, g, h0, h_T, table, empty = residuals
     do, dh_T = cotangents
-    a = None if g is None else chunk_local_cumsum(g, call.chunk)
+    a = _local_decay(g, call.chunk)
     operands = _operands(q, k, v)
     _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
     dh_T = dh_T.astype(F32)
-    dq, dk, dv, dh0, boundary = call.backward(*operands, a, do.astype(q.dtype), states, h_T, dh_T, table)
+    dq, dk, dv, dh0, boundary = call.backward(*operands, a, clean_tokens(do).astype(q.dtype), states, h_T, dh_T, table)
     if empty is not None:
         dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
-    dg = None if g is None else gate_gradient(q, k, dq, dk, boundary, call).astype(g.dtype)
+    dg = None if g is None else gate_gradient(clean_tokens(q), clean_tokens(k), dq, dk, boundary, call).astype(g.dtype)
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype))
     return grads + (None, None)
 

@@ -1,0 +1,95 @@
+"""Nested `jit` with a traced `cu_seqlens`, for every implementation of every operation.
+
+Real code differentiates jitted functions (a jitted layer inside a jitted train step), so
+`cu_seqlens` reaches the operation as a tracer of an inner `jit` while an outer transform
+differentiates it. The four patterns of issue 31 — `grad(jit(f))`, `jit(grad(jit(f)))`,
+`value_and_grad(jit(f))` and `vjp(jit(f))` — each against the float64 reference's gradient,
+packed and dense, with and without an initial state. The default tier runs every
+implementation under `grad(jit(f))` (the pattern that crashed) and the default
+implementation under all four; `-m slow` runs the whole product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cases import Case, make_inputs, max_rel_error, split_args
+
+import recurrax
+from recurrax.kernels import mosaic_gpu
+from recurrax.kernels.tpu import TpuTiles, tpu_interpret
+from recurrax.tools.cases import call
+
+IMPLEMENTATIONS = {
+    "reference": "reference",
+    "scan": "scan",
+    "chunk": "chunk",
+    "pallas_interpret": "pallas_interpret",
+    "tpu_interpret": functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=16)),
+    "mosaic_gpu_interpret": mosaic_gpu.mosaic_gpu_interpret,
+}
+PATTERNS = {
+    "grad(jit(f))": lambda f: jax.grad(jax.jit(f)),
+    "jit(grad(jit(f)))": lambda f: jax.jit(jax.grad(jax.jit(f))),
+    "value_and_grad(jit(f))": lambda f: lambda *args: jax.value_and_grad(jax.jit(f))(*args)[1],
+    "vjp(jit(f))": lambda f: lambda *args: jax.vjp(jax.jit(f), *args)[1](jnp.ones((), jnp.float32))[0],
+}
+LAYOUTS = {
+    "packed": dict(cu_seqlens=(0, 5, 5, 19), T=19, B=1),
+    "dense": dict(B=2, T=19),
+}
+DEFAULT_TIER = {("chunk", pattern, "packed", True) for pattern in PATTERNS} | {
+    ("chunk", "grad(jit(f))", "dense", False)
+} | {(name, "grad(jit(f))", "packed", True) for name in IMPLEMENTATIONS if name != "mosaic_gpu_interpret"}
+
+
+def _case(name: str, layout: str, initial_state: bool) -> Case:
+    mosaic = name == "mosaic_gpu_interpret"
+    dims = dict(H=2, Hkv=2, K=64, V=64, dtype="bfloat16") if mosaic else dict(H=2, Hkv=1, K=16, V=16, dtype="float32")
+    return Case(gates=("g_head", "gk"), initial_state=initial_state, **LAYOUTS[layout], **dims)
+
+
+def _params():
+    for name in IMPLEMENTATIONS:
+        for pattern in PATTERNS:
+            for layout in LAYOUTS:
+                for initial_state in (True, False):
+                    fast = (name, pattern, layout, initial_state) in DEFAULT_TIER
+                    marks = [] if fast else [pytest.mark.slow]
+                    yield pytest.param(name, pattern, layout, initial_state, marks=marks,
+                                       id=f"{name}-{pattern}-{layout}-{'init' if initial_state else 'zero'}")
+
+
+def _loss(implementation, rest, diff, cu_seqlens):
+    kwargs = dict(rest, cu_seqlens=cu_seqlens) if cu_seqlens is not None else rest
+    output, final = call(implementation, **diff, **kwargs)
+    weights = jnp.cos(jnp.arange(output.size, dtype=jnp.float32)).reshape(output.shape)
+    return jnp.sum(output.astype(jnp.float32) * weights) + jnp.sum(jnp.sin(final.astype(jnp.float32)))
+
+
+@functools.cache
+def _expected(case: Case) -> dict:
+    """The float64 reference's gradient of the loss (one per case)."""
+    diff, rest = split_args(make_inputs(case))
+    cu_seqlens = rest.pop("cu_seqlens", None)
+    exact = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), diff)
+    return jax.grad(functools.partial(_loss, "reference", rest))(exact, cu_seqlens)
+
+
+@pytest.mark.parametrize(("name", "pattern", "layout", "initial_state"), list(_params()))
+def test_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state):
+    if name == "mosaic_gpu_interpret" and not mosaic_gpu.has_interpret_mode():
+        pytest.skip("Mosaic GPU interpret mode needs JAX >= 0.12")
+    case = _case(name, layout, initial_state)
+    diff, rest = split_args(make_inputs(case))
+    cu_seqlens = rest.pop("cu_seqlens", None)
+    traced = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    grads = PATTERNS[pattern](functools.partial(_loss, IMPLEMENTATIONS[name], rest))(diff, traced)
+    expected = _expected(case)
+    tolerance = 5e-2 if case.dtype == "bfloat16" else 2e-4
+    for key in diff:
+        assert max_rel_error(grads[key], expected[key]) < tolerance, key
