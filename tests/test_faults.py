@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -462,3 +463,32 @@ def test_operation_checks_that_held_before():
         recurrax.recurrent(x, x, x, g=jnp.full((1, 6, 2), 0.5, jnp.float32))
     with pytest.raises(ValueError, match="cu_seqlens must end at the token count 6"):
         recurrax.recurrent(x, x, x, cu_seqlens=jnp.asarray([0, 2, 5]))
+
+
+# ----------------------------------------------------------------------------- issue 31: the operation
+
+
+@pytest.mark.parametrize(("shape", "name", "word"), [((0, 6, 2, 4), "query", "batch row"), ((1, 6, 0, 4), "query", "head"),
+                                                      ((1, 6, 2, 0), "query", "channel")])
+def test_an_empty_dimension_is_named(shape, name, word):
+    """A batch of 0 rows raised ZeroDivisionError from a reshape deep inside an implementation."""
+    x = jnp.ones(shape, jnp.float32)
+    message = rf"{name} must be non-empty \(at least one {word}\), got shape " + re.escape(str(tuple(shape)))
+    with pytest.raises(ValueError, match=message):
+        recurrax.recurrent(x, x, x)
+    value = jnp.ones((1, 6, 2, 0), jnp.float32)
+    with pytest.raises(ValueError, match=r"value must be non-empty \(at least one channel\)"):
+        recurrax.recurrent(jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 2, 4)), value)
+
+
+@pytest.mark.parametrize("gate", ["g", "gk"])
+def test_a_concrete_gate_closed_over_by_jit_is_not_folded(gate):
+    """A concrete gate closed over inside `jit` (a notebook habit) is a constant of the program:
+    XLA folded the work derived from it at compile time (seconds of `reduce-window` folding at
+    long sequences). The compiled program holds the gate itself as its only gate-sized constant."""
+    x = jax.random.normal(jax.random.key(0), (1, 256, 2, 16))
+    gates = -jax.nn.softplus(jax.random.normal(jax.random.key(1), (1, 256, 2, 16) if gate == "gk" else (1, 256, 2)))
+    text = jax.jit(lambda x: recurrax.recurrent(x, x, x, **{gate: gates})[0]).lower(x).compile().as_text()
+    shape = ",".join(map(str, gates.shape))
+    constants = [line for line in text.splitlines() if f"[{shape}]" in line.split("constant(")[0] and "constant(" in line]
+    assert len(constants) == 1, constants

@@ -198,6 +198,16 @@ def _floating(name: str, x: object) -> Array:
     return jnp.asarray(x)
 
 
+def _opaque(gate: Array) -> Array:
+    """A concrete gate behind an optimisation barrier, a traced one as it is.
+
+    A concrete array closed over by a jitted function is a constant of the program, and XLA
+    evaluates the work derived from a constant at compile time (the cleaned gate, its
+    cumulative decays: seconds of constant folding at long sequences). Behind the barrier it
+    is an opaque value, computed at run time like a traced gate."""
+    return gate if isinstance(gate, jax.core.Tracer) else jax.lax.optimization_barrier(gate)
+
+
 def _shape_words(words: str, packed: bool) -> str:
     if not packed:
         return words
@@ -231,9 +241,16 @@ def _query(query: object, packed: bool) -> tuple[Array, bool]:
         _fail("query", _shape_words(_QUERY, packed) + hint, f"shape {tuple(query.shape)}")
     if packed and query.shape[0] != 1:
         _fail("query", "batch size 1 when cu_seqlens is given", f"shape {tuple(query.shape)}")
-    if query.shape[1] < 1:
-        _fail("query", "at least one token", f"shape {tuple(query.shape)}")
+    _non_empty("query", query.shape, ("batch row", "token", "head", "channel"))
     return query, packed_3d
+
+
+def _non_empty(name: str, shape: tuple, words: tuple[str, ...]) -> None:
+    """Refuse an empty dimension by name (a batch of 0 rows has nothing to compute, and an
+    empty head or channel axis has no state)."""
+    for size, word in zip(shape, words):
+        if size < 1:
+            _fail(name, f"non-empty (at least one {word})", f"shape {tuple(shape)}")
 
 
 def _cu_seqlens(cu_seqlens: object, num_tokens: int) -> Array:
@@ -351,7 +368,7 @@ def _scale(softmax_scale: object, qk_head_dim: int) -> float:
 
 def _g_gamma(g_gamma: object, num_heads: int, rows: int, rows_word: str) -> Array:
     """`g_gamma` as [1, H] (one decay per head for every row) or [rows, H] (one per row)."""
-    g_gamma = _floating("g_gamma", g_gamma)
+    g_gamma = _opaque(_floating("g_gamma", g_gamma))
     if g_gamma.shape == (num_heads,):
         return g_gamma[None]
     if g_gamma.ndim == 2 and g_gamma.shape[0] in (1, rows) and g_gamma.shape[1] == num_heads:
@@ -395,22 +412,23 @@ def _validated(
     H, value_heads = _head_counts(Hq, key.shape[2], value.shape[2])
     value = _token_array("value", value, _VALUE, (B, T, value_heads, None), packed, query.shape)
     V = value.shape[3]
+    _non_empty("value", value.shape, ("batch row", "token", "head", "channel"))
     if key.dtype != query.dtype or value.dtype != query.dtype:
         _fail("key and value", f"of the query's dtype {query.dtype}", f"{key.dtype} and {value.dtype}", TypeError)
     state_dtype = jnp.promote_types(query.dtype, jnp.float32)
 
     g_head = g_key = None
     if g is not None:
-        g = _floating("g", g)
+        g = _opaque(_floating("g", g))
         per_head = g.ndim == (2 if packed_3d else 3)
         words = "[batch, seq_len, num_heads] or [batch, seq_len, num_heads, qk_head_dim]"
         expected = (B, T, H) if per_head else (B, T, H, K)
         g = _token_array("g", g, words, expected, packed, query.shape)
         g_head, g_key = (g, None) if per_head else (None, g)
     if gk is not None:
-        gk = _token_array("gk", gk, "[batch, seq_len, num_heads, qk_head_dim]", (B, T, H, K), packed, query.shape)
+        gk = _opaque(_token_array("gk", gk, "[batch, seq_len, num_heads, qk_head_dim]", (B, T, H, K), packed, query.shape))
     if gv is not None:
-        gv = _token_array("gv", gv, "[batch, seq_len, num_heads, v_head_dim]", (B, T, H, V), packed, query.shape)
+        gv = _opaque(_token_array("gv", gv, "[batch, seq_len, num_heads, v_head_dim]", (B, T, H, V), packed, query.shape))
     if packed:
         cu_seqlens = _cu_seqlens(cu_seqlens, T)
         rows, rows_word = cu_seqlens.shape[0] - 1, "num_seqs"
