@@ -36,3 +36,20 @@ def test_quick_run_with_targets(tmp_path):
     assert {t["impl"] for t in report["targets"]} == {"reference"}
     markdown = (tmp_path / "results.md").read_text()
     assert "## Targets" in markdown and "matmul peak" in markdown
+
+
+def test_ab_runs_both_sides_and_reports_ratios(tmp_path):
+    """`benchmarks/ab.py` (the A/B issue 31 asks for before any change to chunk/): a quick run
+    against HEAD measures both sides in child processes and writes the ratio table."""
+    import subprocess
+
+    ab = pytest.importorskip("ab")
+    repository = BENCHMARKS.parent
+    if subprocess.run(["git", "-C", str(repository), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "ab.md"
+    assert ab.main(["--against", "HEAD", "--quick", "--rounds", "1", "--repeats", "1", "--gates", "g", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "| g | fwd+bwd (ms) |" in report and "| g | temp (MiB) |" in report
+    with pytest.raises(SystemExit):
+        ab.main(["--against", "HEAD", "--gates", "bogus"])
