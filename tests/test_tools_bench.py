@@ -177,7 +177,8 @@ def test_duration_of_the_full_grid_is_stated(measured, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option, value", [("--seq-lens", "abc"), ("--seq-lens", "256,-1"), ("--heads", "-1"),
-                                           ("--batch", "x"), ("--repeats", "0"), ("--max-seconds", "0")])
+                                           ("--batch", "x"), ("--repeats", "0"), ("--max-seconds", "0"),
+                                           ("--seed", "-1"), ("--reference-max-len", "-1")])
 def test_bad_numbers_exit_2_naming_the_option(option, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         command.parser().parse_args([option, value])

@@ -8,12 +8,21 @@ import argparse
 
 def positive_int(text: str) -> int:
     """An integer ≥ 1."""
+    return _int_from(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An integer ≥ 0."""
+    return _int_from(text, 0, "a non-negative integer")
+
+
+def _int_from(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
 
 

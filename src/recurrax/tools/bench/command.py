@@ -20,7 +20,7 @@ from recurrax._extras import require
 from recurrax.registry import kernel_registry
 
 from ..cases import GATE_PRESETS
-from ..options import positive_float, positive_int, positive_int_list
+from ..options import non_negative_int, positive_float, positive_int, positive_int_list
 from .machine import machine_description, matmul_peak
 from .measure import DEFAULT_IMPLS, Settings, Shape, add_utilisation, grid_size, run_grid
 from .report import TABLE_HEADER, table_rows, write_outputs
@@ -69,10 +69,11 @@ def parser(prog: str = "recurrax bench") -> argparse.ArgumentParser:
     add("--v-dim", type=positive_int, help=f"value head dim V {default('v_dim')}")
     add("--repeats", type=positive_int, help=f"timed runs per measurement, after one warm-up run {default('repeats')}")
     add("--max-seconds", type=positive_float, help=f"time budget per measurement {default('max_seconds')}")
-    add("--reference-max-len", type=positive_int, default=1024, help="longest T the reference runs at (default 1024)")
+    add("--reference-max-len", type=non_negative_int, default=1024,
+        help="longest T the reference runs at, 0 for never (default 1024)")
     add("--matmul-size", type=positive_int, help=f"side of the peak-measuring matmul {default('matmul_size')}")
     add("--matmul-repeats", type=positive_int, help=f"timed runs of that matmul {default('matmul_repeats')}")
-    add("--seed", type=int, default=0, help="seed of the random inputs")
+    add("--seed", type=non_negative_int, default=0, help="seed of the random inputs")
     add("--out", type=Path, default=None,
         help="output directory, written as measurements finish (default: a new ./recurrax-bench-<date>-<time>; "
         "never the committed results)")
