@@ -6,7 +6,8 @@
 
 This is `recurrax bench` with its full default grid, the targets of `targets.py` (judged for
 `--target-impl`, default chunk) and the output directory pinned next to this file, so the
-committed results always come from the same command.
+committed results always come from the same command. They are under git, so they are replaced
+without `--overwrite`; any other `--out` is checked as `recurrax bench` checks it.
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ def main(argv: Sequence[str]) -> int:
     try:
         impls, kinds = command.chosen_implementations(args.impls), command.chosen_gates(args.gates)
         judged = None if args.no_targets else command.chosen_implementations(target_impl(args.target_impl))[0]
+        command.check_output(args.out, args.overwrite or args.out.resolve() == RESULTS)
     except ValueError as error:
         print(f"benchmarks/run.py: {error}", file=sys.stderr)
         return 2
-    report = command.run(args, impls, kinds, argv)
-    if judged is not None:
-        add_targets(report, judged, args.quick)
-    paths = command.write_outputs(report, args.out)
-    print(command.summary(report, paths))
+    report = command.run(args, impls, kinds, argv, args.out)
+    if judged is not None and report["status"] == "complete":
+        try:
+            add_targets(report, judged, args.quick)
+        except KeyboardInterrupt:
+            report["status"] = "interrupted"
+    code = command.finish(report, args.out)
     print("\n".join(report["sections"]))
-    failed = [r for r in report["records"] + report["extra_records"] if r["status"] == "error"]
-    return 1 if failed else 0
+    return code
 
 
 if __name__ == "__main__":

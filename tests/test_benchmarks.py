@@ -28,6 +28,7 @@ def test_target_verdicts():
 def test_quick_run_with_targets(tmp_path):
     pytest.importorskip("matplotlib")
     argv = ["--quick", "--impls", "reference", "--gates", "gk", "--seq-lens", "32",
+            "--heads", "2", "--qk-dim", "16", "--v-dim", "16",
             "--repeats", "1", "--matmul-size", "128", "--matmul-repeats", "1",
             "--target-impl", "reference", "--out", str(tmp_path)]
     assert run.main(argv) == 0

@@ -129,6 +129,16 @@ def test_pretrained():
 
 
 @NEEDS_SCRIPTS
+def test_pretrained_help_names_every_family_it_loads():
+    """`--help` shows the docstring's first paragraph: it loads transformers' checkpoints as well
+    as fla's (issue 31: it said "fla checkpoint")."""
+    import ast
+
+    description = ast.get_docstring(ast.parse((EXAMPLES / "pretrained.py").read_text())).split("\n\n")[0]
+    assert "fla" in description and "transformers" in description, description
+
+
+@NEEDS_SCRIPTS
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_help_documents_every_option(script):
     """`--help` shows what each option does and its default: every `add_argument` has a

@@ -85,3 +85,19 @@ def test_g_gamma_shapes_in_the_tables_are_accepted():
 def test_readme_example_runs(source):
     with jax.enable_x64(False):  # as a user runs them: JAX's default precision
         exec(compile(source, "README.md", "exec"), {"__name__": "readme"})
+
+
+NUMBER_WORDS = dict(zip(("one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+                         "fifteen sixteen").split(), range(1, 17)))
+
+
+def test_check_quick_counts_are_true():
+    """'`recurrax check --quick` runs N of its [M] cases': N is the quick selection's size, and
+    a total, if stated, is the number of cases (issue 31: 'twelve' when there were 13)."""
+    from recurrax.tools import check
+
+    claim = re.search(r"`recurrax check --quick` runs (\w+) of its (?:(\w+) )?cases", README)
+    assert claim, "the README no longer says how many cases `recurrax check --quick` runs"
+    assert NUMBER_WORDS[claim.group(1)] == len(check.QUICK)
+    if claim.group(2):
+        assert NUMBER_WORDS[claim.group(2)] == len(check.CASES)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from recurrax.tools.bench import command, machine, measure
+from recurrax.tools.bench import command, machine, measure, report
 from recurrax.tools.bench.measure import Settings, Shape
 
 
@@ -63,6 +63,7 @@ def quick_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench")
     argv = ["--quick", "--impls", "reference", "--gates", "gk", "--seq-lens", "32,64",
+            "--heads", "2", "--qk-dim", "16", "--v-dim", "16",
             "--repeats", "2", "--matmul-size", "256", "--matmul-repeats", "2",
             "--out", str(out)]
     return command.main(argv), out
@@ -113,3 +114,111 @@ def test_quick_run_reports_no_verdicts(quick_run):
     _, out = quick_run
     markdown = (out / "results.md").read_text()
     assert "pass" not in markdown.split("|") and "FAIL" not in markdown and "Targets" not in markdown
+
+
+# ----------------------------------------------------------------------------- issue 31: command line
+
+
+def _fake_record(impl, kind, shape, mode, settings, *, run=True, skip_reason=""):
+    """What `measure.measure` returns, without compiling or timing anything."""
+    return {"impl": impl, "gates": kind, "mode": mode, **shape.__dict__, "dtype": settings.dtype,
+            "model_flops": measure.model_flops(shape, mode), "compile_s": 0.0, "temp_bytes": 0, "peak_bytes": 0,
+            "argument_bytes": 0, "output_bytes": 0, "median_s": 1e-3, "min_s": 1e-3, "runs": 1, "first_s": 1e-3,
+            "over_budget": False, "status": "ok", "reason": ""}
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """`recurrax bench` with measuring replaced: the settings of every measurement, in order."""
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    calls = []
+
+    def fake_measure(impl, kind, shape, mode, settings, **options):
+        calls.append(settings)
+        return _fake_record(impl, kind, shape, mode, settings, **options)
+
+    monkeypatch.setattr(measure, "measure", fake_measure)
+    monkeypatch.setattr(command, "matmul_peak", lambda size, repeats: {"size": size, "repeats": repeats,
+                                                                       "median_s": 1e-3, "flops_per_s": 1e11})
+    monkeypatch.setattr(report, "plot_results", lambda records, path: path.write_bytes(b"png"))
+    return calls
+
+
+TINY_GRID = ["--impls", "scan", "--gates", "g", "--seq-lens", "8,16", "--batch", "1", "--heads", "1",
+             "--qk-dim", "4", "--v-dim", "4"]
+
+
+def test_dtype_reaches_the_measured_inputs(measured, tmp_path):
+    primals, cotangents = measure.make_arguments(Shape(1, 8, 2, 4, 4), "gk", 0, "bfloat16")
+    query, key, value, gates = primals
+    assert {x.dtype.name for x in (query, key, value, gates["gk"], cotangents[0])} == {"bfloat16"}
+    assert command.main([*TINY_GRID, "--dtype", "bfloat16", "--out", str(tmp_path / "b")]) == 0
+    assert [settings.dtype for settings in measured] == ["bfloat16"] * 4
+    assert "g_gamma, bfloat16)" not in (tmp_path / "b" / "results.md").read_text()
+    assert "H=1 K=4 V=4, bfloat16)" in (tmp_path / "b" / "results.md").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        command.parser().parse_args(["--dtype", "float16"])
+    assert exit_.value.code == 2
+
+
+def test_quick_grid_is_one_where_chunk_beats_scan():
+    """K = V = 64 and T up to 1024: chunk's matmuls win there on a 2-core CPU (the old quick
+    grid, K = V = 16 and T ≤ 256, had scan ahead)."""
+    quick = command.QUICK
+    assert quick["qk_dim"] >= 64 and quick["v_dim"] >= 64 and max(quick["seq_lens"]) >= 1024
+
+
+def test_duration_of_the_full_grid_is_stated(measured, tmp_path, capsys):
+    assert "the full grid about" in " ".join(command.parser().format_help().split())
+    assert command.main([*TINY_GRID, "--out", str(tmp_path / "b")]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert "4 measurements" in first_line and f"the full grid takes {command.FULL_GRID_DURATION}" in first_line
+
+
+@pytest.mark.parametrize("option, value", [("--seq-lens", "abc"), ("--seq-lens", "256,-1"), ("--heads", "-1"),
+                                           ("--batch", "x"), ("--repeats", "0"), ("--max-seconds", "0"),
+                                           ("--seed", "-1"), ("--reference-max-len", "-1")])
+def test_bad_numbers_exit_2_naming_the_option(option, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        command.parser().parse_args([option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}:" in capsys.readouterr().err
+
+
+def test_unusable_out_is_refused_before_measuring(measured, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("")
+    for out in (file, file / "below"):
+        assert command.main([*TINY_GRID, "--out", str(out)]) == 2
+        assert f"--out {out}" in capsys.readouterr().err
+    assert measured == []
+
+
+def test_results_in_out_are_kept_unless_overwrite(measured, tmp_path, capsys):
+    (tmp_path / "results.json").write_text("{}")
+    assert command.main([*TINY_GRID, "--out", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and measured == []
+    assert (tmp_path / "results.json").read_text() == "{}"
+    assert command.main([*TINY_GRID, "--out", str(tmp_path), "--overwrite"]) == 0
+    assert len(json.loads((tmp_path / "results.json").read_text())["records"]) == 4
+
+
+def test_ctrl_c_keeps_the_finished_measurements(measured, monkeypatch, tmp_path, capsys):
+    out = tmp_path / "b"
+    seen_on_disk = []
+
+    def interrupted_third(impl, kind, shape, mode, settings, **options):
+        if len(seen_on_disk) == 2:
+            raise KeyboardInterrupt
+        results = out / "results.json"
+        seen_on_disk.append(len(json.loads(results.read_text())["records"]) if results.exists() else 0)
+        return _fake_record(impl, kind, shape, mode, settings, **options)
+
+    monkeypatch.setattr(measure, "measure", interrupted_third)
+    assert command.main([*TINY_GRID, "--out", str(out)]) == 130
+    assert seen_on_disk == [0, 1], "each measurement is written before the next starts"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["status"] == "interrupted" and len(saved["records"]) == 2
+    assert "Partial results (interrupted): 2 of 4 measurements" in (out / "results.md").read_text()
+    assert "interrupted: 2 of 4 measurements saved in" in capsys.readouterr().err

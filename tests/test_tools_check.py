@@ -2,8 +2,10 @@
 
 import re
 
+import pytest
 from _cases import Case
 
+from recurrax import kernel_registry
 from recurrax.tools import check
 
 
@@ -37,3 +39,33 @@ def test_quick_cases_exist_and_columns_align():
     rows = [check._row("chunk", name, 1e-7, "dquery", 0.01, True) for name in check.CASES]
     assert len({row.index("e-07") for row in rows}) == 1, "the error column moves with the case name"
     assert len(header) > max(len(name) for name in check.CASES)
+
+
+# ----------------------------------------------------------------------------- issue 31: command line
+
+
+def _exit_code(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_:
+        check.main(argv)
+    return exit_.value.code, capsys.readouterr().err
+
+
+def test_unknown_implementations_are_named_with_the_valid_ones(capsys):
+    code, err = _exit_code(["--implementations", "bogus", "reference", "also-bogus"], capsys)
+    assert code == 2 and "bogus, also-bogus not registered" in err
+    assert all(name in err for name in check._machine_implementations())
+
+
+def test_an_empty_selection_is_an_error(capsys):
+    code, err = _exit_code(["--implementations"], capsys)
+    assert code == 2 and "--implementations needs at least one name" in err
+    elsewhere = [name for name in kernel_registry.names() if name not in check._machine_implementations()]
+    if elsewhere:  # registered for another backend: nothing of this machine's is left
+        code, err = _exit_code(["--implementations", elsewhere[0]], capsys)
+        assert code == 2 and "do not run on this machine" in err
+
+
+@pytest.mark.parametrize("tolerance", ["0", "-1e-3", "nan", "x"])
+def test_tolerance_must_be_positive(tolerance, capsys):
+    code, err = _exit_code(["--implementations", "reference", "--tolerance", tolerance], capsys)
+    assert code == 2 and "argument --tolerance:" in err

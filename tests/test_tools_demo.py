@@ -96,3 +96,24 @@ def test_quick_demo_end_to_end(tmp_path):
     out = tmp_path / "demo.png"
     assert _demo.main(["--quick", "--steps", "20", "--no-progress", "--out", str(out)]) == 0
     assert out.exists()
+
+
+# ----------------------------------------------------------------------------- issue 31: command line
+
+
+def test_no_progress_keeps_the_compiling_line(monkeypatch, capsys):
+    """`--no-progress` (progress=False) hides the bar only; the compiling line stays."""
+    import jax.numpy as jnp
+
+    def tiny_functions(model, config):
+        outputs = (jnp.float32(1.0), jnp.float32(0.5))
+        step = jax.jit(lambda params, opt_state, key: (params, opt_state, *outputs))
+        evaluate = jax.jit(lambda params, key: outputs)
+        return None, jnp.zeros(2), jnp.zeros(2), step, evaluate
+
+    monkeypatch.setattr(_demo, "build_model", lambda config: None)
+    monkeypatch.setattr(_demo, "make_functions", tiny_functions)
+    _demo.train(dataclasses.replace(TINY, steps=2), evals=1, progress=False)
+    err = capsys.readouterr().err
+    assert re.search(r"compiling the training step and the evaluation\.\.\. \d+ s\n", err), err
+    assert "train " not in err, "the progress bar is hidden"

@@ -8,4 +8,5 @@
 | `bench/`   | `recurrax bench`: speed and memory                                      |
 | `demo`     | `recurrax demo`: train a small model on associative recall (MQAR)       |
 | `mqar`     | the MQAR task the demo trains on                                        |
+| `options`  | argument types of the options: bad values exit 2 naming the option      |
 """

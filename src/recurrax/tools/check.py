@@ -11,6 +11,7 @@ from recurrax import kernel_registry
 from recurrax.registry import Backend, Request, current_backend
 
 from .cases import Case, canonical, compare, default_tolerance, make_inputs, run_vjp, split_args
+from .options import positive_float
 
 SHAPE = dict(B=2, T=48, H=4, Hkv=4, K=16, V=16)
 CASES = {
@@ -33,14 +34,35 @@ QUICK = ("g per channel", "all gates, reverse", "varlen")
 CASE_WIDTH = max(len(name) for name in CASES)
 
 
-def _machine_implementations(names: list[str] | None) -> list[str]:
+def _machine_implementations() -> list[str]:
+    """The registered implementations that run on this machine's backend."""
     backend = current_backend()
-    runnable = [
+    return [
         impl.name
         for impl in kernel_registry.implementations()
         if impl.backend is Backend.ANY or impl.backend.value == backend
     ]
-    return [name for name in runnable if names is None or name in names]
+
+
+def chosen_implementations(requested: list[str] | None) -> list[str]:
+    """The implementations to check, in registry order: `requested` (None: every one this
+    machine runs) less those for another backend. `ValueError` for an unregistered name or an
+    empty selection, naming `--implementations` and the valid names."""
+    runnable = _machine_implementations()
+    if requested is None:
+        return runnable
+    registered = kernel_registry.names()
+    unknown = [name for name in requested if name not in registered]
+    if unknown:
+        raise ValueError(f"--implementations: {', '.join(unknown)} not registered; registered: "
+                         f"{', '.join(registered)} (this machine runs {', '.join(runnable)})")
+    chosen = [name for name in runnable if name in requested]
+    if not requested:
+        raise ValueError(f"--implementations needs at least one name; choose among {', '.join(runnable)}")
+    if not chosen:
+        raise ValueError(f"--implementations: {', '.join(requested)} do not run on this machine "
+                         f"({current_backend()}); choose among {', '.join(runnable)}")
+    return chosen
 
 
 def _fwd_bwd_seconds(name: str, case: Case) -> float:
@@ -75,13 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="recurrax check", description=__doc__)
     parser.add_argument("--implementations", nargs="*", help="names to check (default: all this machine runs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    parser.add_argument("--tolerance", type=float, help="max relative error (default by dtype)")
+    parser.add_argument("--tolerance", type=positive_float, help="max relative error, > 0 (default by dtype)")
     parser.add_argument("--quick", action="store_true",
                         help=f"only the cases {', '.join(QUICK)} (about a minute instead of several)")
     args = parser.parse_args(argv)
+    try:
+        names = chosen_implementations(args.implementations)
+    except ValueError as error:
+        parser.error(str(error))
     jax.config.update("jax_enable_x64", True)
-    tolerance = args.tolerance or default_tolerance(args.dtype)
-    names = _machine_implementations(args.implementations)
+    tolerance = default_tolerance(args.dtype) if args.tolerance is None else args.tolerance
     print(f"backend {jax.default_backend()}, inputs {args.dtype}, oracle: reference in float64, tolerance {tolerance:.0e}")
     cases = {name: case for name, case in CASES.items() if not args.quick or name in QUICK}
     print(f"{'implementation':<18} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")

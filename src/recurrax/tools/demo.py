@@ -134,7 +134,8 @@ def make_functions(model, config: TrainConfig):
     return graphdef, params, optimizer.init(params), train_step, evaluate
 
 
-def train(config: TrainConfig, *, eval_batches: int = 4, evals: int = 10, progress: bool = True):
+def train(config: TrainConfig, *, eval_batches: int = 4, evals: int = 10, progress: bool = True,
+          announce_compiling: bool = True):
     """Train a fresh model on MQAR; returns `(graphdef, params, history, evaluate)`.
 
     **Arguments:**
@@ -142,10 +143,12 @@ def train(config: TrainConfig, *, eval_batches: int = 4, evals: int = 10, progre
     - `eval_batches`: held-out batches per evaluation.
     - `evals`: how many evaluations along the run (for the plot).
     - `progress`: show a tqdm progress bar with loss and accuracy.
+    - `announce_compiling`: print a line while compiling, with its time (independent of
+      `progress`: `recurrax demo --no-progress` keeps it).
     """
     graphdef, params, opt_state, train_step, evaluate = make_functions(build_model(config), config)
     train_key, held_out_key = split_key(config.seed, TRAIN), split_key(config.seed, HELD_OUT)
-    train_step, evaluate = _compiled(train_step, evaluate, params, opt_state, train_key, progress)
+    train_step, evaluate = _compiled(train_step, evaluate, params, opt_state, train_key, announce_compiling)
     held_out = lambda params: held_out_accuracy(evaluate, params, held_out_key, eval_batches)  # noqa: E731
     history = History(config.mixer)
     eval_every = max(config.steps // max(evals, 1), 1)
@@ -304,7 +307,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     parser.add_argument("--out", default="recurrax_demo.png", help="plot path (default recurrax_demo.png)")
     parser.add_argument("--quick", action="store_true", help="a shorter, easier run (under a minute)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="hide the progress bar (the compiling line stays)")
     return parser.parse_args(argv)
 
 

@@ -70,12 +70,14 @@ class Settings:
     - `max_seconds`: time budget of one measurement (see the module docstring).
     - `reference_max_len`: the reference runs only for sequences up to this length.
     - `seed`: seed of the random inputs.
+    - `dtype`: dtype of the inputs (`"float32"` or `"bfloat16"`).
     """
 
     repeats: int
     max_seconds: float
     reference_max_len: int
     seed: int = 0
+    dtype: str = "float32"
 
 def model_flops(shape: Shape, mode: str) -> int:
     """Model FLOPs of one call: 4·B·T·H·K·V forward, 12·B·T·H·K·V forward and backward."""
@@ -91,10 +93,10 @@ def predicted_seconds(seconds: float, from_len: int, to_len: int) -> float:
     return seconds * to_len / from_len
 
 
-def make_arguments(shape: Shape, kind: str, seed: int) -> tuple[tuple, tuple]:
-    """Random float32 `(query, key, value, gates)` and cotangents `(d_output, d_state)` from
+def make_arguments(shape: Shape, kind: str, seed: int, dtype: str = "float32") -> tuple[tuple, tuple]:
+    """Random `(query, key, value, gates)` in `dtype` and cotangents `(d_output, d_state)` from
     the one input maker (`recurrax.tools.cases`), for the gate preset `kind`."""
-    case = Case.benchmark(shape.batch, shape.seq_len, shape.heads, shape.qk_dim, shape.v_dim, kind)
+    case = Case.benchmark(shape.batch, shape.seq_len, shape.heads, shape.qk_dim, shape.v_dim, kind, dtype=dtype)
     inputs = make_inputs(case, seed)
     gates = {name: inputs[name] for name in ("g", "g_gamma", "gk", "gv") if name in inputs}
     return (inputs["query"], inputs["key"], inputs["value"], gates), make_cotangents(case, seed + 1)
@@ -164,9 +166,10 @@ def measure(
     impl: str, kind: str, shape: Shape, mode: str, settings: Settings, *, run: bool = True, skip_reason: str = ""
 ) -> dict[str, Any]:
     """Compile one program, read its memory, and (when `run`) time it. One record."""
-    record: dict[str, Any] = {"impl": impl, "gates": kind, "mode": mode, **dataclasses.asdict(shape)}
+    record: dict[str, Any] = {"impl": impl, "gates": kind, "mode": mode, **dataclasses.asdict(shape),
+                              "dtype": settings.dtype}
     record["model_flops"] = model_flops(shape, mode)
-    primals, cotangents = make_arguments(shape, kind, settings.seed)
+    primals, cotangents = make_arguments(shape, kind, settings.seed, settings.dtype)
     function, arguments = program_and_arguments(impl, mode, primals, cotangents)
     try:
         start = time.perf_counter()
@@ -210,9 +213,11 @@ def budget_skip(last_run: tuple[int, float] | None, seq_len: int, settings: Sett
     return f"one run predicted {predicted:.1f} s > --max-seconds {settings.max_seconds:g} (from T={last_run[0]})"
 
 def run_grid(
-    impls: Sequence[str], kinds: Sequence[str], base: Shape, seq_lens: Sequence[int], settings: Settings, progress
+    impls: Sequence[str], kinds: Sequence[str], base: Shape, seq_lens: Sequence[int], settings: Settings, progress,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every measurement of the grid, in order; updates the `progress` bar per measurement."""
+    """Every measurement of the grid, in order; updates the `progress` bar and calls
+    `on_record` (to save it at once) per measurement."""
     records, last_runs = [], {}
     for seq_len, kind, impl in grid_cells(impls, kinds, seq_lens, settings):
         for mode in MODES:
@@ -222,6 +227,8 @@ def run_grid(
             if record["status"] == "ok":
                 last_runs[(impl, kind, mode)] = (seq_len, record["first_s"])
             records.append(record)
+            if on_record is not None:
+                on_record(record)
             progress.update()
     return records
 

@@ -64,7 +64,7 @@ def table_notes(records: Sequence[dict[str, Any]]) -> list[str]:
             notes.append(f"- {r['impl']} {r['gates']} T={r['seq_len']} {r['mode']}: {r['status']} — {r['reason']}")
     return notes
 
-def machine_markdown(machine: dict[str, Any], peaks: Sequence[dict[str, float]], peak: float) -> list[str]:
+def machine_markdown(machine: dict[str, Any], peaks: Sequence[dict[str, float]], peak: float | None) -> list[str]:
     """The machine description and the measured matmul peak."""
     memory = "?" if machine["memory_gib"] is None else f"{machine['memory_gib']:.1f} GiB"
     load = lambda key: ", ".join(f"{x:.2f}" for x in machine.get(key, []))  # noqa: E731
@@ -87,6 +87,8 @@ def machine_markdown(machine: dict[str, Any], peaks: Sequence[dict[str, float]],
             f"- {when}: `jnp.dot` {p['size']}×{p['size']} f32, median of {p['repeats']}: "
             f"{1e3 * p['median_s']:.2f} ms → **{p['flops_per_s'] / 1e9:.1f} GFLOP/s**"
         )
+    if peak is None:
+        return lines + ["- not measured (interrupted first)", ""]
     return lines + [f"- MFU below divides by the higher: **{peak / 1e9:.1f} GFLOP/s**", ""]
 
 METHOD = """## Method
@@ -94,7 +96,7 @@ METHOD = """## Method
 - fwd: `jit(recurrax.recurrent)` returning `(output, final_state)`; model FLOPs 4·B·T·H·K·V.
 - fwd+bwd: `jit(value_and_grad(loss))` wrt query, key, value and every gate, with
   `loss = <output, d_output> + <final_state, d_state>` (random cotangents); model FLOPs 12·B·T·H·K·V.
-- Inputs float32, normal; gates `log_sigmoid(normal) / 16` (g_gamma: RetNet's `log(1 - 2^(-5-h))`).
+- Inputs in `--dtype` (float32 unless given), normal; gates `log_sigmoid(normal) / 16` (g_gamma: RetNet's `log(1 - 2^(-5-h))`).
 - Compilation is not timed; times are medians of up to `--repeats` runs after one warm-up run,
   each ended by `jax.block_until_ready`. `*` marks a single run that alone exceeded `--max-seconds`;
   longer sequences predicted (linearly in T) to exceed it are skipped, their memory still reported.
@@ -102,6 +104,15 @@ METHOD = """## Method
   buffer; the memory target bounds it), peak = `peak_memory_in_bytes` (XLA's live-set peak of
   arguments, outputs and temporaries; it can be below temp, a laid-out allocation).
 """
+
+def progress_note(report: dict[str, Any]) -> list[str]:
+    """A line saying the results are partial, while measuring or after an interruption."""
+    status = report.get("status", "complete")
+    if status == "complete":
+        return []
+    done, total = len(report["records"]), report["measurements"]
+    why = "interrupted" if status == "interrupted" else "still measuring"
+    return [f"**Partial results ({why}): {done} of {total} measurements.**", ""]
 
 def results_markdown(report: dict[str, Any]) -> str:
     """The whole results.md."""
@@ -113,11 +124,12 @@ def results_markdown(report: dict[str, Any]) -> str:
         "",
         *machine_markdown(report["machine"], report["matmul_peaks"], report["peak_flops_per_s"]),
         METHOD,
+        *progress_note(report),
     ]
     for section in report.get("sections", []):
         lines += [section, ""]
     lines += [
-        f"## Results ({shape.words().replace(' T=' + str(shape.seq_len), '')}, f32)",
+        f"## Results ({shape.words().replace(' T=' + str(shape.seq_len), '')}, {settings.get('dtype', 'float32')})",
         "",
         f"Implementations: {', '.join(report['impls'])}; reference only for T ≤ {settings['reference_max_len']}; "
         f"repeats {settings['repeats']}; budget {settings['max_seconds']:g} s per measurement.",
@@ -161,14 +173,23 @@ def plot_results(records: Sequence[dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
-def write_outputs(report: dict[str, Any], out: Path) -> list[Path]:
-    """results.md, results.json and results.png in `out`."""
+def write_outputs(report: dict[str, Any], out: Path, *, plot: bool = True) -> list[Path]:
+    """results.md, results.json and (when `plot` and anything was measured) results.png in
+    `out`; the paths written. Each file is replaced whole, so an interruption never leaves
+    half a file."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.md", out / "results.json", out / "results.png"]
-    paths[0].write_text(results_markdown(report))
-    paths[1].write_text(json.dumps(report, indent=1, default=_jsonable) + "\n")
-    plot_results(report["records"], paths[2])
+    paths = [out / "results.md", out / "results.json"]
+    _replace(paths[0], results_markdown(report))
+    _replace(paths[1], json.dumps(report, indent=1, default=_jsonable) + "\n")
+    if plot and report["records"]:
+        paths.append(out / "results.png")
+        plot_results(report["records"], paths[2])
     return paths
+
+def _replace(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
