@@ -387,7 +387,7 @@ def recurrent(
     key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
     value: Float[Array, "batch seq_len num_kv_heads v_head_dim"] | Float[Array, "total_tokens num_kv_heads v_head_dim"],
     g: Float[Array, "batch seq_len num_heads *qk_head_dim"] | None = None,
-    g_gamma: Float[Array, " num_heads"] | None = None,
+    g_gamma: Float[Array, " num_heads"] | Float[Array, "rows num_heads"] | None = None,
     gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
     gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
     softmax_scale: float | None = None,
