@@ -24,13 +24,12 @@ pytest.importorskip("safetensors")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from _cases import compile_once_quickly, float64, floor_tolerance  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import recurrax.nn as rnn  # noqa: E402
 from recurrax.nn.pretrained import from_pretrained, save_pretrained  # noqa: E402
-
-from _cases import float64, floor_tolerance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = {"gla": ROOT / "tests/fixtures/fla/gla_basic", "mamba2": ROOT / "tests/fixtures/transformers/mamba2_basic"}
@@ -86,9 +85,10 @@ def _graphdef_float64(family: str):
 @functools.cache
 def _float64(family: str):
     """(loss and gradients, adamw step) on one device for the float64 model of `family`, each
-    compiled once. The loss casts the logits to float64 before the cross entropy: the model's
-    logits are float32 at any parameter dtype."""
+    compiled once, at XLA's level 0. The loss casts the logits to float64 before the cross
+    entropy: the model's logits are float32 at any parameter dtype."""
     graphdef = nnx.split(from_pretrained(FIXTURES[family], dtype=jnp.float64))[0]
+    params = float64(_model(family)[2])
 
     def loss(params, inputs, targets):
         logits = nnx.merge(graphdef, params)(inputs).astype(jnp.float64)
@@ -98,7 +98,9 @@ def _float64(family: str):
         updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.jit(jax.value_and_grad(loss)), jax.jit(update)
+    opt_state = OPTIMIZER.init(params)
+    return (compile_once_quickly(jax.jit(jax.value_and_grad(loss)), params, *_batch(family, 0)),
+            compile_once_quickly(jax.jit(update), params, opt_state, params))
 
 
 def _relative(x, exact) -> float:
