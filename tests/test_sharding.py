@@ -158,9 +158,11 @@ def one_device():
             inputs = inputs_of(model, packed)
             logits, grads = run(model, inputs)
             graphdef, params = nnx.split(from_pretrained(MODELS[family], dtype=jnp.float64))
-            exact_logits, exact_grads = compile_once_quickly(logits_and_grads, graphdef, params, *inputs)(params, *inputs)
+            exact = compile_once_quickly(logits_and_grads, graphdef, params, *inputs)
+            exact_logits, exact_grads = exact(params, *inputs)
             grads, exact_grads = flat_gradients(grads), flat_gradients(exact_grads)
-            floors = (relative_error(logits, exact_logits), relative_error(concatenated(grads), concatenated(exact_grads)),
+            floors = (relative_error(logits, exact_logits),
+                      relative_error(concatenated(grads), concatenated(exact_grads)),
                       {path: relative_error(grads[path], exact_grads[path]) for path in grads})
             results[family, packed] = logits, grads, floors
         return results[family, packed]
