@@ -35,10 +35,11 @@ def floor_tolerance(floor: float, factor: float = FLOOR_FACTOR) -> float:
     `floor` is the error, in the test's own metric, of one float32 computation against the
     same computation in float64 (same inputs, cast up). Each float32 result lies about `floor`
     from the exact one, so two of them differ by up to ~2·floor; another CPU's reduction order
-    or vector width moves the floor and the difference together, which a fixed number written
-    from one machine's figures does not (issue 31: 3.6e-6 on an AMD EPYC, 1.17e-5 on a Xeon
-    against a fixed 1e-5). Held to `factor` (8) times the floor, plus four float32 ulps
-    (4·2⁻²³ ≈ 4.8e-7) so a floor that happens to round to ~0 does not demand bit equality."""
+    or vector width should move the floor and the difference together, which a fixed number
+    written from one machine's figures does not (issue 31: 3.6e-6 on an AMD EPYC, 1.17e-5 on
+    a Xeon, against a fixed 1e-5). Held to `factor` (8) times the floor — on an AMD EPYC the
+    differences measured ≤ 2.2× their floors — plus 4·2⁻²³ ≈ 4.8e-7 (four float32 epsilons,
+    relative) so that a floor which happens to round to ~0 does not demand bit equality."""
     return factor * float(floor) + FLOOR_ABSOLUTE
 
 
