@@ -462,3 +462,44 @@ def test_operation_checks_that_held_before():
         recurrax.recurrent(x, x, x, g=jnp.full((1, 6, 2), 0.5, jnp.float32))
     with pytest.raises(ValueError, match="cu_seqlens must end at the token count 6"):
         recurrax.recurrent(x, x, x, cu_seqlens=jnp.asarray([0, 2, 5]))
+
+
+# ----------------------------------------------------------------------------- issue 31: models and checkpoints
+
+HF_FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
+HF_FAMILY_FIXTURES = {"mamba2": "mamba2_groups_limit_tied_bias", "nemotron_h": "nemotron_h_pattern_moe",
+                      "bamba": "bamba_basic", "granitemoehybrid": "granite_moe_multipliers",
+                      "falcon_h1": "falcon_h1_mup", "zamba2": "zamba2_shared_adapters_rope_tied"}
+"""One `transformers` fixture per family."""
+FLA_TINY = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=2, hidden_ratio=2, expand_ratio=8)
+
+
+def _hf_config(family: str) -> dict:
+    return json.loads((HF_FIXTURES / HF_FAMILY_FIXTURES[family] / "config.json").read_text())
+
+
+def _hf_checkpoint(family: str, tmp_path: Path, **changes) -> Path:
+    """A copy of the family's fixture with `changes` in its config.json (None deletes a field)."""
+    target = Path(shutil.copytree(HF_FIXTURES / HF_FAMILY_FIXTURES[family], tmp_path / family))
+    config = {**_hf_config(family), **changes}
+    (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return target
+
+
+@pytest.mark.parametrize("model_type", pretrained.SUPPORTED)
+def test_every_supported_family_builds_from_a_config_as_the_public_causal_lm(model_type):
+    config = _hf_config(model_type) if model_type in HF_FAMILY_FIXTURES else {**FLA_TINY, "model_type": model_type}
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    assert type(model) is CausalLM and model.model_type == model_type
+    assert jax.eval_shape(model, jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, model.vocab_size)
+
+
+def test_supported_lists_both_libraries_and_from_pretrained_returns_the_public_class():
+    assert set(HF_FAMILY_FIXTURES) < set(pretrained.SUPPORTED) and "gla" in pretrained.SUPPORTED
+    assert type(from_pretrained(HF_FIXTURES / HF_FAMILY_FIXTURES["mamba2"])) is CausalLM
+    assert not hasattr(CausalLM, "uses_attention")
+
+
+def test_an_unknown_model_type_lists_every_family():
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba'; supported: " + ", ".join(pretrained.SUPPORTED)):
+        CausalLM({**FLA_TINY, "model_type": "mamba"})

@@ -42,10 +42,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from .._conv import CausalConv1d
-from ._config_checks import ConfigError
+from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
-from ._hf_model import HFCausalLM
 from ._linear_attn import LinearAttention
 from ._model import Backbone, CausalLM
 from ._norm import RMSNorm
@@ -225,14 +224,28 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfini
         weights = _load_shards(path, index, load_file)
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
-    model_class = CausalLM
-    if is_hf_config(config):
-        model_class, weights = HFCausalLM, legacy_names(config, weights)
     try:
-        model = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
+        if is_hf_config(config):
+            weights = legacy_names(config, weights)
+        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
+    model.eos_token_ids = _generation_eos(path, model.eos_token_ids)
     return load_weights(model, weights, allow_nonfinite=allow_nonfinite)
+
+
+def _generation_eos(path: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """generation_config.json's `eos_token_id` (it wins over config.json's), else `default`."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return default
+    generation = _read_json(file)
+    if generation.get("eos_token_id") is None:
+        return default
+    try:
+        return eos_token_ids(generation["eos_token_id"], "eos_token_id")
+    except ValueError as error:
+        raise ConfigError(f"{file}: {error}") from error
 
 
 def _read_json(file: str) -> dict:

@@ -92,3 +92,11 @@ def _check_attn(config: dict) -> None:
             _refuse(field("rope_theta"), "a finite positive number (≤ 0 makes NaN rotations)", theta)
         if not isinstance(spec.get("qkv_bias", False), bool):
             _refuse(field("qkv_bias"), "true or false", spec.get("qkv_bias"))
+
+
+def eos_token_ids(value, field: str) -> tuple[int, ...]:
+    """`eos_token_id` (null, a token id or a list of them) as a tuple of ids."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(_is_int(token) and token >= 0 for token in ids):
+        _refuse(field, "null, a token id (an integer ≥ 0) or a list of them", value)
+    return tuple(ids)
