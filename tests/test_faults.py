@@ -503,3 +503,39 @@ def test_supported_lists_both_libraries_and_from_pretrained_returns_the_public_c
 def test_an_unknown_model_type_lists_every_family():
     with pytest.raises(ValueError, match="unsupported model_type 'mamba'; supported: " + ", ".join(pretrained.SUPPORTED)):
         CausalLM({**FLA_TINY, "model_type": "mamba"})
+
+
+NAN = float("nan")
+BAD_HF_CONFIGS = [
+    ("mamba2", dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false, got 'false'"),
+    ("mamba2", dict(residual_in_fp32="false"), "'residual_in_fp32' must be true or false, got 'false'"),
+    ("mamba2", dict(num_heads=8.0), "'num_heads' must be a positive integer, got 8.0"),
+    ("mamba2", dict(n_groups="2"), "'n_groups' must be a positive integer, got '2'"),
+    ("mamba2", dict(state_size="8"), "'state_size' must be a positive integer, got '8'"),
+    ("mamba2", dict(time_step_limit=[0.02]), r"'time_step_limit' must be null or \[low, high\].*got \[0.02\]"),
+    ("mamba2", dict(time_step_limit=[0.0, NAN]), r"'time_step_limit' must be null or \[low, high\].*nan"),
+    ("mamba2", dict(layer_norm_epsilon=-1), "'layer_norm_epsilon' must be a finite positive number, got -1"),
+    ("zamba2", dict(time_step_min=NAN), "'time_step_min' must be a finite number ≥ 0.*got nan"),
+    ("zamba2", dict(rope_parameters=dict(rope_type="default", rope_theta=-1.0)), "'rope_theta'.*got -1.0"),
+    ("bamba", dict(rope_parameters=dict(rope_type="default", rope_theta=0)), "'rope_theta' must be a finite positive"),
+    ("zamba2", dict(num_mem_blocks=0), "'num_mem_blocks' must be a positive integer, got 0"),
+    ("granitemoehybrid", dict(logits_scaling=0), "'logits_scaling' must be a finite positive number, got 0"),
+    ("granitemoehybrid", dict(num_experts_per_tok=5), r"'num_experts_per_tok' must be at most the number of experts \(4\)"),
+    ("nemotron_h", dict(layers_block_type=None, hybrid_override_pattern="M*X"),
+     "'hybrid_override_pattern' must be a string of the layer letters M \\* - E.*got 'M\\*X'"),
+    ("nemotron_h", dict(num_experts_per_tok=0), "'num_experts_per_tok' must be a positive integer, got 0"),
+    ("nemotron_h", dict(num_experts_per_tok=9), r"'num_experts_per_tok' must be at most the number of experts \(4\)"),
+    ("falcon_h1", dict(mlp_multipliers=[1.0]), r"'mlp_multipliers' must be null or a list of 2 finite numbers"),
+    ("falcon_h1", dict(ssm_multipliers=[1.0, 2.0]), r"'ssm_multipliers' must be null or a list of 5 finite numbers"),
+]
+
+
+@pytest.mark.parametrize("family, changes, message", BAD_HF_CONFIGS,
+                         ids=[f"{family}-{next(iter(changes))}-{i}" for i, (family, changes, _) in
+                              enumerate(BAD_HF_CONFIGS)])
+def test_bad_transformers_config_values_name_the_file_and_field(tmp_path, family, changes, message):
+    target = _hf_checkpoint(family, tmp_path, **changes)
+    with pytest.raises(ValueError, match=f"{target / 'config.json'}: .*{message}"):
+        from_pretrained(target)
+    with pytest.raises(ValueError, match=message):
+        CausalLM(json.loads((target / "config.json").read_text()))
