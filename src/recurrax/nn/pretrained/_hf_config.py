@@ -89,6 +89,8 @@ def decode_floats(value):
 
 def is_hf_config(config: dict) -> bool:
     """Whether config.json is one of `transformers`' Mamba-2 families (refusing fla's own `mamba2`)."""
+    if not isinstance(config, dict):
+        return False  # resolve refuses it by name
     model_type = config.get("model_type")
     if model_type == "mamba2" and any(key in config for key in FLA_MAMBA2_KEYS):
         raise NotImplementedError(
