@@ -539,3 +539,18 @@ def test_bad_transformers_config_values_name_the_file_and_field(tmp_path, family
         from_pretrained(target)
     with pytest.raises(ValueError, match=message):
         CausalLM(json.loads((target / "config.json").read_text()))
+
+
+def test_a_tensor_under_its_legacy_and_current_name_must_agree(tmp_path):
+    """mamba2's `backbone.embedding.weight` (older) beside `backbone.embeddings.weight`:
+    different values are refused naming both; equal ones load."""
+    target = _hf_checkpoint("mamba2", tmp_path)
+    weights = load_file(target / "model.safetensors")
+    current = weights["backbone.embeddings.weight"]
+    save_file({**weights, "backbone.embedding.weight": current + 1.0}, target / "model.safetensors")
+    with pytest.raises(ValueError, match="tensors backbone.embedding.weight and backbone.embeddings.weight are two names of "
+                       "backbone.embeddings.weight"):
+        from_pretrained(target)
+    save_file({**weights, "backbone.embedding.weight": current.copy()}, target / "model.safetensors")
+    loaded = from_pretrained(target)
+    np.testing.assert_array_equal(np.asarray(loaded.body.embedding.embedding[...]), current)

@@ -225,11 +225,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfini
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
     try:
-        if is_hf_config(config):
-            weights = legacy_names(config, weights)
+        hf_config = is_hf_config(config)
         model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
+    if hf_config:
+        weights = legacy_names(config, weights)
     model.eos_token_ids = _generation_eos(path, model.eos_token_ids)
     return load_weights(model, weights, allow_nonfinite=allow_nonfinite)
 
