@@ -554,3 +554,31 @@ def test_a_tensor_under_its_legacy_and_current_name_must_agree(tmp_path):
     save_file({**weights, "backbone.embedding.weight": current.copy()}, target / "model.safetensors")
     loaded = from_pretrained(target)
     np.testing.assert_array_equal(np.asarray(loaded.body.embedding.embedding[...]), current)
+
+
+def test_generate_stops_at_the_checkpoints_eos_tokens_unless_told_otherwise(checkpoint, tmp_path):
+    """config.json's `eos_token_id` (an int), overridden by generation_config.json's (a list),
+    is generate's default `stop_tokens`; an explicit value wins."""
+    prompt = [[3, 7, 1]]
+    full = generate(hybrid(), prompt, 6, stop_tokens=())[0]
+    assert hybrid().eos_token_ids == (HYBRID["eos_token_id"],)
+    target = _copy(checkpoint, tmp_path)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [full[2], 31]}))
+    model = from_pretrained(target)
+    assert model.eos_token_ids == (full[2], 31)
+    assert generate(model, prompt, 6) == [full[:full.index(full[2]) + 1]]
+    assert generate(model, prompt, 6, stop_tokens=()) == [full]
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(ValueError, match="generation_config.json: .*'eos_token_id' must be null, a token id"):
+        from_pretrained(target)
+
+
+def test_generate_clamps_a_top_k_beyond_the_vocabulary():
+    options = dict(temperature=1.0, seed=3, stop_tokens=())
+    assert generate(hybrid(), [[1, 2]], 3, top_k=2**40, **options) == generate(hybrid(), [[1, 2]], 3, **options)
+
+
+def test_generate_runs_inside_runtime_checks():
+    want = generate(hybrid(), [[1, 2], [5]], 3, stop_tokens=())
+    with recurrax.runtime_checks():
+        assert generate(hybrid(), [[1, 2], [5]], 3, stop_tokens=()) == want
