@@ -582,3 +582,13 @@ def test_generate_runs_inside_runtime_checks():
     want = generate(hybrid(), [[1, 2], [5]], 3, stop_tokens=())
     with recurrax.runtime_checks():
         assert generate(hybrid(), [[1, 2], [5]], 3, stop_tokens=()) == want
+
+
+def test_a_mesh_lacking_an_axis_of_the_rules_is_named():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    message = r"the mesh axis 'tensor', which the mesh lacks \(its axes: 'data'\)"
+    with pytest.raises(ValueError, match=message):
+        recurrax.nn.shard_model(small_language_model(), mesh, recurrax.nn.TENSOR_PARALLEL)
+    with pytest.raises(ValueError, match=message):
+        with recurrax.nn.use_mesh(mesh, recurrax.nn.TENSOR_PARALLEL):
+            pass
