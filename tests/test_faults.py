@@ -592,3 +592,14 @@ def test_a_mesh_lacking_an_axis_of_the_rules_is_named():
     with pytest.raises(ValueError, match=message):
         with recurrax.nn.use_mesh(mesh, recurrax.nn.TENSOR_PARALLEL):
             pass
+
+
+def test_a_language_model_saves_and_loads_back_with_equal_logits(tmp_path):
+    model = LanguageModel(16, 8, 2, 2, mixer="retnet", mixer_options=dict(conv_size=3), rngs=nnx.Rngs(1))
+    save_pretrained(model, tmp_path / "lm")
+    loaded = from_pretrained(tmp_path / "lm")
+    assert type(loaded) is LanguageModel and loaded.config == model.config
+    tokens = jnp.asarray([[1, 5, 9, 2, 14]])
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+    with pytest.raises(TypeError, match="save_pretrained and state_dict take a .*CausalLM or a .*LanguageModel"):
+        save_pretrained(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "linear")
