@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -603,3 +604,15 @@ def test_a_language_model_saves_and_loads_back_with_equal_logits(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
     with pytest.raises(TypeError, match="save_pretrained and state_dict take a .*CausalLM or a .*LanguageModel"):
         save_pretrained(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "linear")
+
+
+def test_benchmarks_and_fixture_scripts_use_public_names_and_no_machines_paths():
+    """No private recurrax module imported by a benchmark (`recurrax.….\\_x`), no absolute path of
+    one machine (/work/…, /home/…) in the benchmarks or the fixture scripts."""
+    root = Path(__file__).resolve().parent.parent
+    scripts = sorted((root / "benchmarks").glob("*.py")) + sorted((root / "tests" / "fixtures").glob("*/make_fixtures.py"))
+    assert scripts
+    for script in scripts:
+        text = script.read_text()
+        assert not re.search(r"(from|import) recurrax[\w.]*\._", text), f"{script.name} imports a private module"
+        assert not re.search(r"/(work|home)/\w", text), f"{script.name} names a machine's path"
