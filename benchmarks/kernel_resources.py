@@ -1,7 +1,7 @@
 """What each kernel needs on the chips it is written for, compiled on this CPU (no device):
 
-    python benchmarks/kernel_resources.py --cuda-python /work/venv-cuda/bin/python \
-        --tpu-python /work/venv-tpu/bin/python      # -> benchmarks/results/kernel_resources.md
+    python benchmarks/kernel_resources.py --cuda-python CUDA_PYTHON \
+        --tpu-python TPU_PYTHON                     # -> benchmarks/results/kernel_resources.md
     python benchmarks/kernel_resources.py --targets v5e v6e ...   # rerun some; the others' sections stay
     python benchmarks/kernel_resources.py --targets h100 --before 410f1b1   # + that commit's figures beside
 
@@ -12,7 +12,8 @@
   analysis per device and compile time.
 
 Each target runs in a child process with the interpreter that has its toolchain
-(`pip install 'recurrax[compile-cuda]'` / `'recurrax[compile-tpu]'`, in separate environments);
+(`pip install 'recurrax[compile-cuda]'` / `'recurrax[compile-tpu]'`, in separate environments:
+CUDA_PYTHON and TPU_PYTHON are their interpreters, default this one);
 a target whose toolchain is missing is reported as such. Compile times are of a 2-core CPU
 shared with other work: read them as orders of magnitude.
 """

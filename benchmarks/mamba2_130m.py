@@ -1,7 +1,10 @@
 """A mamba2-130m-shaped model, recurrax side by side with `transformers` (PyTorch CPU), one run.
 
-    python benchmarks/mamba2_130m.py [--torch-python /work/venv-hf/bin/python] [--threads 2]
-    python benchmarks/mamba2_130m.py --tiny            # the same steps on a tiny model (seconds)
+    python benchmarks/mamba2_130m.py --torch-python TORCH_PYTHON [--threads 2]
+    python benchmarks/mamba2_130m.py --torch-python TORCH_PYTHON --tiny   # the same steps on a tiny model (seconds)
+
+TORCH_PYTHON is an interpreter of another environment with torch (CPU build) and `transformers`
+5.25 (the one tests/fixtures/transformers/make_fixtures.py describes), e.g. `venv-hf/bin/python`.
 
 Builds `transformers`' Mamba2 in the shape of state-spaces/mamba2-130m (d_model 768, 24 layers,
 24 heads × 64, state 128, one group, vocab 50,280, tied embeddings) with random weights (dt and
@@ -45,8 +48,7 @@ import numpy as np
 from flax import nnx
 
 from recurrax.chunk import default_tiling
-from recurrax.nn.pretrained import from_pretrained, save_pretrained
-from recurrax.nn.pretrained._hf_model import HFCausalLM
+from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained
 from recurrax.tools.bench.machine import machine_description
 
 from _floors import matmul_gflops, read_gbps
@@ -86,9 +88,9 @@ def append_run(path: Path, commit: str, load_start: float, load_end: float, rati
         table.write(f"| {date} | {commit} | {load_start:.1f} → {load_end:.1f} | " + " | ".join(cells) + " |\n")
 
 
-def random_model(config: dict, seed: int = 0) -> HFCausalLM:
+def random_model(config: dict, seed: int = 0) -> CausalLM:
     """Random weights; dt_bias and A_log as `transformers` initialises them (dt in [1e-3, 0.1])."""
-    model = HFCausalLM(config, rngs=nnx.Rngs(seed))
+    model = CausalLM(config, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     for block in model.body.layers:
         H = block.mixer.num_heads
@@ -98,7 +100,7 @@ def random_model(config: dict, seed: int = 0) -> HFCausalLM:
     return model
 
 
-def last_logits(model: HFCausalLM, tokens):
+def last_logits(model: CausalLM, tokens):
     """The last position's logits only (as transformers' `logits_to_keep=1`): the layers on every
     token, the 50,280-way head on the last."""
     h = model._embed(tokens)
@@ -261,7 +263,8 @@ def figure(ours_tps: dict, torch_tps: dict, path: Path) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--torch-python", default="/work/venv-hf/bin/python")
+    parser.add_argument("--torch-python", required=True,
+                        help="an interpreter with torch and transformers 5.25 (runs mamba2_130m_torch.py)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=16)

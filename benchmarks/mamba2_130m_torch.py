@@ -1,6 +1,6 @@
 """`transformers`' side of `mamba2_130m.py`: its own Mamba2ForCausalLM on the same checkpoint.
 
-    /work/venv-hf/bin/python benchmarks/mamba2_130m_torch.py DIR [--threads 2] [--repeats 3]
+    TORCH_PYTHON benchmarks/mamba2_130m_torch.py DIR [--threads 2] [--repeats 3]
 
 Run by `mamba2_130m.py` (not on its own): reads DIR (config.json + model.safetensors,
 written by recurrax's `save_pretrained`), DIR/inputs.npz and DIR/floor_shapes.json, writes

@@ -1,8 +1,11 @@
 """fla's own GLA on the checkpoint of `pretrained_340m.py`, on this CPU: load, decode, prefill, logits.
 
     python benchmarks/pretrained_340m.py --keep /tmp/gla340m        # writes the checkpoint (JAX venv)
-    TRITON_INTERPRET=1 FLA_CACHE_RESULTS=0 /work/venv-fla/bin/python \\
+    TRITON_INTERPRET=1 FLA_CACHE_RESULTS=0 FLA_PYTHON \\
         benchmarks/pretrained_340m_fla.py /tmp/gla340m               # writes benchmarks/results/pretrained_340m_fla.md
+
+FLA_PYTHON is an interpreter of another environment with torch and flash-linear-attention 0.6.0
+(the one tests/fixtures/fla/make_fixtures.py describes), e.g. `venv-fla/bin/python`.
 
 The side-by-side fla measurement for `pretrained_340m.py`. It loads the same 341.7M-parameter
 checkpoint (Hugging Face layout, fla's parameter names) with flash-linear-attention and
@@ -173,8 +176,9 @@ def report(directory: Path, parameters: int, load_s: float, info: dict, rows: li
         "Only `from_pretrained` (no kernel runs while loading) is directly comparable with recurrax's "
         "figure in `pretrained_340m.md`.",
         "",
-        "Command: `TRITON_INTERPRET=1 FLA_CACHE_RESULTS=0 /work/venv-fla/bin/python "
-        f"benchmarks/pretrained_340m_fla.py {directory}` (process niceness {os.nice(0)}).",
+        "Command: `TRITON_INTERPRET=1 FLA_CACHE_RESULTS=0 FLA_PYTHON "
+        f"benchmarks/pretrained_340m_fla.py {directory}` (FLA_PYTHON: an interpreter with torch and fla; "
+        f"process niceness {os.nice(0)}).",
         "",
         f"Checkpoint: `{directory}` written by `python benchmarks/pretrained_340m.py --keep {directory}` "
         f"({parameters / 1e6:.1f}M parameters, float32). Loading reported missing keys {missing} and "

@@ -54,7 +54,6 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import recurrax.nn as rnn  # noqa: E402
 from recurrax.nn.pretrained import CausalLM  # noqa: E402
-from recurrax.nn.pretrained._hf_model import HFCausalLM  # noqa: E402
 from recurrax.tools.bench.machine import machine_description  # noqa: E402
 
 from mamba2_130m import MAMBA2_130M  # noqa: E402
@@ -64,7 +63,7 @@ from pretrained_340m import TINY as GLA_TINY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = {"GLA 340M": (CausalLM, GLA_340M, GLA_TINY), "Mamba-2 130M": (HFCausalLM, MAMBA2_130M, MAMBA2_TINY)}
+MODELS = {"GLA 340M": (CausalLM, GLA_340M, GLA_TINY), "Mamba-2 130M": (CausalLM, MAMBA2_130M, MAMBA2_TINY)}
 PARAMETER_LAYOUTS = ["data=16,tensor=4 fsdp"]
 """Layouts for parameters and optimizer state only (a short context: `--short-len` tokens per
 row); the sequence layouts below count as parameter layouts too (FSDP 8)."""

@@ -492,3 +492,156 @@ def test_a_concrete_gate_closed_over_by_jit_is_not_folded(gate):
     shape = ",".join(map(str, gates.shape))
     constants = [line for line in text.splitlines() if f"[{shape}]" in line.split("constant(")[0] and "constant(" in line]
     assert len(constants) == 1, constants
+
+
+# ----------------------------------------------------------------------------- issue 31: models and checkpoints
+
+HF_FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
+HF_FAMILY_FIXTURES = {"mamba2": "mamba2_groups_limit_tied_bias", "nemotron_h": "nemotron_h_pattern_moe",
+                      "bamba": "bamba_basic", "granitemoehybrid": "granite_moe_multipliers",
+                      "falcon_h1": "falcon_h1_mup", "zamba2": "zamba2_shared_adapters_rope_tied"}
+"""One `transformers` fixture per family."""
+FLA_TINY = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=2, hidden_ratio=2, expand_ratio=8)
+
+
+def _hf_config(family: str) -> dict:
+    return json.loads((HF_FIXTURES / HF_FAMILY_FIXTURES[family] / "config.json").read_text())
+
+
+def _hf_checkpoint(family: str, tmp_path: Path, **changes) -> Path:
+    """A copy of the family's fixture with `changes` in its config.json (None deletes a field)."""
+    target = Path(shutil.copytree(HF_FIXTURES / HF_FAMILY_FIXTURES[family], tmp_path / family))
+    config = {**_hf_config(family), **changes}
+    (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return target
+
+
+@pytest.mark.parametrize("model_type", pretrained.SUPPORTED)
+def test_every_supported_family_builds_from_a_config_as_the_public_causal_lm(model_type):
+    config = _hf_config(model_type) if model_type in HF_FAMILY_FIXTURES else {**FLA_TINY, "model_type": model_type}
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    assert type(model) is CausalLM and model.model_type == model_type
+    assert jax.eval_shape(model, jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, model.vocab_size)
+
+
+def test_supported_lists_both_libraries_and_from_pretrained_returns_the_public_class():
+    assert set(HF_FAMILY_FIXTURES) < set(pretrained.SUPPORTED) and "gla" in pretrained.SUPPORTED
+    assert type(from_pretrained(HF_FIXTURES / HF_FAMILY_FIXTURES["mamba2"])) is CausalLM
+    assert not hasattr(CausalLM, "uses_attention")
+
+
+def test_an_unknown_model_type_lists_every_family():
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba'; supported: " + ", ".join(pretrained.SUPPORTED)):
+        CausalLM({**FLA_TINY, "model_type": "mamba"})
+
+
+NAN = float("nan")
+BAD_HF_CONFIGS = [
+    ("mamba2", dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false, got 'false'"),
+    ("mamba2", dict(residual_in_fp32="false"), "'residual_in_fp32' must be true or false, got 'false'"),
+    ("mamba2", dict(num_heads=8.0), "'num_heads' must be a positive integer, got 8.0"),
+    ("mamba2", dict(n_groups="2"), "'n_groups' must be a positive integer, got '2'"),
+    ("mamba2", dict(state_size="8"), "'state_size' must be a positive integer, got '8'"),
+    ("mamba2", dict(time_step_limit=[0.02]), r"'time_step_limit' must be null or \[low, high\].*got \[0.02\]"),
+    ("mamba2", dict(time_step_limit=[0.0, NAN]), r"'time_step_limit' must be null or \[low, high\].*nan"),
+    ("mamba2", dict(layer_norm_epsilon=-1), "'layer_norm_epsilon' must be a finite positive number, got -1"),
+    ("zamba2", dict(time_step_min=NAN), "'time_step_min' must be a finite number ≥ 0.*got nan"),
+    ("zamba2", dict(rope_parameters=dict(rope_type="default", rope_theta=-1.0)), "'rope_theta'.*got -1.0"),
+    ("bamba", dict(rope_parameters=dict(rope_type="default", rope_theta=0)), "'rope_theta' must be a finite positive"),
+    ("zamba2", dict(num_mem_blocks=0), "'num_mem_blocks' must be a positive integer, got 0"),
+    ("granitemoehybrid", dict(logits_scaling=0), "'logits_scaling' must be a finite positive number, got 0"),
+    ("granitemoehybrid", dict(num_experts_per_tok=5), r"'num_experts_per_tok' must be at most the number of experts \(4\)"),
+    ("nemotron_h", dict(layers_block_type=None, hybrid_override_pattern="M*X"),
+     "'hybrid_override_pattern' must be a string of the layer letters M \\* - E.*got 'M\\*X'"),
+    ("nemotron_h", dict(num_experts_per_tok=0), "'num_experts_per_tok' must be a positive integer, got 0"),
+    ("nemotron_h", dict(num_experts_per_tok=9), r"'num_experts_per_tok' must be at most the number of experts \(4\)"),
+    ("falcon_h1", dict(mlp_multipliers=[1.0]), r"'mlp_multipliers' must be null or a list of 2 finite numbers"),
+    ("falcon_h1", dict(ssm_multipliers=[1.0, 2.0]), r"'ssm_multipliers' must be null or a list of 5 finite numbers"),
+]
+
+
+@pytest.mark.parametrize("family, changes, message", BAD_HF_CONFIGS,
+                         ids=[f"{family}-{next(iter(changes))}-{i}" for i, (family, changes, _) in
+                              enumerate(BAD_HF_CONFIGS)])
+def test_bad_transformers_config_values_name_the_file_and_field(tmp_path, family, changes, message):
+    target = _hf_checkpoint(family, tmp_path, **changes)
+    with pytest.raises(ValueError, match=f"{target / 'config.json'}: .*{message}"):
+        from_pretrained(target)
+    with pytest.raises(ValueError, match=message):
+        CausalLM(json.loads((target / "config.json").read_text()))
+
+
+def test_a_tensor_under_its_legacy_and_current_name_must_agree(tmp_path):
+    """mamba2's `backbone.embedding.weight` (older) beside `backbone.embeddings.weight`:
+    different values are refused naming both; equal ones load."""
+    target = _hf_checkpoint("mamba2", tmp_path)
+    weights = load_file(target / "model.safetensors")
+    current = weights["backbone.embeddings.weight"]
+    save_file({**weights, "backbone.embedding.weight": current + 1.0}, target / "model.safetensors")
+    with pytest.raises(ValueError, match="tensors backbone.embedding.weight and backbone.embeddings.weight are two names of "
+                       "backbone.embeddings.weight"):
+        from_pretrained(target)
+    save_file({**weights, "backbone.embedding.weight": current.copy()}, target / "model.safetensors")
+    loaded = from_pretrained(target)
+    np.testing.assert_array_equal(np.asarray(loaded.body.embedding.embedding[...]), current)
+
+
+def test_generate_stops_at_the_checkpoints_eos_tokens_unless_told_otherwise(checkpoint, tmp_path):
+    """config.json's `eos_token_id` (an int), overridden by generation_config.json's (a list),
+    is generate's default `stop_tokens`; an explicit value wins."""
+    prompt = [[3, 7, 1]]
+    full = generate(hybrid(), prompt, 6, stop_tokens=())[0]
+    assert hybrid().eos_token_ids == (HYBRID["eos_token_id"],)
+    target = _copy(checkpoint, tmp_path)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [full[2], 31]}))
+    model = from_pretrained(target)
+    assert model.eos_token_ids == (full[2], 31)
+    assert generate(model, prompt, 6) == [full[:full.index(full[2]) + 1]]
+    assert generate(model, prompt, 6, stop_tokens=()) == [full]
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(ValueError, match="generation_config.json: .*'eos_token_id' must be null, a token id"):
+        from_pretrained(target)
+
+
+def test_generate_clamps_a_top_k_beyond_the_vocabulary():
+    options = dict(temperature=1.0, seed=3, stop_tokens=())
+    assert generate(hybrid(), [[1, 2]], 3, top_k=2**40, **options) == generate(hybrid(), [[1, 2]], 3, **options)
+
+
+def test_generate_runs_inside_runtime_checks():
+    want = generate(hybrid(), [[1, 2], [5]], 3, stop_tokens=())
+    with recurrax.runtime_checks():
+        assert generate(hybrid(), [[1, 2], [5]], 3, stop_tokens=()) == want
+
+
+def test_a_mesh_lacking_an_axis_of_the_rules_is_named():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    message = r"the mesh axis 'tensor', which the mesh lacks \(its axes: 'data'\)"
+    with pytest.raises(ValueError, match=message):
+        recurrax.nn.shard_model(small_language_model(), mesh, recurrax.nn.TENSOR_PARALLEL)
+    with pytest.raises(ValueError, match=message):
+        with recurrax.nn.use_mesh(mesh, recurrax.nn.TENSOR_PARALLEL):
+            pass
+
+
+def test_a_language_model_saves_and_loads_back_with_equal_logits(tmp_path):
+    model = LanguageModel(16, 8, 2, 2, mixer="retnet", mixer_options=dict(conv_size=3), rngs=nnx.Rngs(1))
+    save_pretrained(model, tmp_path / "lm")
+    loaded = from_pretrained(tmp_path / "lm")
+    assert type(loaded) is LanguageModel and loaded.config == model.config
+    tokens = jnp.asarray([[1, 5, 9, 2, 14]])
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+    with pytest.raises(TypeError, match="save_pretrained and state_dict take a .*CausalLM or a .*LanguageModel"):
+        save_pretrained(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "linear")
+
+
+def test_benchmarks_and_fixture_scripts_use_public_names_and_no_machines_paths():
+    """No private recurrax module imported by a benchmark (`recurrax.….\\_x`), no absolute path of
+    one machine (/work/…, /home/…) in the benchmarks or the fixture scripts."""
+    root = Path(__file__).resolve().parent.parent
+    scripts = sorted((root / "benchmarks").glob("*.py")) + sorted((root / "tests" / "fixtures").glob("*/make_fixtures.py"))
+    assert scripts
+    for script in scripts:
+        text = script.read_text()
+        assert not re.search(r"(from|import) recurrax[\w.]*\._", text), f"{script.name} imports a private module"
+        assert not re.search(r"/(work|home)/\w", text), f"{script.name} names a machine's path"

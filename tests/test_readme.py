@@ -101,3 +101,13 @@ def test_check_quick_counts_are_true():
     assert NUMBER_WORDS[claim.group(1)] == len(check.QUICK)
     if claim.group(2):
         assert NUMBER_WORDS[claim.group(2)] == len(check.CASES)
+
+
+def test_multi_device_examples_set_up_their_devices_and_fail_loudly():
+    """A snippet that builds a mesh sets up 8 devices (simulated on a CPU) with one recipe and
+    stops with a message where there are fewer, instead of skipping its body silently."""
+    meshes = [source for source in EXAMPLES if "make_mesh(" in source or "Mesh(" in source]
+    assert len(meshes) >= 3
+    for source in meshes:
+        assert 'jax.config.update("jax_num_cpu_devices", 8)' in source and "device_count() < 8" in source
+        assert "if jax.device_count() >=" not in source and "if jax.device_count() %" not in source

@@ -12,6 +12,8 @@ so `generate(model, prompts, max_new_tokens)` continues ragged prompts with it.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,6 +32,8 @@ MIXERS = {
     "linear": LinearAttention,
 }
 """Mixer names accepted by `LanguageModel` and `make_mixer`."""
+CONFIG_MODEL_TYPE = "recurrax_language_model"
+"""The `model_type` of a `LanguageModel`'s config.json (`LanguageModel.config`)."""
 
 
 def embed_norm(d_model: int, **options) -> nnx.RMSNorm:
@@ -107,12 +111,18 @@ class LanguageModel(nnx.Module):
       (None: the best one on this backend; `recurrax.kernel_registry.select` tells which).
     - `dtype`, `param_dtype`: computation and parameter dtypes.
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
+
+    `recurrax.nn.pretrained.save_pretrained` writes it (config.json from `config`, the
+    parameters by module path) and `from_pretrained` builds it back.
     """
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
                  mlp_ratio: int = 4, mixer_options: dict | None = None, implementation: str | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.vocab_size, self.mixer_name = vocab_size, mixer
+        self.arguments_json = _arguments_json(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
+                                              num_heads=num_heads, mixer=mixer, mlp_ratio=mlp_ratio,
+                                              mixer_options=mixer_options or {}, implementation=implementation)
         types = dict(dtype=dtype, param_dtype=param_dtype)
         init = partitioned(nnx.initializers.normal(stddev=d_model**-0.5), "vocab", "embed")
         self.embed = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs, **types)
@@ -124,6 +134,18 @@ class LanguageModel(nnx.Module):
             blocks.append(Block(mix, d_model, mlp_ratio * d_model, rngs=rngs, **types))
         self.blocks = nnx.List(blocks)
         self.norm = embed_norm(d_model, rngs=rngs, **types)
+
+    @property
+    def config(self) -> dict:
+        """The constructor's arguments (all but dtypes and `rngs`) as a config.json dict, with
+        `model_type` `"recurrax_language_model"`: what `recurrax.nn.pretrained.save_pretrained`
+        writes and `from_pretrained` builds the model back from. A `ValueError` when
+        `mixer_options` hold something JSON cannot write."""
+        if self.arguments_json is None:
+            raise ValueError("this LanguageModel's mixer_options are not JSON-serialisable (only numbers, strings, "
+                             "booleans, lists and dicts are), so it has no config.json")
+        return {"model_type": CONFIG_MODEL_TYPE, "architectures": ["recurrax.nn.LanguageModel"],
+                **json.loads(self.arguments_json)}
 
     def __call__(
         self,
@@ -182,6 +204,14 @@ class LanguageModel(nnx.Module):
         """Advance every row of `cache` by its one token: logits `[batch, vocab]`."""
         logits, cache = self(tokens[:, None], cache)
         return logits[:, 0], cache
+
+
+def _arguments_json(**arguments) -> str | None:
+    """`arguments` as JSON, or None where some value is not JSON-serialisable."""
+    try:
+        return json.dumps(arguments, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_tokens(tokens, cu_seqlens) -> None:

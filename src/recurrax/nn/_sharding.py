@@ -136,6 +136,19 @@ def _divides(axes, size: int, mesh: Any) -> bool:
     return size % math.prod(mesh.shape[name] for name in names) == 0
 
 
+def check_mesh_axes(mesh: Any, rules: Rules) -> None:
+    """A `ValueError` naming a mesh axis that `rules` map a logical axis to and `mesh` lacks,
+    with the mesh's axes (instead of a `KeyError` from deep inside)."""
+    axes = tuple(mesh.axis_names)
+    for logical, target in rules:
+        names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        missing = [name for name in names if name not in axes]
+        if missing:
+            raise ValueError(f"the rules map the logical axis {logical!r} to the mesh axis {missing[0]!r}, which "
+                             f"the mesh lacks (its axes: {', '.join(map(repr, axes))}); give the mesh that axis or "
+                             "name one of its axes in logical_rules(..., data=, tensor=, sequence=)")
+
+
 def logical_specs(model: nnx.Module) -> nnx.State:
     """Every variable's logical `PartitionSpec` (`nnx.get_partition_spec`, read without rules)."""
     with core_spmd.logical_axis_rules(()):
@@ -150,6 +163,7 @@ def parameter_shardings(model: nnx.Module, mesh: Any, rules: Rules) -> nnx.State
     - `model`: a module of `recurrax.nn` or `recurrax.nn.pretrained` (concrete or abstract).
     - `mesh`: a `jax.sharding.Mesh`; `rules`: a rules table (`logical_rules(...)`).
     """
+    check_mesh_axes(mesh, rules)
     state = nnx.state(model)
     specs = logical_specs(model)
 
@@ -164,7 +178,8 @@ def shard_model(model: nnx.Module, mesh: Any, rules: Rules) -> nnx.Module:
 
     **Arguments:**
     - `model`: a module of `recurrax.nn` or `recurrax.nn.pretrained`.
-    - `mesh`: a `jax.sharding.Mesh`; `rules`: a rules table (`logical_rules(...)`).
+    - `mesh`: a `jax.sharding.Mesh`; `rules`: a rules table (`logical_rules(...)`); a mesh
+      axis the rules name and the mesh lacks is a `ValueError` naming it and the mesh's axes.
     """
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, parameter_shardings(model, mesh, rules)))
@@ -178,8 +193,10 @@ def use_mesh(mesh: Any, rules: Rules) -> Iterator[Any]:
     by logical name, and `length` mapped to a mesh axis splits the sequence over it.
 
     **Arguments:**
-    - `mesh`: a `jax.sharding.Mesh` (axes of type `Auto`); `rules`: a rules table.
+    - `mesh`: a `jax.sharding.Mesh` (axes of type `Auto`); `rules`: a rules table. A mesh axis
+      the rules name and the mesh lacks is a `ValueError` naming it and the mesh's axes.
     """
+    check_mesh_axes(mesh, rules)
     with jax.set_mesh(mesh), core_spmd.logical_axis_rules(rules):
         yield mesh
 

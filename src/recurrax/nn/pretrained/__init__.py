@@ -1,13 +1,15 @@
-"""fla (flash-linear-attention) checkpoints in recurrax: layers, models, loading, generation.
+"""fla and `transformers` (Mamba-2 family) checkpoints in recurrax: models, loading, generation.
 
     model = from_pretrained("path/to/fla-checkpoint")          # config.json + model.safetensors
     logits = model(tokens)                                      # [B, T, vocab]
     outputs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=20)    # any CachedLanguageModel
     save_pretrained(model, "out/")                              # readable by fla's from_pretrained
 
-Supported `model_type`s: gla, retnet, hgrn2, linear_attn, lightnet, each optionally hybrid
-with fla's softmax attention (config `attn`). Needs `flax` and, for checkpoints,
-`safetensors` (`pip install 'recurrax[pretrained]'`).
+Supported `model_type`s (`SUPPORTED`): fla's gla, retnet, hgrn2, linear_attn, lightnet, each
+optionally hybrid with fla's softmax attention (config `attn`), and `transformers`' mamba2,
+nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2. `CausalLM(config)` builds any of them
+freshly initialised (to train from scratch); `from_pretrained` returns one. Needs `flax` and,
+for checkpoints, `safetensors` (`pip install 'recurrax[pretrained]'`).
 """
 
 from .._conv import CausalConv1d

@@ -42,14 +42,18 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from .._conv import CausalConv1d
-from ._config_checks import ConfigError
+from .._model import CONFIG_MODEL_TYPE as LANGUAGE_MODEL_TYPE
+from .._model import LanguageModel
+from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
-from ._hf_model import HFCausalLM
 from ._linear_attn import LinearAttention
 from ._model import Backbone, CausalLM
 from ._norm import RMSNorm
 
+LANGUAGE_MODEL_ARGUMENTS = ("vocab_size", "d_model", "num_layers", "num_heads", "mixer", "mlp_ratio", "mixer_options",
+                            "implementation")
+"""The fields of a `recurrax.nn.LanguageModel`'s config.json: its constructor's arguments."""
 INSTALL_HINT = "reading and writing fla checkpoints needs safetensors: pip install 'recurrax[pretrained]'"
 TIED_HEAD = "lm_head.weight"
 
@@ -129,9 +133,16 @@ def _later_places_as_aliases(found: dict[str, Tensor]) -> dict[str, Tensor]:
     return found
 
 
-def state_dict(model: CausalLM) -> dict[str, np.ndarray]:
-    """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes. A
-    parameter sharded over several processes is gathered (every process must call this)."""
+def state_dict(model: CausalLM | LanguageModel) -> dict[str, np.ndarray]:
+    """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes (a
+    `recurrax.nn.LanguageModel`: its parameters as they are, by module path). A parameter
+    sharded over several processes is gathered (every process must call this)."""
+    if isinstance(model, LanguageModel):
+        return {name: np.ascontiguousarray(_host_value(variable.get_value()))
+                for name, variable in _language_model_params(model).items()}
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"save_pretrained and state_dict take a recurrax.nn.pretrained.CausalLM or a "
+                        f"recurrax.nn.LanguageModel, got {type(model).__name__}")
     return {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
             for name, t in tensors(model).items() if t.saved}
 
@@ -187,6 +198,37 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
     return model
 
 
+def _language_model_params(model: LanguageModel) -> dict[str, nnx.Variable]:
+    """A `LanguageModel`'s parameters by their dotted module path (`blocks.0.mlp.up.kernel`)."""
+    return {".".join(map(str, path)): variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _build_language_model(config: dict, dtype) -> tuple[LanguageModel, dict[str, nnx.Variable]]:
+    """An abstract `LanguageModel` built from its config.json (`LanguageModel.config`), and its parameters."""
+    arguments = {k: v for k, v in config.items() if k in LANGUAGE_MODEL_ARGUMENTS}
+    missing = [k for k in LANGUAGE_MODEL_ARGUMENTS if k not in arguments]
+    if missing:
+        raise ConfigError(f"a {LANGUAGE_MODEL_TYPE} config needs the fields {', '.join(missing)}")
+    model = nnx.eval_shape(lambda: LanguageModel(**arguments, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    return model, _language_model_params(model)
+
+
+def _fill_language_model(model: LanguageModel, params: dict, weights: dict, allow_nonfinite: bool):
+    """Set every parameter of `model` from `weights` by name, after checking names, shapes, values."""
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the LanguageModel built from its config: missing {missing}, "
+                         f"unexpected {unexpected}")
+    for name, variable in params.items():
+        if tuple(np.shape(weights[name])) != tuple(variable.get_value().shape):
+            raise ValueError(f"shape mismatch for {name}: the model expects {list(variable.get_value().shape)}, "
+                             f"the checkpoint has {list(np.shape(weights[name]))}")
+        _check_values(name, np.asarray(weights[name]), allow_nonfinite)
+    for name, variable in params.items():
+        variable.set_value(jnp.asarray(weights[name], dtype=variable.get_value().dtype))
+    return model
+
+
 def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
     """A checkpoint tensor must be floating point and, unless allowed, finite."""
     if not jnp.issubdtype(value.dtype, jnp.floating):
@@ -199,8 +241,12 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
                              "allow_nonfinite=True to load it anyway")
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfinite: bool = False) -> CausalLM:
-    """Load an fla checkpoint directory (Hugging Face layout) into a `CausalLM`. Nothing is downloaded.
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
+                    allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
+    """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
+    into a `CausalLM`; one `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its
+    `model_type` is `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is
+    downloaded.
 
     **Arguments:**
     - `path`: a local directory with `config.json` and `model.safetensors`, or sharded
@@ -225,14 +271,35 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfini
         weights = _load_shards(path, index, load_file)
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
-    model_class = CausalLM
-    if is_hf_config(config):
-        model_class, weights = HFCausalLM, legacy_names(config, weights)
+    if config.get("model_type") == LANGUAGE_MODEL_TYPE:
+        try:
+            model, params = _build_language_model(config, dtype)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"{config_path}: {error}") from error
+        return _fill_language_model(model, params, weights, allow_nonfinite)
     try:
-        model = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
+        hf_config = is_hf_config(config)
+        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
+    if hf_config:
+        weights = legacy_names(config, weights)
+    model.eos_token_ids = _generation_eos(path, model.eos_token_ids)
     return load_weights(model, weights, allow_nonfinite=allow_nonfinite)
+
+
+def _generation_eos(path: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """generation_config.json's `eos_token_id` (it wins over config.json's), else `default`."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return default
+    generation = _read_json(file)
+    if generation.get("eos_token_id") is None:
+        return default
+    try:
+        return eos_token_ids(generation["eos_token_id"], "eos_token_id")
+    except ValueError as error:
+        raise ConfigError(f"{file}: {error}") from error
 
 
 def _read_json(file: str) -> dict:
@@ -265,11 +332,13 @@ def _load_shards(path: str, index: str, load_file) -> dict[str, np.ndarray]:
     return weights
 
 
-def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
-    """Write `model` as an fla checkpoint: config.json (the config it was built from, with the
-    saved dtype), generation_config.json (its bos/eos/pad ids) and model.safetensors (fla's
-    names, PyTorch layouts, the parameters' dtypes), which fla's own `from_pretrained` reads
-    back.
+def save_pretrained(model: CausalLM | LanguageModel, path: str | os.PathLike) -> None:
+    """Write `model` as a checkpoint: config.json (the config it was built from, with the
+    saved dtype), generation_config.json (its bos/eos/pad ids) and model.safetensors (the
+    family's names and PyTorch layouts, the parameters' dtypes), which fla's or `transformers`'
+    own `from_pretrained` reads back. A `recurrax.nn.LanguageModel` is written with its
+    constructor's arguments as config.json (`LanguageModel.config`) and its parameters as they
+    are, by module path: `from_pretrained` reads it back (no other library does).
 
     Atomic: the files are written into a temporary directory beside `path`, then moved into
     place; a failure leaves an earlier checkpoint in `path` as it was. Files of an earlier

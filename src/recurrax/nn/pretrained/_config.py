@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._config_checks import check_config
 from ._gla import GatedLinearAttention
+from ._hf_config import HF_FAMILIES
 from ._hgrn2 import HGRN2Attention
 from ._lightnet import LightNetAttention
 from ._linear_attn import LinearAttention
@@ -41,7 +42,9 @@ ARCHITECTURES = {
     "linear_attn": "LinearAttentionForCausalLM",
     "lightnet": "LightNetForCausalLM",
 }
-SUPPORTED = tuple(FAMILY_DEFAULTS)
+SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES
+"""Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families, then `transformers`' Mamba-2
+family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2)."""
 
 
 def resolve(config: dict) -> dict:

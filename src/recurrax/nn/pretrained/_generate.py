@@ -31,7 +31,11 @@ Every array of a cache has the sequence (slot) axis first, so `generate` moves a
 sequence into a slot of the pool by indexing that axis. `capacity` is the positions per
 sequence that softmax-attention layers keep (longest prompt + max_new_tokens, bucketed); a
 model whose cache does not depend on it ignores it. The model is a `flax.nnx.Module`; one
-lacking a member is a `TypeError` naming the missing ones.
+lacking a member is a `TypeError` naming the missing ones. An optional `eos_token_ids` (a
+`CausalLM` has its checkpoint's) are the default stop tokens. Inside
+`recurrax.runtime_checks()` the compiled prefill and step run their checks (token ids, cache
+capacity) through `checkify` and raise what fails; attention caches then hold at least one
+packed prefill (its padding sequence writes them too).
 
 On a mesh (inside `recurrax.nn.use_mesh(mesh, rules)`, the model placed by `shard_model`),
 the pool's rows are split over the mesh axis of `batch` and the heads of its states and
@@ -58,8 +62,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
+from ...problem import runtime_checks_enabled
 from .._sharding import constrain
 from .._tokens import check_token_ids
 
@@ -142,7 +148,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    stop_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] | None = None,
     num_slots: int | None = None,
     max_cache_bytes: int | None = None,
 ) -> list[list[int]]:
@@ -155,10 +161,12 @@ def generate(
       non-zero lengths.
     - `max_new_tokens`: most tokens generated per prompt (an integer ≥ 0).
     - `temperature`: 0 for greedy decoding, else the sampling temperature (finite, ≥ 0).
-    - `top_k`, `top_p`: keep the k most likely tokens (an integer ≥ 1) / the smallest set
-      with mass ≥ p (0 < p ≤ 1).
+    - `top_k`, `top_p`: keep the k most likely tokens (an integer ≥ 1; more than the
+      vocabulary keeps all) / the smallest set with mass ≥ p (0 < p ≤ 1).
     - `seed`: sampling randomness (an integer).
-    - `stop_tokens`: ids that end a sequence (the stop token is included in its output).
+    - `stop_tokens`: ids that end a sequence (the stop token is included in its output);
+      default (None): the model's `eos_token_ids` (a `CausalLM`'s `eos_token_id`, from
+      config.json or generation_config.json), none for a model without them; `()` never stops.
     - `num_slots`: sequences decoded at once (an integer ≥ 1; default: all prompts, at most
       8); more prompts wait in a queue and take slots as sequences finish.
     - `max_cache_bytes`: the most bytes the decode caches may take (default: the device's
@@ -179,6 +187,8 @@ def generate(
     _check_int("seed", seed)
     _check_int("num_slots", num_slots, 1, optional=True)
     _check_int("max_cache_bytes", max_cache_bytes, 1, optional=True)
+    if stop_tokens is None:
+        stop_tokens = getattr(model, "eos_token_ids", ())
     stop_tokens = _checked_ids("stop_tokens", stop_tokens, model.vocab_size)
     outputs = [[] for _ in prompts]
     if max_new_tokens == 0 or not prompts:
@@ -186,11 +196,15 @@ def generate(
     P = num_slots or min(len(prompts), 8)
     longest = max(map(len, prompts))
     capacity = _capacity(model, longest + max_new_tokens)
+    if runtime_checks_enabled() and capacity > 1:  # the checks see the padding sequence's positions too
+        capacity = max(capacity, bucket(P * longest, 64))
     _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
     stops = set(stop_tokens)
     graphdef, params = nnx.split(model)
     static = dict(graphdef=graphdef, slots=P, capacity=capacity)
-    sampling = (jnp.float32(temperature), jnp.int32(top_k or model.vocab_size), jnp.float32(top_p or 1.0))
+    top_k = model.vocab_size if top_k is None else min(top_k, model.vocab_size)  # fits int32
+    sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p or 1.0))
+    admit, step = _compiled()
     pool = _empty_pool(model, P, capacity)
     queue = deque(range(len(prompts)))
     slot_prompt, next_tokens = [-1] * P, np.zeros(P, np.int32)
@@ -208,7 +222,7 @@ def generate(
             admitted = [(slot, queue.popleft()) for slot in free[: len(queue)]]
             tokens, cu_seqlens, slots, ids = _pack([prompts[i] for _, i in admitted], [s for s, _ in admitted], P)
             ids[: len(admitted)] = [i for _, i in admitted]
-            first, pool = _admit(params, pool, tokens, cu_seqlens, slots, ids, seed, sampling, **static)
+            first, pool = admit(params, pool, tokens, cu_seqlens, slots, ids, seed, sampling, **static)
             first = np.asarray(first)
             for row, (slot, i) in enumerate(admitted):
                 slot_prompt[slot] = i
@@ -218,7 +232,7 @@ def generate(
             continue
         ids = np.array([max(i, 0) for i in slot_prompt], np.int32)
         counts = np.array([len(outputs[i]) if i >= 0 else 0 for i in slot_prompt], np.int32)
-        sampled, pool = _step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(counts), seed,
+        sampled, pool = step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(counts), seed,
                               sampling, **static)
         sampled = np.asarray(sampled)
         for slot in active:
@@ -227,13 +241,13 @@ def generate(
 
 
 STATIC = ("graphdef", "slots", "capacity")
-"""Both compiled functions donate the pool (the caller rebinds it to the result): the new
+"""Both compiled functions (`_admit`, `_step`; inside `recurrax.runtime_checks()` their
+checkified versions) donate the pool (the caller rebinds it to the result): the new
 caches reuse its buffers instead of fresh allocations each step (2.7× less CPU time per step
 for mamba2-130m at 64 slots)."""
 
 
-@partial(jax.jit, static_argnames=STATIC, donate_argnames=("pool",))
-def _admit(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, *, graphdef, slots, capacity):
+def _admit_body(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, *, graphdef, slots, capacity):
     """Prefill the packed prompts, put their caches into their target slots, sample their first tokens."""
     net = nnx.merge(graphdef, params)
     logits, fresh = net.prefill(tokens, cu_seqlens, net.generation_cache(slots + 1, capacity))
@@ -242,11 +256,44 @@ def _admit(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling
     return _sample(last, _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids)), sampling), constrain_cache(pool)
 
 
-@partial(jax.jit, static_argnames=STATIC, donate_argnames=("pool",))
-def _step(params, tokens, pool, prompt_ids, counts, seed, sampling, *, graphdef, slots, capacity):
+def _step_body(params, tokens, pool, prompt_ids, counts, seed, sampling, *, graphdef, slots, capacity):
     """Advance every slot by its pending token; sample the next ones."""
     logits, pool = nnx.merge(graphdef, params).decode_step(tokens, pool)
     return _sample(logits, _keys(seed, prompt_ids, counts), sampling), constrain_cache(pool)
+
+
+_admit = jax.jit(_admit_body, static_argnames=STATIC, donate_argnames=("pool",))
+_step = jax.jit(_step_body, static_argnames=STATIC, donate_argnames=("pool",))
+
+
+def _checkified(body, pool_position: int):
+    """`body` compiled with its `checkify.check`s functionalised: returns `(error, outputs)`."""
+
+    def run(*args, graphdef, slots, capacity):
+        return checkify.checkify(partial(body, graphdef=graphdef, slots=slots, capacity=capacity))(*args)
+
+    return jax.jit(run, static_argnames=STATIC, donate_argnums=(pool_position,))
+
+
+_admit_checked = _checkified(_admit_body, 1)
+_step_checked = _checkified(_step_body, 2)
+
+
+def _compiled():
+    """(admit, step): inside `recurrax.runtime_checks()` the versions whose checks (token ids,
+    cache capacity) run and are thrown as errors; else the plain ones (no check at all)."""
+    if not runtime_checks_enabled():
+        return _admit, _step
+    return _throwing(_admit_checked), _throwing(_step_checked)
+
+
+def _throwing(checked):
+    def call(*args, **static):
+        error, outputs = checked(*args, **static)
+        error.throw()
+        return outputs
+
+    return call
 
 
 def _empty_pool(model, slots: int, capacity: int):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from ._config_checks import check_hf_config, check_rope_theta
+
 HF_FAMILIES = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2")
 
 FLA_MAMBA2_KEYS = ("fuse_norm", "fuse_cross_entropy", "fuse_linear_cross_entropy", "fuse_swiglu", "attn")
@@ -87,6 +89,8 @@ def decode_floats(value):
 
 def is_hf_config(config: dict) -> bool:
     """Whether config.json is one of `transformers`' Mamba-2 families (refusing fla's own `mamba2`)."""
+    if not isinstance(config, dict):
+        return False  # resolve refuses it by name
     model_type = config.get("model_type")
     if model_type == "mamba2" and any(key in config for key in FLA_MAMBA2_KEYS):
         raise NotImplementedError(
@@ -130,6 +134,7 @@ def _rope(c: dict, head_dim: int, factor: float | None = None) -> tuple[int, flo
     if params.get("rope_type", "default") != "default" or c.get("rope_scaling"):
         raise NotImplementedError(f"only the default rotary embedding is supported, got {params or c['rope_scaling']}")
     theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    check_rope_theta(theta)
     if factor is None:
         factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     return int(head_dim * factor), float(theta)
@@ -224,6 +229,7 @@ def resolve_hf(config: dict) -> dict:
                 c[name] = c.pop(alias)
         if c["num_nextn_predict_layers"]:
             c["num_nextn_predict_layers"] = 0  # the multi-token-prediction head is not part of causal LM logits
+    check_hf_config(c)
     kinds = _layer_kinds(c, family)
     spec = dict(family=family, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], layers=kinds,
                 tie_word_embeddings=bool(c["tie_word_embeddings"]) and family != "nemotron_h",  # it never ties

@@ -1,4 +1,4 @@
-"""`transformers`' Mamba-2 causal LMs: Mamba2, Nemotron-H, Bamba, Granite 4.0-H, Falcon-H1, Zamba2.
+"""The layers of `transformers`' Mamba-2 causal LMs: Mamba2, Nemotron-H, Bamba, Granite 4.0-H, Falcon-H1, Zamba2.
 
 | symbol | meaning                                                           |
 |--------|-------------------------------------------------------------------|
@@ -18,25 +18,21 @@
                          (see `_zamba2`)
     logits = final_norm(h) W_head · m_logits        (W_head = Eᵀ with tie_word_embeddings)
 
-The module tree has the names of the checkpoints `transformers` writes (`backbone.` for
-Mamba2 and Nemotron-H, `model.` for the others), so weights load by name. With
+`CausalLM` builds these from a `transformers` config.json. The module tree has the names of
+the checkpoints `transformers` writes (`backbone.` for Mamba2 and Nemotron-H, `model.` for
+the others), so weights load by name. With
 `residual_in_fp32` the residual stream is float32 whatever the model's dtype.
 """
 
 from __future__ import annotations
 
-import json
 import jax.numpy as jnp
 from flax import nnx
 
 from .._sharding import partitioned
-from .._tied import tied_logits
-from ._hf_config import resolve_hf
 from ._hf_layers import (GatedMLP, GraniteMoE, GraniteSharedMLP, HFAttention, LayerCache, NemotronMoE, PlainMLP,
                          run_mixer)
 from ._mamba2 import Mamba2Mixer
-from ._mixer import linear
-from ._model import CausalLM, ModelCache
 from ._norm import RMSNorm
 from ._zamba2 import zamba2_layers
 
@@ -129,7 +125,8 @@ class HFBlock(nnx.Module):
 
 
 class HFBackbone(nnx.Module):
-    """Embedding, layers, final norm (named as the family's checkpoints name them)."""
+    """Embedding, layers, final norm (named as the family's checkpoints name them): the body
+    of a `CausalLM` built from a `transformers` config."""
 
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
         _, embedding, final_norm = NAMES[spec["family"]]
@@ -143,6 +140,7 @@ class HFBackbone(nnx.Module):
             self.layers = nnx.List([HFBlock(spec, kind, dtype=dtype, rngs=rngs) for kind in spec["layers"]])
         setattr(self, final_norm, RMSNorm(D, eps=spec["eps"], dtype=dtype))
         self.embedding_name, self.final_norm_name = embedding, final_norm
+        self.embedding_multiplier, self.dtype = spec["embedding_multiplier"], dtype
 
     @property
     def embedding(self) -> nnx.Embed:
@@ -152,60 +150,19 @@ class HFBackbone(nnx.Module):
     def final_norm(self) -> RMSNorm:
         return getattr(self, self.final_norm_name)
 
-
-class HFCausalLM(CausalLM):
-    """A `transformers` `Mamba2ForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`,
-    `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM` or `Zamba2ForCausalLM`: a `CausalLM` (same calls, cache
-    and `config`) with the family's own layers.
-
-    **Arguments:**
-    - `config`: `transformers`' config.json as a dict (its `model_type` chooses the family).
-    - `dtype`: parameter and computation dtype (default float32).
-    - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
-    """
-
-    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):  # noqa: PLW0231
-        rngs = nnx.Rngs(0) if rngs is None else rngs
-        spec = resolve_hf(config)
-        self.config_json = json.dumps(config, sort_keys=True)
-        self.model_type, self.dtype = spec["family"], dtype
-        self.vocab_size, self.tie_word_embeddings = spec["vocab_size"], spec["tie_word_embeddings"]
-        self.max_position_embeddings = spec["max_position_embeddings"]
-        self.embedding_multiplier, self.logits_multiplier = spec["embedding_multiplier"], spec["logits_multiplier"]
-        self.backbone_name = NAMES[spec["family"]][0]
-        setattr(self, self.backbone_name, HFBackbone(spec, dtype=dtype, rngs=rngs))
-        self.lm_head = None if self.tie_word_embeddings else linear(spec["hidden_size"], spec["vocab_size"],
-                                                                    axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
-
-    @property
-    def body(self) -> HFBackbone:
-        """The backbone (`backbone` or `model`, as the family names it)."""
-        return getattr(self, self.backbone_name)
-
-    @property
-    def uses_attention(self) -> bool:
-        """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
-        return any(block.kind in ("attention", "parallel", "hybrid") for block in self.body.layers)
-
-    def _embed(self, tokens):
-        h = self.body.embedding(tokens)
+    def embed(self, tokens):
+        """The embedded tokens, times the family's embedding multiplier."""
+        h = self.embedding(tokens)
         return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
 
-    def _layers(self):
-        return self.body.layers
-
-    def _layer_context(self, embedded):
+    def layer_context(self, embedded) -> list[dict]:
         """Zamba2's hybrid layers read the embedded tokens."""
-        return [dict(embeddings=embedded) if block.kind == "hybrid" else {} for block in self.body.layers]
+        return [dict(embeddings=embedded) if block.kind == "hybrid" else {} for block in self.layers]
 
-    def _head(self, h):
-        h = self.body.final_norm(h).astype(self.dtype)
-        logits = (self.lm_head(h) if self.lm_head is not None else tied_logits(self.body.embedding, h)).astype(jnp.float32)
-        return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
+    def head_input(self, h):
+        """The final norm, in the model's dtype (the residual stream may be float32)."""
+        return self.final_norm(h).astype(self.dtype)
 
-    def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
-        """An empty cache for `rows` sequences; attention layers hold `capacity` tokens per row
-        (default `max_position_embeddings`)."""
-        capacity = self.max_position_embeddings if capacity is None else capacity
-        layers = tuple(block.init_cache(rows, capacity) for block in self.body.layers)
-        return ModelCache(layers, jnp.zeros((rows,), jnp.int32))
+    def init_caches(self, rows: int, capacity: int) -> tuple:
+        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
+        return tuple(block.init_cache(rows, capacity) for block in self.layers)

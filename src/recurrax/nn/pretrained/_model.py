@@ -1,4 +1,5 @@
-"""fla's `...ForCausalLM` models: embedding, pre-norm blocks (mixer + SwiGLU MLP), norm, head.
+"""`CausalLM`, one class for every supported family; the layers of fla's `...ForCausalLM`
+models: embedding, pre-norm blocks (mixer + SwiGLU MLP), norm, head.
 
 | symbol | meaning                                                      |
 |--------|--------------------------------------------------------------|
@@ -13,7 +14,8 @@
 The module tree mirrors fla's names (`model.embeddings`, `model.layers[l].attn`,
 `model.layers[l].mlp.gate_proj`, `model.norm`, `lm_head`, HGRN2's `model.lower_bounds`),
 so a checkpoint converts by renaming and transposing. The mixer of layer l is the family's
-own layer, or fla's softmax `Attention` where the config's `attn` lists l.
+own layer, or fla's softmax `Attention` where the config's `attn` lists l. A `transformers`
+config (Mamba-2 and its hybrids) builds the body of `_hf_model` instead, with its own names.
 
 Decoding: `model.init_cache(rows, capacity)` and `logits, cache = model(tokens, cache)`
 (`generation_cache`, `prefill` and `decode_step` wrap them for `generate`); the
@@ -41,7 +43,10 @@ from .._tokens import check_token_ids
 from .._tied import tied_logits
 from ._attention import Attention, KVCache
 from ._config import attention_spec, intermediate_size, native_mixer, resolve
-from ._config_checks import ConfigError
+from ._config_checks import ConfigError, eos_token_ids
+from ._hf_config import is_hf_config, resolve_hf
+from ._hf_model import NAMES as HF_NAMES
+from ._hf_model import HFBackbone
 from ._mixer import linear
 from ._norm import RMSNorm
 
@@ -108,29 +113,68 @@ class Backbone(nnx.Module):
         bounds = jnp.cumsum(probs, axis=0) - probs[0]
         return [bounds[l] for l in range(len(self.layers))]
 
+    @property
+    def embedding(self) -> nnx.Embed:
+        return self.embeddings
+
+    def embed(self, tokens):
+        return self.embeddings(tokens)
+
+    def layer_context(self, embedded) -> list[dict]:
+        """Per-layer keyword arguments of the blocks: HGRN2's lower bounds."""
+        return [dict(lower_bound=bound) for bound in self.layer_lower_bounds()]
+
+    def head_input(self, h):
+        return self.norm(h)
+
+    def init_caches(self, rows: int, capacity: int) -> tuple:
+        """One empty cache per layer; softmax-attention layers hold `capacity` tokens per row."""
+        return tuple(block.attn.init_cache(rows, capacity) if isinstance(block.attn, Attention)
+                     else block.attn.init_cache(rows) for block in self.layers)
+
 
 class CausalLM(nnx.Module):
-    """An fla `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet; hybrids via `attn`).
+    """A causal language model of any supported family (`SUPPORTED`), built from its
+    config.json: fla's `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet;
+    hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
+    `BambaForCausalLM`, `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM`,
+    `Zamba2ForCausalLM`. Freshly initialised (to train from scratch), or filled by
+    `from_pretrained`.
 
     **Arguments:**
-    - `config`: fla's config.json as a dict (its `model_type` chooses the family).
+    - `config`: the config.json as a dict (its `model_type` chooses the family; a bad value is
+      a `ValueError` naming the field).
     - `dtype`: parameter and computation dtype (default float32).
     - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
+
+    The body (embedding, layers, final norm) is `model.body`, under the name the family's
+    checkpoints use (`model`, or `backbone` for Mamba2 and Nemotron-H). `eos_token_ids` (from
+    `eos_token_id`, an id or a list) are `generate`'s default stop tokens.
     """
 
     def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
-        full = resolve(config)
+        if is_hf_config(config):
+            spec = resolve_hf(config)
+            family, hidden_size = spec["family"], spec["hidden_size"]
+            self.body_name, make_body = HF_NAMES[family][0], lambda: HFBackbone(spec, dtype=dtype, rngs=rngs)
+            self.logits_multiplier = spec["logits_multiplier"]
+            self.tie_word_embeddings = spec["tie_word_embeddings"]
+        else:
+            full = resolve(config)
+            family, hidden_size, spec = full["model_type"], full["hidden_size"], full
+            self.body_name, make_body = "model", lambda: Backbone(full, dtype=dtype, rngs=rngs)
+            self.logits_multiplier, self.tie_word_embeddings = 1.0, bool(full["tie_word_embeddings"])
         self.config_json = json.dumps(config, sort_keys=True)  # as given: save_pretrained writes it back
-        self.model_type, self.dtype = full["model_type"], dtype
-        self.vocab_size, self.tie_word_embeddings = full["vocab_size"], bool(full["tie_word_embeddings"])
-        self.max_position_embeddings = full["max_position_embeddings"]
+        self.model_type, self.dtype = family, dtype
+        self.vocab_size, self.max_position_embeddings = spec["vocab_size"], spec["max_position_embeddings"]
+        self.eos_token_ids = eos_token_ids(config.get("eos_token_id"), "eos_token_id")
         try:
-            self.model = Backbone(full, dtype=dtype, rngs=rngs)
-        except (KeyError, AttributeError, ZeroDivisionError, TypeError) as error:  # a value check_config missed
-            raise ConfigError(f"cannot build a {self.model_type!r} model from this config: "
+            setattr(self, self.body_name, make_body())
+        except (KeyError, AttributeError, ZeroDivisionError, TypeError) as error:  # a value the checks missed
+            raise ConfigError(f"cannot build a {family!r} model from this config: "
                               f"{type(error).__name__}: {error}") from error
-        self.lm_head = None if self.tie_word_embeddings else linear(full["hidden_size"], full["vocab_size"],
+        self.lm_head = None if self.tie_word_embeddings else linear(hidden_size, spec["vocab_size"],
                                                                     axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
 
     @property
@@ -139,9 +183,9 @@ class CausalLM(nnx.Module):
         return json.loads(self.config_json)
 
     @property
-    def uses_attention(self) -> bool:
-        """Whether some layer keeps a KV cache (its size then depends on the capacity)."""
-        return any(isinstance(block.attn, Attention) for block in self.model.layers)
+    def body(self) -> Backbone | HFBackbone:
+        """The embedding, layers and final norm (`model` or `backbone`, as the family names it)."""
+        return getattr(self, self.body_name)
 
     def __call__(
         self,
@@ -172,16 +216,16 @@ class CausalLM(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         check_token_ids(tokens, self.vocab_size)
-        h = constrain(self._embed(tokens[None] if packed else tokens), *RESIDUAL)  # [B, T, D]
+        h = constrain(self.body.embed(tokens[None] if packed else tokens), *RESIDUAL)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
         capacity = None if cache is None else _capacity(cache)
         _refuse_past_capacity(positions, capacity)
-        layers = self._layers()
+        layers = self.body.layers
         layer_caches = (None,) * len(layers) if cache is None else cache.layers
         if len(layer_caches) != len(layers):
             raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(layer_caches)}")
         new_caches = []
-        for block, layer_cache, context in zip(layers, layer_caches, self._layer_context(h)):
+        for block, layer_cache, context in zip(layers, layer_caches, self.body.layer_context(h)):
             h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
             h = constrain(h, *RESIDUAL)
             new_caches.append(new_cache)
@@ -199,11 +243,7 @@ class CausalLM(nnx.Module):
         per row (default `max_position_embeddings`): size it to the longest sequence you will
         feed (prompt + new tokens). Layers without softmax attention ignore it."""
         capacity = self.max_position_embeddings if capacity is None else capacity
-        layers = tuple(
-            block.attn.init_cache(rows, capacity) if isinstance(block.attn, Attention) else block.attn.init_cache(rows)
-            for block in self.model.layers
-        )
-        return ModelCache(layers, jnp.zeros((rows,), jnp.int32))
+        return ModelCache(self.body.init_caches(rows, capacity), jnp.zeros((rows,), jnp.int32))
 
     def generation_cache(self, slots: int, capacity: int) -> ModelCache:
         """`init_cache(slots, capacity)`: `generate`'s protocol (`CachedLanguageModel`)."""
@@ -219,22 +259,12 @@ class CausalLM(nnx.Module):
         logits, cache = self(tokens[:, None], cache)
         return logits[:, 0], cache
 
-    def _embed(self, tokens):
-        return self.model.embeddings(tokens)
-
-    def _layers(self):
-        return self.model.layers
-
-    def _layer_context(self, embedded):
-        """Per-layer keyword arguments of the blocks (HGRN2's lower bounds), given the embedded tokens."""
-        return [dict(lower_bound=bound) for bound in self.model.layer_lower_bounds()]
-
     def _head(self, h):
-        """Final norm, then the (tied) head: float32 logits."""
-        h = self.model.norm(h)
-        if self.lm_head is not None:
-            return self.lm_head(h).astype(jnp.float32)
-        return tied_logits(self.model.embeddings, h).astype(jnp.float32)
+        """Final norm, then the (tied) head: float32 logits (times the family's multiplier)."""
+        h = self.body.head_input(h)
+        head = self.lm_head(h) if self.lm_head is not None else tied_logits(self.body.embedding, h)
+        logits = head.astype(jnp.float32)
+        return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
 
     @staticmethod
     def _positions(h, cache, cu_seqlens):
