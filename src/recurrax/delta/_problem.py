@@ -103,9 +103,12 @@ def _runtime_check_beta(beta: Array) -> None:
         checkify.check((low >= 0) & (high <= 2), "beta must lie in [0, 2], got values in [{}, {}]", low, high)
 
 
-def _same_heads(query: Array, key: Array) -> None:
-    if key.shape[-2] != query.shape[-2]:
-        _fail("key", f"the query's head count {query.shape[-2]} (the delta rule shares query and key heads)",
+def _same_heads(query: object, key: object) -> None:
+    """Query and key with one head count (checked first: `recurrent`'s validation would read
+    fewer key heads as grouped key/value heads)."""
+    shapes = [getattr(x, "shape", ()) for x in (query, key)]
+    if min(map(len, shapes)) >= 3 and shapes[1][-2] != shapes[0][-2]:
+        _fail("key", f"of the query's head count {query.shape[-2]} (the delta rule shares query and key heads)",
               f"{key.shape[-2]} heads")
 
 
@@ -114,9 +117,9 @@ def canonicalize_delta(
     allow_positive_gates: bool = False,
 ) -> tuple[DeltaProblem, float, Layout]:
     """Validate `delta_rule`'s arguments: the canonical `DeltaProblem`, the scale and the layout."""
+    _same_heads(query, key)
     problem, packed_3d = _validated(query, key, value, g, None, gk, None, initial_state, cu_seqlens,
                                     allow_positive_gates)
-    _same_heads(query, key)
     B, T, _, K = problem.query.shape
     H = problem.value.shape[2]
     packed = cu_seqlens is not None
