@@ -61,8 +61,12 @@ from ..chunk._intra import ChunkDecay, dot
 from ..problem import Gate
 from ._problem import DeltaProblem
 
-CHUNK_SIZE = 64
-LEAF_SIZE = 16
+CHUNK_SIZES = {"scalar_decays": 64, "channel_decays": 32}
+"""Default C without / with a per-channel decay; with the ladder's leaf c = 1. Taken from the
+CPU sweep of `recurrent`'s chunk (`chunk/_tiling.py`); on CPU at [1, 1024, 4 heads, K = V = 64]
+with `gk`, (C, c) = (32, 1) runs fwd+bwd about twice as fast as (64, 16). Not swept for the
+delta rule itself yet."""
+LEAF_SIZE = 1
 
 
 class ChunkTerms(NamedTuple):
@@ -208,11 +212,15 @@ def _packed(problem: DeltaProblem, scale: float, C: int, leaf: int):
     return varlen.from_chunk_layout(out[0], layout)[None], finals
 
 
-def chunk_delta(problem: DeltaProblem, *, scale: float, chunk_size: int = CHUNK_SIZE, leaf_size: int = LEAF_SIZE):
+def chunk_delta(
+    problem: DeltaProblem, *, scale: float, chunk_size: int | None = None, leaf_size: int = LEAF_SIZE
+):
     """The chunk algorithm on a canonical `problem`; `(output [B, T, H, V], final_state)`.
 
-    `chunk_size` (C) and `leaf_size` (c) are static: powers of two, c ≤ C.
+    `chunk_size` (C; None: `CHUNK_SIZES`) and `leaf_size` (c) are static: powers of two.
     """
+    if chunk_size is None:
+        chunk_size = CHUNK_SIZES["scalar_decays" if problem.log_decay_key is None else "channel_decays"]
     for name, size in (("chunk_size", chunk_size), ("leaf_size", leaf_size)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two, got {size}")
