@@ -49,7 +49,17 @@ L2NORM_EPS = 1e-6
 
 
 class DeltaProblem(NamedTuple):
-    """The canonical form every delta-rule algorithm receives (see the module docstring)."""
+    """The canonical form every delta-rule algorithm receives.
+
+    **Arguments:**
+    - `query`, `key`: `[B, T, Hqk, K]` in the input dtype (l2-normalised when `qk_l2norm`).
+    - `value`: `[B, T, H, V]`, Hqk dividing H (value head h reads query/key head h // (H / Hqk)).
+    - `beta`: `[B, T, H]` write strengths in [0, 2], in the state dtype.
+    - `log_decay_head`: `[B, T, H]` or None; `log_decay_key`: `[B, T, H, K]` or None.
+    - `initial_state`: `[R, H, K, V]` in the state dtype (float32, float64 for float64 inputs);
+      R = B, or the number of packed sequences.
+    - `cu_seqlens`: `[S + 1]` int32 when packed (then B = 1), or None.
+    """
 
     query: Float[Array, "B T Hqk K"]
     key: Float[Array, "B T Hqk K"]
