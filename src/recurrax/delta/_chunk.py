@@ -160,8 +160,8 @@ def _scan_axis_first(terms: ChunkTerms) -> ChunkTerms:
     return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)
 
 
-def _chunks_of(problem: DeltaProblem, padded: int, C: int, leaf: int, take) -> ChunkTerms:
-    """The chunk terms of the problem's tokens placed by `take` ([B, T, ...] -> [B, padded, ...])."""
+def _chunks_of(problem: DeltaProblem, C: int, leaf: int, take) -> ChunkTerms:
+    """The chunk terms of the problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...])."""
     dtype = problem.state_dtype
     q, k = problem.expanded_query_key()
     arrays = (q, k, problem.value.astype(dtype), problem.beta, problem.key_side_decay())
@@ -172,7 +172,7 @@ def _chunks_of(problem: DeltaProblem, padded: int, C: int, leaf: int, take) -> C
 def _dense(problem: DeltaProblem, scale: float, C: int, leaf: int):
     T = problem.query.shape[1]
     padded = -(-T // C) * C
-    terms = _chunks_of(problem, padded, C, leaf, lambda x: varlen.pad_tokens(x, padded))
+    terms = _chunks_of(problem, C, leaf, lambda x: varlen.pad_tokens(x, padded))
 
     @jax.checkpoint
     def step(state, chunk):
@@ -194,7 +194,7 @@ def _packed(problem: DeltaProblem, scale: float, C: int, leaf: int):
     layout = varlen.chunk_layout(cu, N, C)
     owners = layout.owners
     take = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
-    terms = _chunks_of(problem, owners.seq.shape[0] * C, C, leaf, take)
+    terms = _chunks_of(problem, C, leaf, take)
     init = problem.initial_state  # [S, H, K, V]
 
     @jax.checkpoint
