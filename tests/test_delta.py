@@ -282,3 +282,29 @@ def test_traced_beta_is_checked_under_runtime_checks():
         error, _ = jax.jit(checkify.checkify(f))(args["beta"] + 3.0)
     with pytest.raises(Exception, match=r"beta must lie in \[0, 2\]"):
         error.throw()
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _backward_temp_bytes(implementation: str, T: int, K: int = 64, V: int = 64) -> int:
+    """XLA's temporaries of fwd+bwd in every input at [1, T, 1 head, K, V], per-head gate (compiled, not run)."""
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = (spec(1, T, 1, K), spec(1, T, 1, K), spec(1, T, 1, V), spec(1, T, 1), spec(1, T, 1))
+
+    def loss(q, k, v, beta, g):
+        o, final = recurrax.delta_rule(q, k, v, beta, g=g, implementation=implementation)
+        return jnp.sum(o) + jnp.sum(final)
+
+    compiled = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunk_backward_keeps_states_per_chunk_not_per_token():
+    """The reference's autodiff keeps a K×V state per token; chunk's (one checkpointed scan step
+    per chunk) keeps one per chunk plus token-sized terms: at K = V = 64, C = 64 several times less."""
+    T = 512
+    per_token_states = T * 64 * 64 * 4
+    chunk, reference = _backward_temp_bytes("chunk", T), _backward_temp_bytes("reference", T)
+    assert reference > per_token_states
+    assert chunk < per_token_states / 2 and chunk < reference / 5, (chunk, reference)
