@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental import checkify
+from jax.test_util import check_grads
 
 import recurrax
 from recurrax.delta import canonicalize_delta, chunk_delta, reference_delta
@@ -117,6 +120,19 @@ def test_reference_matches_numpy_loop(case):
     np.testing.assert_allclose(final, final_np, rtol=1e-12, atol=1e-12)
 
 
+def test_reference_gradients_match_finite_differences():
+    """The oracle's gradients (JAX's autodiff of the token loop) in every input, float64."""
+    case = Case(gates=("g", "gk"), Hqk=1, H=2, T=4, K=3, V=2, B=1)
+    args = make_inputs(case)
+    names = [n for n in ("query", "key", "value", "beta", "g", "gk", "initial_state") if n in args]
+
+    def f(*arrays):
+        o, final = recurrax.delta_rule(**{**args, **dict(zip(names, arrays))}, implementation="reference")
+        return jnp.sum(jnp.sin(o)), jnp.sum(jnp.cos(final))
+
+    check_grads(f, [args[n] for n in names], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- chunk vs the reference
 
 DIFFERENTIABLE = ("query", "key", "value", "beta", "g", "gk", "initial_state")
@@ -187,6 +203,34 @@ def test_chunk_matches_float64_reference(case):
     errors = chunk_errors(case)
     bad = {n: e for n, e in errors.items() if not e[0] <= ROUNDING_FACTOR * max(e[1], EPS32)}
     assert not bad, f"(chunk error, float32 reference error) exceeding the floor: {bad}"
+
+
+@functools.cache
+def _float64_pair():
+    """Jitted (chunk, reference) at one fixed shape: property examples vary values, not shapes."""
+    case = Case(gates=("g", "gk"), Hqk=1, H=2, T=21, K=4, V=3)
+
+    def run(algorithm, args):
+        return _run(algorithm, args, case)
+
+    return case, jax.jit(functools.partial(run, CHUNK)), jax.jit(functools.partial(run, reference_delta))
+
+
+@settings(max_examples=12)
+@given(seed=st.integers(0, 2**16), gate_scale=st.floats(1e-3, 30.0), beta_max=st.floats(0.0, 2.0),
+       key_scale=st.floats(0.1, 1.0))
+def test_chunk_equals_reference_for_any_values(seed, gate_scale, beta_max, key_scale):
+    """Float64: exact (≤ 1e-11 relative) for gate strengths from 1e-3 to 30 per token (a chunk of
+    8 tokens decays by up to e^-480: underflow, never overflow), β anywhere in [0, 2], keys
+    shorter than unit length."""
+    case, chunk, reference = _float64_pair()
+    args = make_inputs(case, seed)
+    args["g"], args["gk"] = gate_scale * args["g"], gate_scale * args["gk"]
+    args["beta"] = beta_max * args["beta"]
+    args["key"] = key_scale * args["key"]
+    (o, final), (o_ref, final_ref) = chunk(args), reference(args)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(final))
+    assert _rel_error(o, o_ref) < 1e-11 and _rel_error(final, final_ref) < 1e-11
 
 
 def test_chunk_in_float64_is_exact():
