@@ -185,7 +185,7 @@ CHUNK_CASES = [
     Case(gates=("g", "gk"), Hqk=1, H=2, K=6, V=5),  # query/key shared by 2 value heads, K not a power of two
     Case(gates=("g", "gk"), cu_seqlens=(0, 7, 7, 16, 20), T=20),  # packed, an empty sequence
     Case(gates=("gk",), qk_l2norm=True, beta_range=(0.0, 2.0), initial_state=False),
-    Case(gates=("gk",), gate_range=(-40.0, 0.0)),  # a chunk decays by e^-160: no e^{-A} may be formed
+    pytest.param(Case(gates=("gk",), gate_range=(-40.0, 0.0)), marks=pytest.mark.slow),  # e^-160 per chunk
     pytest.param(Case(), marks=pytest.mark.slow),
     pytest.param(Case(gates=("g",)), marks=pytest.mark.slow),
     pytest.param(Case(gates=("gk",)), marks=pytest.mark.slow),
@@ -208,7 +208,7 @@ def test_chunk_matches_float64_reference(case):
 @functools.cache
 def _float64_pair():
     """Jitted (chunk, reference) at one fixed shape: property examples vary values, not shapes."""
-    case = Case(gates=("g", "gk"), Hqk=1, H=2, T=21, K=4, V=3)
+    case = Case(gates=("g", "gk"), Hqk=1, H=2, T=21, K=4, V=3, cu_seqlens=(0, 6, 6, 21))
 
     def run(algorithm, args):
         return _run(algorithm, args, case)
@@ -220,26 +220,18 @@ def _float64_pair():
 @given(seed=st.integers(0, 2**16), gate_scale=st.floats(1e-3, 30.0), beta_max=st.floats(0.0, 2.0),
        key_scale=st.floats(0.1, 1.0))
 def test_chunk_equals_reference_for_any_values(seed, gate_scale, beta_max, key_scale):
-    """Float64: exact (≤ 1e-11 relative) for gate strengths from 1e-3 to 30 per token (a chunk of
-    8 tokens decays by up to e^-480: underflow, never overflow), β anywhere in [0, 2], keys
-    shorter than unit length."""
+    """Float64, packed with an empty sequence: exact (≤ 1e-11 relative) for gate strengths from
+    1e-3 to 30 per token (a chunk of 8 tokens decays by up to e^-480: underflow, never
+    overflow), β anywhere in [0, 2], keys shorter than unit length."""
     case, chunk, reference = _float64_pair()
     args = make_inputs(case, seed)
     args["g"], args["gk"] = gate_scale * args["g"], gate_scale * args["gk"]
     args["beta"] = beta_max * args["beta"]
     args["key"] = key_scale * args["key"]
     (o, final), (o_ref, final_ref) = chunk(args), reference(args)
+    assert o.dtype == final.dtype == jnp.float64
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(final))
     assert _rel_error(o, o_ref) < 1e-11 and _rel_error(final, final_ref) < 1e-11
-
-
-def test_chunk_in_float64_is_exact():
-    case = Case(gates=("g", "gk"), cu_seqlens=(0, 5, 5, 19), T=19)
-    args = make_inputs(case)
-    o, final = _run(CHUNK, args, case)
-    o_ref, final_ref = _run(reference_delta, args, case)
-    assert o.dtype == final.dtype == jnp.float64
-    assert _rel_error(o, o_ref) < 1e-13 and _rel_error(final, final_ref) < 1e-13
 
 
 # ----------------------------------------------------------------------------- the public entry
