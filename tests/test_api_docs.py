@@ -66,7 +66,7 @@ PUBLIC_MODULES = {
 
 @needs_docs
 def test_builds_strictly_with_every_page(site):
-    for page in ("recurrent", "parallel", "problem", "registry", "targets", "decays", "nn", "pretrained"):
+    for page in ("recurrent", "delta", "parallel", "problem", "registry", "targets", "decays", "nn", "pretrained"):
         assert (site / "api" / page / "index.html").exists(), page
 
 

@@ -1,6 +1,7 @@
 """recurrax: linear-time recurrent (gated linear) attention for JAX.
 
 Public entry points: `recurrent` (the operation), `recurrent_step` (decoding),
+`delta_rule` and `delta_rule_step` (the delta rule, `recurrax.delta`),
 `parallel.recurrent` (sequence parallelism); `Problem` (the canonical form) and the registry
 (`kernel_registry`, `Platform`, `Backend`, `Request`, `Support`, `Chip`); `target(name)`, a
 context in which dispatch judges a named chip, and `targets` (compiling for it without one). `docs/architecture.md`
@@ -11,6 +12,7 @@ from . import implementations as _implementations  # noqa: F401  (registers the 
 from . import decays, parallel, targets
 from ._recurrent import recurrent
 from .decode import recurrent_step
+from .delta import DeltaProblem, delta_rule, delta_rule_step
 from .problem import Gate, Problem, runtime_checks
 from .registry import Backend, Chip, Implementation, Platform, Request, Support, kernel_registry
 from .targets import target
@@ -18,6 +20,7 @@ from .targets import target
 __all__ = [
     "Backend",
     "Chip",
+    "DeltaProblem",
     "Gate",
     "Implementation",
     "Platform",
@@ -25,6 +28,8 @@ __all__ = [
     "Request",
     "Support",
     "decays",
+    "delta_rule",
+    "delta_rule_step",
     "kernel_registry",
     "parallel",
     "recurrent",

@@ -1,0 +1,151 @@
+"""The public entry points `delta_rule` and `delta_rule_step`: validate once, dispatch by name."""
+
+from __future__ import annotations
+
+import jax
+from jaxtyping import Array, Float, Int
+
+from .._eager import cached_when_eager
+from ..problem import _fail, check_values
+from ._chunk import chunk_delta
+from ._problem import canonicalize_delta, check_beta
+from ._reference import delta_token, reference_delta
+
+IMPLEMENTATIONS = {"chunk": chunk_delta, "reference": reference_delta}
+"""The delta rule's algorithms by name; `None` takes `DEFAULT_IMPLEMENTATION`. (A plain table
+for now: the kernel registry of `recurrent` is not yet generalised to a second operation.)"""
+
+DEFAULT_IMPLEMENTATION = "chunk"
+
+_STATIC = ("softmax_scale", "qk_l2norm", "implementation", "allow_positive_gates")
+
+
+def delta_rule(
+    query: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
+    key: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
+    value: Float[Array, "batch seq_len num_heads v_head_dim"] | Float[Array, "total_tokens num_heads v_head_dim"],
+    beta: Float[Array, "batch seq_len num_heads"] | Float[Array, "total_tokens num_heads"],
+    g: Float[Array, "batch seq_len num_heads"] | None = None,
+    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
+    softmax_scale: float | None = None,
+    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
+    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    qk_l2norm: bool = False,
+    *,
+    implementation: str | None = None,
+    allow_positive_gates: bool = False,
+) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    """The (gated) delta rule, in linear time. For every value head, with state S ∈ R^{K×V}:
+
+        a_t = g_t + gk_t                                  (log decays; absent terms are 0)
+        S'  = diag(exp(a_t)) · S_{t-1}
+        S_t = S' + k_t (β_t (v_t − S'ᵀ k_t))ᵀ
+        o_t = softmax_scale · S_tᵀ q_t
+
+    DeltaNet (no gate), Gated DeltaNet (per-head `g`), Kimi Delta Attention (per-channel `gk`).
+
+    **Arguments:**
+    - `query`, `key`: `[batch, seq_len, num_qk_heads, qk_head_dim]`, or packed
+      `[total_tokens, ...]` / `[1, total_tokens, ...]` with `cu_seqlens`.
+    - `value`: `[batch, seq_len, num_heads, v_head_dim]`, `num_qk_heads` dividing `num_heads`
+      (value head h reads query/key head `h // (num_heads // num_qk_heads)`).
+    - `beta`: the write strength `[batch, seq_len, num_heads]`, in [0, 2].
+    - `g`: log decay per head `[batch, seq_len, num_heads]` (a per-channel `g`
+      `[..., qk_head_dim]` is taken as `gk`).
+    - `gk`: log decay per key channel `[batch, seq_len, num_heads, qk_head_dim]`.
+    - `softmax_scale`: a Python number; defaults to `qk_head_dim ** -0.5`.
+    - `initial_state`: `[batch, num_heads, qk_head_dim, v_head_dim]`, or `[num_seqs, ...]` when
+      packed.
+    - `cu_seqlens`: `[num_seqs + 1]` integer boundaries of packed sequences (may be traced).
+    - `qk_l2norm`: normalise query and key per head first, `x · rsqrt(Σ x² + 1e-6)` in float32.
+    - `implementation`: `"chunk"` (the default: chunkwise, a triangular solve per chunk) or
+      `"reference"` (the token loop).
+    - `allow_positive_gates`: keep positive log decays. By default a concrete gate with a
+      positive value, or a concrete `beta` outside [0, 2], raises `ValueError`; traced ones
+      are checked under `recurrax.runtime_checks()`.
+
+    Gradients come from JAX's autodiff (`chunk` keeps one state per chunk for the backward).
+    Non-finite inputs are not guarded: a NaN or infinity propagates.
+
+    **Returns:** `(output, final_state)`: `output` shaped like `value` (per value head), in the
+    query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32
+    (float64 for float64 inputs).
+    """
+    arrays = (query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm)
+    output = _delta_rule(*arrays, implementation=implementation, allow_positive_gates=allow_positive_gates)
+    check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
+    check_beta(beta)
+    return output
+
+
+def _algorithm(implementation: str | None):
+    name = DEFAULT_IMPLEMENTATION if implementation is None else implementation
+    if not isinstance(name, str) or name not in IMPLEMENTATIONS:
+        _fail("implementation", f"one of {sorted(IMPLEMENTATIONS)} or None", repr(implementation))
+    return IMPLEMENTATIONS[name]
+
+
+@cached_when_eager(static_argnames=_STATIC)
+def _delta_rule(
+    query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, *,
+    implementation, allow_positive_gates,
+):
+    algorithm = _algorithm(implementation)
+    problem, scale, layout = canonicalize_delta(
+        query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
+    )
+    output, final_state = algorithm(problem, scale=scale)
+    return layout.restore(output), final_state
+
+
+def _packed_tokens(query, cu_seqlens) -> int | None:
+    if cu_seqlens is None or not hasattr(query, "ndim") or query.ndim not in (3, 4):
+        return None
+    return query.shape[0] if query.ndim == 3 else query.shape[1]
+
+
+def delta_rule_step(
+    query: Float[Array, "batch num_qk_heads qk_head_dim"],
+    key: Float[Array, "batch num_qk_heads qk_head_dim"],
+    value: Float[Array, "batch num_heads v_head_dim"],
+    beta: Float[Array, "batch num_heads"],
+    state: Float[Array, "batch num_heads qk_head_dim v_head_dim"] | None,
+    g: Float[Array, "batch num_heads"] | None = None,
+    gk: Float[Array, "batch num_heads qk_head_dim"] | None = None,
+    softmax_scale: float | None = None,
+    qk_l2norm: bool = False,
+    *,
+    allow_positive_gates: bool = False,
+) -> tuple[Float[Array, "batch num_heads v_head_dim"], Float[Array, "batch num_heads qk_head_dim v_head_dim"]]:
+    """Advance the delta-rule state of `batch` sequences by one token each (decoding).
+
+    Exactly one token of `delta_rule(..., initial_state=state)`: the arguments are those of
+    `delta_rule` without the `seq_len` axis (validated by the same code, with an axis of 1
+    added), `state` the state after the previous tokens (None: zeros).
+
+    **Returns:** `(output [batch, num_heads, v_head_dim], new_state)`, the output in the
+    query's dtype, the state in float32 (float64 for float64 inputs).
+    """
+    arrays = (query, key, value, beta, g, gk)
+    for name, x in zip(("query", "key", "value", "beta", "g", "gk"), arrays):
+        if x is not None and getattr(x, "ndim", None) is not None and x.ndim < 2:
+            _fail(name, "an array with a batch and a head axis (one token per sequence)", f"shape {x.shape}")
+    output = _delta_rule_step(*arrays, state, softmax_scale, qk_l2norm, allow_positive_gates=allow_positive_gates)
+    check_values({"g": g, "gk": gk}, None, None, allow_positive_gates)
+    check_beta(beta)
+    return output
+
+
+@cached_when_eager(static_argnames=("softmax_scale", "qk_l2norm", "allow_positive_gates"))
+def _delta_rule_step(query, key, value, beta, g, gk, state, softmax_scale, qk_l2norm, *, allow_positive_gates):
+    one_token = lambda x: None if x is None else x[:, None]  # noqa: E731
+    arrays = (one_token(x) for x in (query, key, value, beta, g, gk))
+    problem, scale, _ = canonicalize_delta(*arrays, softmax_scale, state, None, qk_l2norm, allow_positive_gates)
+    q, k = problem.expanded_query_key()
+    a = problem.key_side_decay()
+    if a is not None:
+        a = a[:, 0] if a.ndim == 4 else a[:, 0, :, None]
+    step = lambda s, q, k, v, b, a: delta_token(s, q, k, v, b, a, scale)  # noqa: E731
+    value = problem.value.astype(problem.state_dtype)
+    output, new_state = jax.vmap(step)(problem.initial_state, q[:, 0], k[:, 0], value[:, 0], problem.beta[:, 0], a)
+    return output.astype(problem.query.dtype), new_state

@@ -1,0 +1,232 @@
+"""The delta rule chunk by chunk: a triangular solve inside each chunk, a scan of the state across.
+
+| symbol   | meaning                                                                   |
+|----------|---------------------------------------------------------------------------|
+| B, T, H  | batch rows, tokens per row, value heads (query/key heads repeated to H)   |
+| n        | chunks per row: ceil(T / C) (packed: the aligned layout's M chunks)       |
+| K, V     | key/query and value head dimensions                                       |
+| C, c     | chunk size; leaf size of the per-channel decay ladder (`chunk/_intra.py`) |
+| t, s     | token positions inside a chunk, 0 … C−1                                   |
+| S_0      | the state entering the chunk [K, V]                                       |
+| a_t, A_t | log decay of token t [K] (per head: the same for every channel); A_t = Σ_{u≤t} a_u |
+| β_t      | write strength                                                            |
+| u_t      | the value actually written by token t: β_t (v_t − S'_tᵀ k_t) [V]          |
+
+**Derivation.** Unrolling S_t = diag(e^{a_t}) S_{t−1} + k_t u_tᵀ inside the chunk,
+
+    S_t  = diag(e^{A_t}) S_0 + Σ_{s≤t} diag(e^{A_t − A_s}) k_s u_sᵀ
+    S'_t = diag(e^{a_t}) S_{t−1} = diag(e^{A_t}) S_0 + Σ_{s<t} diag(e^{A_t − A_s}) k_s u_sᵀ
+
+so u_t = β_t v_t − β_t S_0ᵀ (k_t ⊙ e^{A_t}) − Σ_{s<t} M_{ts} u_s with the strictly lower
+
+    M_{ts} = β_t Σ_d k_t[d] k_s[d] e^{A_t[d] − A_s[d]}        (s < t; 0 otherwise)
+
+that is (I + M) U = diag(β) V − diag(β) (K ⊙ e^{A}) S_0. With the unit-lower-triangular
+solve Φ = (I + M)⁻¹ diag(β), W = Φ (K ⊙ e^{A}) and U_0 = Φ V (both independent of S_0):
+
+    U   = U_0 − W S_0
+    O   = scale · ((Q ⊙ e^{A}) S_0 + (P ⊙ [s ≤ t]) U),    P_{ts} = Σ_d q_t[d] k_s[d] e^{A_t[d] − A_s[d]}
+    S_C = diag(e^{A_{C−1}}) S_0 + (K ⊙ e^{A_{C−1} − A})ᵀ U         (the state leaving the chunk)
+
+Every factor has a non-positive exponent (for log decays ≤ 0): e^{A_t} and e^{A_{C−1} − A_t}
+are products of e^{a}; P and M are `ChunkDecay.scores` of `chunk/_intra.py` (per head the
+decay matrix built from products of e^{a}, per channel the ladder of rescaled halves), never
+e^{A_t}·e^{−A_s}. The
+per-head and per-channel gates are combined into one per-channel decay when both are present.
+
+**Cost.** Inside a chunk (all chunks at once): the C×C products P and M, the solve (C²·(K+V)
+per chunk); across chunks a `lax.scan` carrying the [K, V] state, each step under
+`jax.checkpoint`, so that autodiff keeps one state per chunk (O(T/C·K·V), not per token);
+the per-chunk intermediates (P, W, U_0, decayed queries and keys) are token-sized. Gradients
+come from JAX's autodiff of all of it (a hand-written backward is not written yet).
+
+- Padding: T is padded to a multiple of C with q = k = v = 0, β = 0 and log decay 0, tokens
+  that neither change the state nor read it. A short T first shrinks C (by halving).
+- Packed input: tokens are gathered into the chunk-aligned layout of `varlen.chunk_layout`
+  (every sequence starts on a chunk boundary); a chunk opening a sequence starts from that
+  sequence's initial state, and each sequence's final state is the state leaving its last
+  chunk (an empty sequence keeps its initial state). Shapes depend only on N and S, so
+  `cu_seqlens` may be traced.
+- Non-finite inputs are not guarded.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .. import varlen
+from ..chunk._intra import ChunkDecay, dot
+from ..problem import Gate
+from ._problem import DeltaProblem
+
+CHUNK_SIZES = {"scalar_decays": 64, "channel_decays": 32}
+"""Default C without / with a per-channel decay; with the ladder's leaf c = 1. Taken from the
+CPU sweep of `recurrent`'s chunk (`chunk/_tiling.py`); on CPU at [1, 1024, 4 heads, K = V = 64]
+with `gk`, (C, c) = (32, 1) ran fwd+bwd in 80 ms against 264 ms for (64, 16). Not swept for the
+delta rule itself yet."""
+LEAF_SIZE = 1
+
+
+class ChunkTerms(NamedTuple):
+    """What each chunk contributes, independent of its entry state ([B, H, n, ...], n chunks).
+
+    **Arguments:**
+    - `queries`: Q ⊙ e^{A} [.., C, K]; `scores`: P ⊙ [s ≤ t] [.., C, C].
+    - `writes`: U_0 = Φ V [.., C, V]; `corrections`: W = Φ (K ⊙ e^{A}) [.., C, K].
+    - `keys_to_end`: K ⊙ e^{A_{C−1} − A} [.., C, K].
+    - `state_decay`: e^{A_{C−1}} as [.., K, 1] (per channel) or [.., 1, 1] (per head), or None.
+    """
+
+    queries: Array
+    scores: Array
+    writes: Array
+    corrections: Array
+    keys_to_end: Array
+    state_decay: Array | None
+
+
+def _fitted_sizes(num_tokens: int, chunk_size: int, leaf_size: int) -> tuple[int, int]:
+    """(C, c): C halved while half of it still holds every token; c at most C."""
+    while chunk_size > 1 and chunk_size // 2 >= num_tokens:
+        chunk_size //= 2
+    return chunk_size, min(leaf_size, chunk_size)
+
+
+def _strictly_lower(size: int) -> Array:
+    return jnp.tril(jnp.ones((size, size), bool), -1)
+
+
+def _chunk_decay(log_decay: Array | None, leaf: int, size: int) -> ChunkDecay:
+    """The decay factors of [B, H, n, C] (per head) or [B, H, n, C, K] (per channel) log decays."""
+    if log_decay is None:
+        return ChunkDecay.build(None, None, leaf, size)
+    form = Gate.HEAD if log_decay.ndim == 4 else Gate.KEY
+    return ChunkDecay.build(log_decay, form, leaf, size)
+
+
+def _state_decay(decay: ChunkDecay) -> Array | None:
+    if decay.total is None:
+        return None
+    return decay.total[..., None, None] if decay.form is Gate.HEAD else decay.total[..., :, None]
+
+
+def chunk_terms(q, k, v, beta, log_decay, leaf: int) -> ChunkTerms:
+    """The state-independent terms of every chunk: q, k [.., n, C, K], v [.., n, C, V],
+    beta [.., n, C], log_decay [.., n, C] / [.., n, C, K] / None (all in the state dtype)."""
+    C, V = v.shape[-2], v.shape[-1]
+    decay = _chunk_decay(log_decay, leaf, C)
+    key_scores = jnp.where(_strictly_lower(C), decay.scores(k, k), 0)
+    interactions = beta[..., :, None] * key_scores  # M
+    rhs = beta[..., None] * jnp.concatenate([v, decay.from_start(k)], axis=-1)
+    # (I + M) X = rhs; the solve reads only M's strictly lower part (unit diagonal implied)
+    solved = jax.lax.linalg.triangular_solve(interactions, rhs, left_side=True, lower=True, unit_diagonal=True)
+    return ChunkTerms(
+        queries=decay.from_start(q),
+        scores=decay.scores(q, k),
+        writes=solved[..., :V],
+        corrections=solved[..., V:],
+        keys_to_end=decay.to_end(k),
+        state_decay=_state_decay(decay),
+    )
+
+
+def chunk_step(state: Float[Array, "... K V"], terms: ChunkTerms, scale: float):
+    """One chunk from its entry state: (output [.., C, V], exit state [.., K, V])."""
+    written = terms.writes - dot("...ck,...kv->...cv", terms.corrections, state)
+    output = scale * (dot("...ck,...kv->...cv", terms.queries, state)
+                      + dot("...ts,...sv->...tv", terms.scores, written))
+    decayed = state if terms.state_decay is None else state * terms.state_decay
+    return output, decayed + dot("...ck,...cv->...kv", terms.keys_to_end, written)
+
+
+def _to_chunks(x: Array | None, C: int) -> Array | None:
+    """[B, T, H, ...] (T a multiple of C) -> [B, H, n, C, ...]."""
+    if x is None:
+        return None
+    B, T, H = x.shape[:3]
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(B, H, T // C, C, *x.shape[3:])
+
+
+def _from_chunks(o: Array) -> Array:
+    """[B, H, n, C, V] -> [B, n·C, H, V]."""
+    B, H, n, C, V = o.shape
+    return jnp.moveaxis(o.reshape(B, H, n * C, V), 1, 2)
+
+
+def _scan_axis_first(terms: ChunkTerms) -> ChunkTerms:
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)
+
+
+def _chunks_of(problem: DeltaProblem, C: int, leaf: int, take) -> ChunkTerms:
+    """The chunk terms of the problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...])."""
+    dtype = problem.state_dtype
+    q, k = problem.expanded_query_key()
+    arrays = (q, k, problem.value.astype(dtype), problem.beta, problem.key_side_decay())
+    q, k, v, beta, a = (_to_chunks(take(x), C) for x in arrays)
+    return chunk_terms(q, k, v, beta, a, leaf)
+
+
+def _dense(problem: DeltaProblem, scale: float, C: int, leaf: int):
+    T = problem.query.shape[1]
+    padded = -(-T // C) * C
+    terms = _chunks_of(problem, C, leaf, lambda x: varlen.pad_tokens(x, padded))
+
+    @jax.checkpoint
+    def step(state, chunk):
+        return chunk_step(state, chunk, scale)[::-1]
+
+    final, out = jax.lax.scan(step, problem.initial_state, _scan_axis_first(terms))
+    return _from_chunks(jnp.moveaxis(out, 0, 2))[:, :T], final
+
+
+def _last_chunks(cu_seqlens: Array, C: int) -> Array:
+    """[S] the aligned layout's index of each sequence's last chunk (−1 for an empty one)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return jnp.cumsum((lengths + C - 1) // C) - 1
+
+
+def _packed(problem: DeltaProblem, scale: float, C: int, leaf: int):
+    N = problem.query.shape[1]
+    cu = problem.cu_seqlens
+    layout = varlen.chunk_layout(cu, N, C)
+    owners = layout.owners
+    take = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
+    terms = _chunks_of(problem, C, leaf, take)
+    init = problem.initial_state  # [S, H, K, V]
+
+    @jax.checkpoint
+    def step(state, chunk):
+        terms, seq, first = chunk
+        state = jnp.where(first, init[seq][None], state)
+        out, state = chunk_step(state, terms, scale)
+        return state, (out, state)
+
+    xs = (_scan_axis_first(terms), owners.seq, owners.first)
+    _, (out, exits) = jax.lax.scan(step, jnp.zeros_like(init[:1]), xs)
+    last = _last_chunks(cu, C)
+    finals = jnp.where(owners.empty[:, None, None, None], init, exits[jnp.maximum(last, 0), 0])
+    out = _from_chunks(jnp.moveaxis(out, 0, 2))
+    return varlen.from_chunk_layout(out[0], layout)[None], finals
+
+
+def chunk_delta(
+    problem: DeltaProblem, *, scale: float, chunk_size: int | None = None, leaf_size: int = LEAF_SIZE
+):
+    """The chunk algorithm on a canonical `problem`; `(output [B, T, H, V], final_state)`.
+
+    `chunk_size` (C; None: `CHUNK_SIZES`) and `leaf_size` (c) are static: powers of two.
+    """
+    if chunk_size is None:
+        chunk_size = CHUNK_SIZES["scalar_decays" if problem.log_decay_key is None else "channel_decays"]
+    for name, size in (("chunk_size", chunk_size), ("leaf_size", leaf_size)):
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two, got {size}")
+    C, leaf = _fitted_sizes(problem.query.shape[1], chunk_size, leaf_size)
+    run = _dense if problem.cu_seqlens is None else _packed
+    out, final = run(problem, float(scale), C, leaf)
+    return out.astype(problem.query.dtype), final
