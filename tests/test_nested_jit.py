@@ -6,7 +6,8 @@ differentiates it. The four patterns of issue 31 — `grad(jit(f))`, `jit(grad(j
 `value_and_grad(jit(f))` and `vjp(jit(f))` — each against the float64 reference's gradient,
 packed and dense, with and without an initial state. The default tier runs every
 implementation under `grad(jit(f))` (the pattern that crashed) and the default
-implementation under all four; `-m slow` runs the whole product.
+implementation under all four; `-m slow` runs the whole product. The delta rule
+(`recurrax.delta_rule`, its `reference` and `chunk`) the same way, two cases in the default tier.
 """
 
 from __future__ import annotations
@@ -93,3 +94,54 @@ def test_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state)
     tolerance = 5e-2 if case.dtype == "bfloat16" else 2e-4
     for key in diff:
         assert max_rel_error(grads[key], expected[key]) < tolerance, key
+
+
+# ----------------------------------------------------------------------------- the delta rule
+
+DELTA_IMPLEMENTATIONS = ("reference", "chunk")
+DELTA_DEFAULT_TIER = {("chunk", "grad(jit(f))", "packed", True), ("chunk", "vjp(jit(f))", "dense", False)}
+
+
+def _delta_params():
+    for name in DELTA_IMPLEMENTATIONS:
+        for pattern in PATTERNS:
+            for layout in LAYOUTS:
+                for initial_state in (True, False):
+                    fast = (name, pattern, layout, initial_state) in DELTA_DEFAULT_TIER
+                    yield pytest.param(name, pattern, layout, initial_state, marks=[] if fast else [pytest.mark.slow],
+                                       id=f"{name}-{pattern}-{layout}-{'init' if initial_state else 'zero'}")
+
+
+@functools.cache
+def _delta_inputs(layout: str, initial_state: bool):
+    """(differentiable arrays, cu_seqlens or None) of a small gated delta-rule call: query/key
+    shared by two value heads, per-head and per-channel gates, beta up to 2."""
+    spec = LAYOUTS[layout]
+    B, T, H, Hqk, K, V = spec["B"], spec["T"], 2, 1, 16, 16
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    diff = dict(query=normal(B, T, Hqk, K), key=normal(B, T, Hqk, K) / 4, value=normal(B, T, H, V),
+                beta=jnp.asarray(rng.uniform(0, 2, (B, T, H)), jnp.float32),
+                g=-jnp.abs(normal(B, T, H)) / 4, gk=-jnp.abs(normal(B, T, H, K)) / 8)
+    cu_seqlens = spec.get("cu_seqlens")
+    if initial_state:
+        rows = B if cu_seqlens is None else len(cu_seqlens) - 1
+        diff["initial_state"] = normal(rows, H, K, V)
+    return diff, cu_seqlens
+
+
+def _delta_loss(implementation, diff, cu_seqlens):
+    output, final = recurrax.delta_rule(**diff, cu_seqlens=cu_seqlens, implementation=implementation)
+    weights = jnp.cos(jnp.arange(output.size, dtype=output.dtype)).reshape(output.shape)
+    return jnp.sum(output * weights) + jnp.sum(jnp.sin(final))
+
+
+@pytest.mark.parametrize(("name", "pattern", "layout", "initial_state"), list(_delta_params()))
+def test_delta_rule_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state):
+    diff, cu_seqlens = _delta_inputs(layout, initial_state)
+    traced = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    grads = PATTERNS[pattern](functools.partial(_delta_loss, name))(diff, traced)
+    exact = jax.tree.map(lambda x: x.astype(jnp.float64), diff)
+    expected = jax.grad(functools.partial(_delta_loss, "reference"))(exact, traced)
+    for key in diff:
+        assert max_rel_error(grads[key], expected[key]) < 2e-4, key
