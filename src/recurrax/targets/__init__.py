@@ -47,7 +47,7 @@ from ._compile import (
     toolchain_missing,
     topology,
 )
-from ._ptxas import KernelResources, captured_fd1, parse_ptxas
+from ._ptxas import KernelResources, captured_fd, captured_fd1, parse_ptxas
 
 __all__ = [
     "ENVIRONMENT",
@@ -57,6 +57,7 @@ __all__ = [
     "KernelResources",
     "Target",
     "TpuSpec",
+    "captured_fd",
     "captured_fd1",
     "compile_for",
     "get_target",
