@@ -170,15 +170,15 @@ def compile_for(name: str | Target, fn: Callable, *args) -> CompiledProgram:
       target's mesh are replicated over it (`mesh_for`).
 
     Raises the toolchain's error (ptxas, Mosaic, VMEM) when the program does not compile, and
-    `RuntimeError` for a second GPU architecture in one process (h100 and h200 share sm_90a).
-    """
+    `RuntimeError` for a second GPU architecture in one process (h100 and h200 share sm_90a)
+    or a missing toolchain (naming the extra to install)."""
     chosen = get_target(name)
+    mesh = mesh_for(chosen)
     if chosen.backend == "gpu":
         if _GPU_ARCH and _GPU_ARCH[0] != chosen.arch:
             raise RuntimeError(f"this process compiled for {_GPU_ARCH[0]}; compile for {chosen.arch} in another process "
                                "(the CUDA plugin's kernel cache does not tell GPU architectures apart)")
         _GPU_ARCH[:] = [chosen.arch]
-    mesh = mesh_for(chosen)
     specs = jax.tree.map(functools.partial(_spec_on, mesh), args)
     report = chosen.backend == "gpu"
     with _dumping_ptxas(report), captured_fd1() if report else contextlib.nullcontext([""]) as output:
