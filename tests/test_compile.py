@@ -1,6 +1,9 @@
 """The kernels compiled for the real chips on this CPU (marker `compile`; not in the default
-suite): Mosaic GPU kernels through ptxas for H100 (sm_90a), the Triton kernels for B200
-(sm_100a), the TPU kernels through libtpu for v5e and v6e. Any pass, ptxas or VMEM error fails.
+suite): every configuration of `REPRESENTATIVE` with what dispatch picks on each named target —
+Mosaic GPU kernels through ptxas for H100 and H200 (sm_90a), the Triton kernels for B200
+(sm_100a, in processes of their own), the TPU kernels through libtpu for v5e and v6e. Any pass,
+ptxas or VMEM error fails. Test names carry the target (CI selects by `-k 'h100 or b200'`,
+`-k 'v5e or v6e'`).
 
 Needs a toolchain (`pip install '.[test,compile-cuda]'` or `'.[test,compile-tpu]'`, separate
 environments) and `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` (CUDA, before JAX starts). Where one is
