@@ -60,8 +60,14 @@ def check_h200(configuration: Configuration) -> None:
 
 
 @pytest.mark.parametrize("configuration", REPRESENTATIVE["gpu"], ids=lambda c: c.label.replace(" ", "-"))
-def test_dispatch_compiles_for_h100_and_h200(configuration):
+def test_dispatch_compiles_for_h100(configuration):
     check_h100(configuration)
+
+
+@pytest.mark.parametrize("configuration", REPRESENTATIVE["gpu"], ids=lambda c: c.label.replace(" ", "-"))
+def test_dispatch_compiles_for_h200_as_for_h100(configuration):
+    """After every H100 program (an H200 compile between H100 ones was seen to leave the next
+    H100 program's ptxas reports unpaired: the known mis-pairing of same-named kernels)."""
     check_h200(configuration)
 
 
