@@ -224,7 +224,8 @@ def test_recurrax_compile_reports_a_failure_as_a_row_and_goes_on_for_v6e(monkeyp
     assert tool.main(["--target", "v6e", "--gates", "none", "--limit", "2"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     failed, compiled, summary = lines[-3:]
-    assert failed.startswith("| none K128 V128 bfloat16 dense gradient | pallas_tpu | failed | ValueError: TPU chunk kernels: chunk=4096 needs")
+    assert failed.startswith("| none K128 V128 bfloat16 dense gradient | pallas_tpu | failed "
+                             "| ValueError: TPU chunk kernels: chunk=4096 needs")
     assert compiled.startswith("| none K128 V128 float32 dense gradient | pallas_tpu |")
     assert summary.startswith("v6e: 1 of 2 configurations compiled, 1 failed;")
 

@@ -537,7 +537,8 @@ def test_compile_report_keeps_a_failure_as_a_row_with_the_compilers_first_error_
            "signless integer\nerror: a second one\n")
     line = first_error_line(RuntimeError("INTERNAL: Failed to compile Triton kernel."), log)
     assert line == "error: 'ttng.tmem_store' op operand #2 must be 1-bit signless integer"
-    assert first_error_line(ValueError("chunk=4096 needs about 40 MiB\nmore"), "") == "ValueError: chunk=4096 needs about 40 MiB"
+    error = ValueError("chunk=4096 needs about 40 MiB\nmore")
+    assert first_error_line(error, "") == "ValueError: chunk=4096 needs about 40 MiB"
     failed = Result(Configuration("none", 64, 64, packed=True, gradient=False), "pallas_gpu", None, "error: a | b")
     assert rows(failed) == ["| none K64 V64 bfloat16 packed forward | pallas_gpu | failed | error: a / b | | | | |"]
     assert summary(get_target("b200"), [failed]) == "b200: 0 of 1 configurations compiled, 1 failed"

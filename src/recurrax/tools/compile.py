@@ -178,7 +178,8 @@ def summary(target: targets.Target, results: list[Result]) -> str:
     """One line: how many configurations compiled, and how the largest fit the chip."""
     compiled = [result for result in results if result.compiled is not None]
     failed = len(results) - len(compiled)
-    line = f"{target.name}: {len(compiled)} of {len(results)} configurations compiled" + (f", {failed} failed" if failed else "")
+    line = f"{target.name}: {len(compiled)} of {len(results)} configurations compiled"
+    line += f", {failed} failed" if failed else ""
     if not compiled:
         return line
     fit = _gpu_fit(target, compiled) if target.backend == "gpu" else _tpu_fit(target, compiled)
@@ -196,10 +197,10 @@ def _gpu_fit(target: targets.Target, compiled: list[Result]) -> str:
 
 
 def _tpu_fit(target: targets.Target, compiled: list[Result]) -> str:
-    largest = max(compiled, key=lambda result: result.compiled.memory().temp_size_in_bytes)
+    temp = {result.configuration.label: result.compiled.memory().temp_size_in_bytes for result in compiled}
+    largest = max(temp, key=temp.get)
     return (f"every kernel fit the {target.spec.scoped_vmem_bytes >> 20} MiB scoped VMEM of {target.arch} "
-            f"(Mosaic TPU's check when compiling); largest XLA temp {_kib(largest.compiled.memory().temp_size_in_bytes)} "
-            f"({largest.configuration.label})")
+            f"(Mosaic TPU's check when compiling); largest XLA temp {_kib(temp[largest])} ({largest})")
 
 
 def _kib(size: int) -> str:
