@@ -645,3 +645,87 @@ def test_benchmarks_and_fixture_scripts_use_public_names_and_no_machines_paths()
         text = script.read_text()
         assert not re.search(r"(from|import) recurrax[\w.]*\._", text), f"{script.name} imports a private module"
         assert not re.search(r"/(work|home)/\w", text), f"{script.name} names a machine's path"
+
+
+# ----------------------------------------------------------------------------- issue 31: targets and compile
+
+
+@pytest.mark.parametrize("name", ["v5e:abc", "v5e:2", "v5e:0x2", "v6e:2x2x2x2", "v5e:2x"])
+def test_targets_slice_must_be_chips_per_axis(name):
+    from recurrax.targets import get_target
+
+    with pytest.raises(ValueError, match=f"slice of target '{name}'.*topology '{name.split(':')[1]}'"):
+        get_target(name)
+    assert get_target("v5e:2x2x1").topology == "2x2x1"
+
+
+def test_targets_none_judges_this_host_and_other_values_are_refused():
+    from recurrax.registry import current_chip, host_chip
+    from recurrax.targets import get_target
+
+    with recurrax.target(None) as chosen:
+        assert chosen is None and current_chip() == host_chip()
+    with recurrax.target("h100"), recurrax.target(None):
+        assert current_chip() == host_chip()
+    with pytest.raises(TypeError, match="target must be a name of .*'h100'.*got 3"):
+        get_target(3)
+
+
+def test_targets_topology_takes_a_name_and_names_the_missing_extra():
+    """`topology`, `mesh_for` and `compile_for` take a target's name; without the toolchain
+    they say which extra to install (they said "topology not implemented for cuda")."""
+    from recurrax import targets
+
+    for name, extra in (("h100", "compile-cuda"), ("v5e:2x2", "compile-tpu")):
+        if targets.toolchain_missing(name) is None:
+            assert targets.topology(name) is targets.topology(targets.get_target(name))
+            continue
+        for call in (lambda: targets.topology(name), lambda: targets.mesh_for(name),
+                     lambda: targets.compile_for(name, jnp.sin, jnp.zeros(2))):
+            with pytest.raises(RuntimeError, match=f"cannot compile for {name[:4].rstrip(':')}: .*recurrax\\[{extra}\\]"):
+                call()
+
+
+@pytest.mark.parametrize(("name", "chip"), [("h100", "NVIDIA H100"), ("b200", "NVIDIA B200")])
+def test_targets_a_kernel_picked_for_the_target_does_not_run_here(name, chip):
+    """Under `recurrax.target("h100")` on a CPU the Mosaic GPU kernels are picked (on b200 the
+    Triton ones); running them says the target is compiled for, not run on (it was Pallas's
+    "Only interpret mode is supported on CPU backend")."""
+    from recurrax import kernel_registry
+    from recurrax.kernels.mosaic_gpu import has_interpret_mode
+
+    x = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with recurrax.target(name):
+        picked = kernel_registry.select(x, x, x).name
+    if picked == "chunk" or (picked == "mosaic_gpu" and not has_interpret_mode()):
+        pytest.skip(f"this JAX ({jax.__version__}) cannot trace the kernel dispatch picks for {name} ({picked})")
+    for call in (lambda: recurrax.recurrent(x, x, x), lambda: jax.jit(lambda q: recurrax.recurrent(q, q, q))(x)):
+        with pytest.raises(ValueError, match=rf"recurrax.target\('{name}'\) picks kernels for the {chip}.*"
+                                             rf"compiles for that chip; it does not run on it.*compile_for\('{name}'"):
+            with recurrax.target(name):
+                call()
+
+
+def test_compile_forward_only_gives_the_forward_programs_of_the_tpu_set():
+    """The TPU set holds gradient programs only: `--forward-only` compiled nothing (IndexError)."""
+    from recurrax.tools.compile import REPRESENTATIVE, _configurations, main
+
+    args = main.__globals__["argparse"].Namespace(full=False, shapes=None, gates=None, forward_only=True, limit=None)
+    forward = _configurations(args, "tpu")
+    assert forward and not any(configuration.gradient for configuration in forward)
+    assert len(forward) == len({(c.gates, c.K, c.V, c.dtype, c.packed, c.reverse) for c in REPRESENTATIVE["tpu"]})
+
+
+def test_compile_report_keeps_a_failure_as_a_row_with_the_compilers_first_error_line():
+    from recurrax.tools.compile import Configuration, Result, first_error_line, rows, summary
+    from recurrax.targets import get_target
+
+    log = ("noise\nloc(\"dot_general:\"(callsite(\"mm_tn\"))): error: 'ttng.tmem_store' op operand #2 must be 1-bit "
+           "signless integer\nerror: a second one\n")
+    line = first_error_line(RuntimeError("INTERNAL: Failed to compile Triton kernel."), log)
+    assert line == "error: 'ttng.tmem_store' op operand #2 must be 1-bit signless integer"
+    error = ValueError("chunk=4096 needs about 40 MiB\nmore")
+    assert first_error_line(error, "") == "ValueError: chunk=4096 needs about 40 MiB"
+    failed = Result(Configuration("none", 64, 64, packed=True, gradient=False), "pallas_gpu", None, "error: a | b")
+    assert rows(failed) == ["| none K64 V64 bfloat16 packed forward | pallas_gpu | failed | error: a / b | | | | |"]
+    assert summary(get_target("b200"), [failed]) == "b200: 0 of 1 configurations compiled, 1 failed"

@@ -335,9 +335,10 @@ _TARGET: contextvars.ContextVar[Chip | None] = contextvars.ContextVar("recurrax_
 
 
 @contextlib.contextmanager
-def judging_for(chip: Chip) -> Iterator[Chip]:
+def judging_for(chip: Chip | None) -> Iterator[Chip | None]:
     """Within this context, dispatch judges support for `chip` instead of this host's device
-    (`recurrax.target(name)` enters it for a named chip)."""
+    (`recurrax.target(name)` enters it for a named chip); `None` judges the host again (or the
+    abstract mesh's device)."""
     token = _TARGET.set(chip)
     try:
         yield chip

@@ -5,7 +5,7 @@ ptxas's resource report per Mosaic GPU kernel.
 |-------------|----------------------------------------------------------------------------|
 | `_chips`    | `Target`, `GpuSpec` (a `GpuTargetConfig` text proto), `TpuSpec`, `TARGETS` |
 | `_compile`  | `target` (dispatch context), `compile_for`, `CompiledProgram`, the environment |
-| `_ptxas`    | `KernelResources`, `parse_ptxas`, fd-level capture, Mosaic launch sizes     |
+| `_ptxas`    | `KernelResources`, `parse_ptxas`, fd-level capture (`captured_fd`), Mosaic launch sizes |
 
 **Targets** (`TARGETS`): `h100`, `h200` (compute capability 9.0, ptxas `sm_90a`), `b200`
 (10.0, `sm_100a`), `v5e`, `v6e` (a TPU may add a slice: `"v5e:2x2"`).
@@ -18,7 +18,10 @@ environments. Before JAX starts: `prepare_environment()` (or set `ENVIRONMENT` y
 **API:**
 - `with recurrax.target("h100"): ...` — dispatch judges support for that chip
   (`kernel_registry.select`, `recurrax.recurrent(..., implementation="mosaic_gpu")` under
-  `jit`), not for this host.
+  `jit`), not for this host; `recurrax.target(None)` judges the host. It compiles for the
+  chip, it does not run on it: a kernel picked for it and run here raises a `ValueError`.
+- `topology("v5e:2x2")`, `mesh_for("h100")` — the target's deviceless topology and a mesh over
+  it; without the toolchain a `RuntimeError` names the extra to install.
 - `compile_for("h100", fn, *args) -> CompiledProgram` — `jax.jit(fn)` traced, lowered and
   compiled for the target inside its deviceless mesh; `.seconds`, `.executable`
   (`memory_analysis()`), `.kernels`, `.serialize()`.
@@ -47,7 +50,7 @@ from ._compile import (
     toolchain_missing,
     topology,
 )
-from ._ptxas import KernelResources, captured_fd1, parse_ptxas
+from ._ptxas import KernelResources, captured_fd, captured_fd1, parse_ptxas
 
 __all__ = [
     "ENVIRONMENT",
@@ -57,6 +60,7 @@ __all__ = [
     "KernelResources",
     "Target",
     "TpuSpec",
+    "captured_fd",
     "captured_fd1",
     "compile_for",
     "get_target",

@@ -9,6 +9,7 @@ target, e.g. `sm_90a`) and the shared-memory limit per block.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from ..registry import Chip
 
@@ -104,10 +105,17 @@ TARGETS: dict[str, Target] = {
 """The named targets: `h100`, `h200` (sm_90a), `b200` (sm_100a), `v5e`, `v6e`."""
 
 
+SLICE = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*){1,2}")
+"""A TPU slice: chips along two or three axes, `"2x2"`, `"2x2x1"`."""
+
+
 def get_target(target: str | Target) -> Target:
     """A `Target` from its name, with an optional TPU slice: `"v5e"`, `"v5e:2x2"`."""
     if isinstance(target, Target):
         return target
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a name of {sorted(TARGETS)} (a TPU may add a slice, e.g. 'v5e:2x2') "
+                        f"or a Target, got {target!r}")
     name, _, topology = target.partition(":")
     if name not in TARGETS:
         raise ValueError(f"unknown target {target!r}: one of {sorted(TARGETS)} (a TPU may add a slice, e.g. v5e:2x2)")
@@ -115,5 +123,8 @@ def get_target(target: str | Target) -> Target:
     if topology:
         if chosen.backend != "tpu":
             raise ValueError(f"{name} is one GPU; a slice ({topology!r}) is for TPU targets")
+        if not SLICE.fullmatch(topology):
+            raise ValueError(f"the slice of target {target!r} must be chips per axis, e.g. '2x2' or '2x2x1'; "
+                             f"got topology {topology!r}")
         chosen = dataclasses.replace(chosen, topology=topology)
     return chosen

@@ -40,23 +40,43 @@ def prepare_environment() -> None:
 
 
 @contextlib.contextmanager
-def target(name: str | Target) -> Iterator[Target]:
+def target(name: str | Target | None) -> Iterator[Target | None]:
     """`with recurrax.target("h100"):` dispatch judges support for that chip rather than this
-    host's device (`kernel_registry.select`, `recurrax.recurrent` under `jit`). Yields the
-    `Target`. Running the call still needs the chip; `compile_for` compiles it without one."""
+    host's device (`kernel_registry.select`, `recurrax.recurrent` traced under `jit`). Yields the
+    `Target`; `None` judges this host (or the abstract mesh's device) and yields None.
+
+    Running the call still needs the chip: a kernel picked for it and run here raises a
+    `ValueError` saying so; `compile_for` compiles it without one."""
+    if name is None:
+        with judging_for(None):
+            yield None
+        return
     chosen = get_target(name)
     with judging_for(chosen.chip):
-        yield chosen
+        try:
+            yield chosen
+        except ValueError as error:
+            if not str(error).startswith(PALLAS_ON_CPU):
+                raise
+            raise ValueError(_run_on_host_message(chosen)) from error
+
+
+PALLAS_ON_CPU = "Only interpret mode is supported on CPU backend"
+"""How Pallas refuses to lower a kernel for the CPU (JAX's `pallas_call` lowering)."""
+
+
+def _run_on_host_message(chosen: Target) -> str:
+    return (f"recurrax.target({chosen.name!r}) picks kernels for the {chosen.spec.device_kind} ({chosen.arch}) and "
+            f"compiles for that chip; it does not run on it, and this host is {jax.default_backend()}. Compile with "
+            f"recurrax.targets.compile_for({chosen.name!r}, fn, *args), or call outside recurrax.target to run here.")
 
 
 def toolchain_missing(name: str | Target) -> str | None:
     """Why this installation cannot compile for `name` (the extra to install), or None."""
     chosen = get_target(name)
-    if chosen.backend == "gpu":
-        if not any(importlib.util.find_spec(f"jax_cuda{version}_plugin") for version in (12, 13)):
-            return "the CUDA toolchain is not installed: pip install 'recurrax[compile-cuda]'"
-    elif importlib.util.find_spec("libtpu") is None:
-        return "libtpu is not installed: pip install 'recurrax[compile-tpu]'"
+    missing = _extra_missing(chosen)
+    if missing is not None:
+        return missing
     try:
         topology(chosen)
     except Exception as error:  # noqa: BLE001  (the plugin's own message says what is wrong)
@@ -64,8 +84,23 @@ def toolchain_missing(name: str | Target) -> str | None:
     return None
 
 
-def topology(chosen: Target):
-    """The target's deviceless topology (cached)."""
+def _extra_missing(chosen: Target) -> str | None:
+    """The extra to install when the target's toolchain (CUDA plugin, libtpu) is absent, or None."""
+    if chosen.backend == "gpu":
+        if not any(importlib.util.find_spec(f"jax_cuda{version}_plugin") for version in (12, 13)):
+            return "the CUDA toolchain is not installed: pip install 'recurrax[compile-cuda]'"
+    elif importlib.util.find_spec("libtpu") is None:
+        return "libtpu is not installed: pip install 'recurrax[compile-tpu]'"
+    return None
+
+
+def topology(name: str | Target):
+    """The deviceless topology (cached) of a target: a name of `TARGETS` (`"h100"`, `"v5e:2x2"`)
+    or a `Target`. Raises `RuntimeError` naming the extra to install when its toolchain is absent."""
+    chosen = get_target(name)
+    missing = _extra_missing(chosen)
+    if missing is not None:
+        raise RuntimeError(f"cannot compile for {chosen.name}: {missing}")
     return _topology(chosen.name, chosen.topology)
 
 
@@ -81,7 +116,7 @@ def _topology(name: str, slice_shape: str):
 
 def mesh_for(name: str | Target, axis_name: str = "x") -> jax.sharding.Mesh:
     """A one-axis mesh over every device of the target's topology."""
-    devices = np.array(topology(get_target(name)).devices).reshape(-1)
+    devices = np.array(topology(name).devices).reshape(-1)
     return jax.sharding.Mesh(devices, (axis_name,))
 
 
@@ -135,15 +170,15 @@ def compile_for(name: str | Target, fn: Callable, *args) -> CompiledProgram:
       target's mesh are replicated over it (`mesh_for`).
 
     Raises the toolchain's error (ptxas, Mosaic, VMEM) when the program does not compile, and
-    `RuntimeError` for a second GPU architecture in one process (h100 and h200 share sm_90a).
-    """
+    `RuntimeError` for a second GPU architecture in one process (h100 and h200 share sm_90a)
+    or a missing toolchain (naming the extra to install)."""
     chosen = get_target(name)
+    mesh = mesh_for(chosen)
     if chosen.backend == "gpu":
         if _GPU_ARCH and _GPU_ARCH[0] != chosen.arch:
             raise RuntimeError(f"this process compiled for {_GPU_ARCH[0]}; compile for {chosen.arch} in another process "
                                "(the CUDA plugin's kernel cache does not tell GPU architectures apart)")
         _GPU_ARCH[:] = [chosen.arch]
-    mesh = mesh_for(chosen)
     specs = jax.tree.map(functools.partial(_spec_on, mesh), args)
     report = chosen.backend == "gpu"
     with _dumping_ptxas(report), captured_fd1() if report else contextlib.nullcontext([""]) as output:

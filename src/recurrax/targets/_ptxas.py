@@ -9,7 +9,7 @@ builds to the process's standard output, at the file-descriptor level (C++, not 
         0 bytes stack frame, 300 bytes spill stores, 296 bytes spill loads
     ptxas info    : Used 255 registers, used 2 barriers, 1 bytes smem
 
-`captured_fd1` redirects descriptor 1 to a file while it runs; `parse_ptxas` reads the report.
+`captured_fd1` redirects descriptor 1 to a file while it runs (`captured_fd` any descriptor); `parse_ptxas` reads the report.
 Mosaic GPU kernels take their shared memory dynamically (ptxas sees only a byte or so), so the
 shared memory of a kernel comes from its launch in the lowered program (`mosaic_launches`).
 A kernel compiled once is cached by the plugin and not reported again in the same process:
@@ -78,26 +78,32 @@ def parse_ptxas(text: str) -> list[KernelResources]:
 
 
 @contextlib.contextmanager
-def captured_fd1() -> Iterator[list[str]]:
-    """Redirect file descriptor 1 (C and C++ writes included) to a temporary file while the
-    block runs; the yielded list receives the captured text afterwards. Process-wide: other
-    threads' output to descriptor 1 is captured too."""
+def captured_fd(descriptor: int) -> Iterator[list[str]]:
+    """Redirect file descriptor `descriptor` (1: standard output, 2: standard error; C and C++
+    writes included) to a temporary file while the block runs; the yielded list receives the
+    captured text afterwards. Process-wide: other threads' output to it is captured too."""
     libc = ctypes.CDLL(None)
     captured: list[str] = []
-    sys.stdout.flush()
+    stream = sys.stdout if descriptor == 1 else sys.stderr
+    stream.flush()
     libc.fflush(None)
-    saved = os.dup(1)
+    saved = os.dup(descriptor)
     with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), descriptor)
         try:
             yield captured
         finally:
-            sys.stdout.flush()
+            stream.flush()
             libc.fflush(None)
-            os.dup2(saved, 1)
+            os.dup2(saved, descriptor)
             os.close(saved)
             sink.seek(0)
             captured.append(sink.read().decode(errors="replace"))
+
+
+def captured_fd1() -> contextlib.AbstractContextManager[list[str]]:
+    """`captured_fd(1)`: where the CUDA plugin prints ptxas's report."""
+    return captured_fd(1)
 
 
 @dataclasses.dataclass(frozen=True)

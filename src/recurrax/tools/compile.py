@@ -5,6 +5,11 @@ and how long compiling took.
 A configuration is one call of `recurrax.recurrent` (gates, head dims, dtype, dense or packed)
 compiled as a forward program (output and final state) or a gradient program
 (`value_and_grad` of a scalar loss). `REPRESENTATIVE` is what CI compiles; `--full` the product.
+
+The report is one markdown table, a row as each configuration compiles; a configuration that
+fails is a row with the compiler's first error line, and the rest still compile. A last line
+sums up what fit (shared memory and registers on a GPU, scoped VMEM on a TPU). The exit status
+is 1 when any configuration failed, 2 when nothing could be compiled (no toolchain).
 """
 
 from __future__ import annotations
@@ -100,11 +105,13 @@ def selection(target: str, configuration: Configuration, implementation: str | N
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """One compiled configuration: the implementation dispatch picked and the program."""
+    """One configuration: the implementation dispatch picked and the compiled program, or the
+    compiler's first error line when it did not compile."""
 
     configuration: Configuration
     implementation: str
-    compiled: targets.CompiledProgram
+    compiled: targets.CompiledProgram | None
+    error: str | None = None
 
 
 def compile_configuration(target: str, configuration: Configuration, implementation: str | None = None) -> Result:
@@ -114,23 +121,86 @@ def compile_configuration(target: str, configuration: Configuration, implementat
     return Result(configuration, chosen, targets.compile_for(target, fn, *args))
 
 
+def attempt(target: str, configuration: Configuration, implementation: str | None = None) -> Result:
+    """`compile_configuration`, a failure kept as the result's `error` (the compiler's first
+    error line) instead of raised. The compiler's log on standard error (MLIR diagnostics,
+    libtpu's messages) is read for that line and not shown."""
+    with targets.captured_fd(2) as log:
+        try:
+            return compile_configuration(target, configuration, implementation)
+        except Exception as error:  # noqa: BLE001  (any compiler's failure is a row of the report)
+            failure = error
+    try:
+        chosen = selection(target, configuration, implementation).name or "none"
+    except ValueError:
+        chosen = implementation or "none"
+    return Result(configuration, chosen, None, first_error_line(failure, "".join(log)))
+
+
+def first_error_line(error: Exception, log: str) -> str:
+    """The first `error:` line the compiler logged (from `error:` on, without the MLIR location),
+    else the first line of the exception."""
+    for line in log.splitlines():
+        if "error:" in line:
+            return line[line.index("error:"):].strip()
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return f"{type(error).__name__}: {lines[0]}"
+
+
+HEADER = ("| configuration | implementation | compile s | kernel | registers | spill stores / loads (B) "
+          "| shared memory per block | XLA temp / code (per device) |\n|---|---|---|---|---|---|---|---|")
+
+
+def rows(result: Result) -> list[str]:
+    """The table's rows of one result: a row per kernel (GPU) or per program (TPU), or the error."""
+    head = f"| {result.configuration.label} | {result.implementation} "
+    if result.compiled is None:
+        return [head + f"| failed | {result.error.replace('|', '/')} | | | | |"]
+    memory = result.compiled.memory()
+    xla = f"{_kib(memory.temp_size_in_bytes)} / {_kib(memory.generated_code_size_in_bytes)}" if memory else "n/a"
+    head += f"| {result.compiled.seconds:.1f} "
+    lines = [] if result.compiled.kernels else [head + f"| — | — | — | — | {xla} |"]
+    for kernel in result.compiled.kernels:
+        smem = "?" if kernel.smem_bytes is None else _kib(kernel.smem_bytes)
+        lines.append(head + f"| {kernel.name} | {kernel.registers} | {kernel.spill_stores} / {kernel.spill_loads} "
+                     f"| {smem} | {xla} |")
+    for name in result.compiled.unreported:
+        lines.append(head + f"| {name} | (compiled earlier in this process, not reported) | | | {xla} |")
+    return lines
+
+
 def table(results: Iterable[Result]) -> str:
-    """A markdown table: a row per kernel (GPU) or per program (TPU)."""
-    lines = ["| configuration | implementation | compile s | kernel | registers | spill stores / loads (B) "
-             "| shared memory per block | XLA temp / code (per device) |", "|---|---|---|---|---|---|---|---|"]
-    for result in results:
-        memory = result.compiled.memory()
-        xla = f"{_kib(memory.temp_size_in_bytes)} / {_kib(memory.generated_code_size_in_bytes)}" if memory else "n/a"
-        head = f"| {result.configuration.label} | {result.implementation} | {result.compiled.seconds:.1f} "
-        if not result.compiled.kernels:
-            lines.append(head + f"| — | — | — | — | {xla} |")
-        for kernel in result.compiled.kernels:
-            smem = "?" if kernel.smem_bytes is None else _kib(kernel.smem_bytes)
-            lines.append(head + f"| {kernel.name} | {kernel.registers} | {kernel.spill_stores} / {kernel.spill_loads} "
-                         f"| {smem} | {xla} |")
-        for name in result.compiled.unreported:
-            lines.append(head + f"| {name} | (compiled earlier in this process, not reported) | | | {xla} |")
-    return "\n".join(lines)
+    """A markdown table: a row per kernel (GPU) or per program (TPU), a failure's error."""
+    return "\n".join([HEADER] + [line for result in results for line in rows(result)])
+
+
+def summary(target: targets.Target, results: list[Result]) -> str:
+    """One line: how many configurations compiled, and how the largest fit the chip."""
+    compiled = [result for result in results if result.compiled is not None]
+    failed = len(results) - len(compiled)
+    line = f"{target.name}: {len(compiled)} of {len(results)} configurations compiled"
+    line += f", {failed} failed" if failed else ""
+    if not compiled:
+        return line
+    fit = _gpu_fit(target, compiled) if target.backend == "gpu" else _tpu_fit(target, compiled)
+    return f"{line}; {fit}"
+
+
+def _gpu_fit(target: targets.Target, compiled: list[Result]) -> str:
+    kernels = [kernel for result in compiled for kernel in result.compiled.kernels]
+    if not kernels:
+        return "no ptxas report (it covers Mosaic GPU kernels only)"
+    smem = max(kernel.smem_bytes or 0 for kernel in kernels)
+    spilling = sum(kernel.spills for kernel in kernels)
+    return (f"shared memory per block at most {_kib(smem)} of {_kib(target.spec.smem_per_block_optin)}, "
+            f"registers at most {max(kernel.registers for kernel in kernels)} of 255, {spilling} kernels spill")
+
+
+def _tpu_fit(target: targets.Target, compiled: list[Result]) -> str:
+    temp = {result.configuration.label: result.compiled.memory().temp_size_in_bytes for result in compiled}
+    largest = max(temp, key=temp.get)
+    return (f"every kernel fit the {target.spec.scoped_vmem_bytes >> 20} MiB scoped VMEM of {target.arch} "
+            f"(Mosaic TPU's check when compiling); largest XLA temp {_kib(temp[largest])} ({largest})")
 
 
 def _kib(size: int) -> str:
@@ -144,8 +214,8 @@ def _configurations(args: argparse.Namespace, backend: str) -> list[Configuratio
         chosen = list(dict.fromkeys(dataclasses.replace(c, K=K, V=V) for c in chosen for K, V in dims))
     if args.gates:
         chosen = [c for c in chosen if c.gates in args.gates]
-    if args.forward_only:
-        chosen = [c for c in chosen if not c.gradient]
+    if args.forward_only:  # the forward program of each (the TPU sets hold only gradient programs)
+        chosen = list(dict.fromkeys(dataclasses.replace(c, gradient=False) for c in chosen))
     return chosen[: args.limit] if args.limit else chosen
 
 
@@ -156,28 +226,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gates", nargs="*", choices=sorted(GATE_SETS), help="only these gate kinds")
     parser.add_argument("--implementation", help="force an implementation instead of dispatch's pick")
     parser.add_argument("--full", action="store_true", help="the declared product instead of the representative set")
-    parser.add_argument("--forward-only", action="store_true", help="no gradient programs")
+    parser.add_argument("--forward-only", action="store_true", help="the forward program of each configuration, no gradient")
     parser.add_argument("--limit", type=int, help="compile at most this many configurations")
     parser.add_argument("--serialize", metavar="DIR", help="write each executable (serialize_executable) to DIR")
     args = parser.parse_args(argv)
     target = targets.get_target(args.target)
-    missing = targets.toolchain_missing(target)
+    with targets.captured_fd(2):  # libtpu's start-up messages (no TPU here, no metadata server)
+        missing = targets.toolchain_missing(target)
     if missing:
         print(f"cannot compile for {target.name}: {missing}")
         return 2
     configurations = _configurations(args, target.backend)
+    if not configurations:
+        print(f"no configuration to compile for {target.name} with these options")
+        return 2
     print(f"target {target.name} ({target.chip.kind}, {target.arch}); dispatch on the first configuration:")
-    print(selection(target.name, configurations[0], args.implementation))
+    try:
+        print(selection(target.name, configurations[0], args.implementation))
+    except ValueError as refusal:  # a forced implementation that refuses it; each row says why
+        print(refusal)
+    print(HEADER, flush=True)
     results = []
     for configuration in configurations:
-        result = compile_configuration(target.name, configuration, args.implementation)
+        result = attempt(target.name, configuration, args.implementation)
         results.append(result)
-        if args.serialize:
+        if args.serialize and result.compiled is not None:
             _write(args.serialize, target.name, result)
-        print(table([result]).splitlines()[-1], flush=True)
-    print()
-    print(table(results))
-    return 0
+        print("\n".join(rows(result)), flush=True)
+    print(summary(target, results))
+    return 1 if any(result.error for result in results) else 0
 
 
 def _write(folder: str, target: str, result: Result) -> None:

@@ -144,9 +144,12 @@ def _forward_kernel(*refs, static: KernelConfig, varlen: bool, emit_output: bool
 
     def packed_step(n, S):
         """Packed input: a sequence's first chunk starts from its initial state, its last
-        chunk writes its final state (chunk-aligned layout: no chunk holds two sequences)."""
+        chunk writes its final state (chunk-aligned layout: no chunk holds two sequences).
+        The reset is a branch, not `jnp.where`: Triton keeps S, a matmul accumulator, in
+        Blackwell's tensor memory and cannot lower a select on it (sm_100a: "'ttng.tmem_store'
+        op operand #2 must be 1-bit signless integer")."""
         seq, first, last = meta_ref[0, n], meta_ref[1, n], meta_ref[2, n]
-        S = jnp.where(first > 0, h0_ref[seq].astype(F32), S)
+        S = lax.cond(first > 0, lambda: h0_ref[seq].astype(F32), lambda: S)
         S_next = chunk_step(n, S)
 
         @pl.when(last > 0)
