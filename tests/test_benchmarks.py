@@ -39,6 +39,7 @@ def test_quick_run_with_targets(tmp_path):
     assert "## Targets" in markdown and "matmul peak" in markdown
 
 
+@pytest.mark.slow  # two child processes that compile both sides: ~30 s of CI's budget
 def test_ab_runs_both_sides_and_reports_ratios(tmp_path):
     """`benchmarks/ab.py` (the A/B issue 31 asks for before any change to chunk/): a quick run
     against HEAD measures both sides in child processes and writes the ratio table."""
