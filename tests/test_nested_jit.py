@@ -54,12 +54,13 @@ def _case(name: str, layout: str, initial_state: bool) -> Case:
     return Case(gates=("g_head", "gk"), initial_state=initial_state, **LAYOUTS[layout], **dims)
 
 
-def _params():
-    for name in IMPLEMENTATIONS:
+def _params(implementations, default_tier):
+    """Every (implementation, pattern, layout, initial state), those not in `default_tier` slow."""
+    for name in implementations:
         for pattern in PATTERNS:
             for layout in LAYOUTS:
                 for initial_state in (True, False):
-                    fast = (name, pattern, layout, initial_state) in DEFAULT_TIER
+                    fast = (name, pattern, layout, initial_state) in default_tier
                     marks = [] if fast else [pytest.mark.slow]
                     yield pytest.param(name, pattern, layout, initial_state, marks=marks,
                                        id=f"{name}-{pattern}-{layout}-{'init' if initial_state else 'zero'}")
@@ -81,7 +82,7 @@ def _expected(case: Case) -> dict:
     return jax.grad(functools.partial(_loss, "reference", rest))(exact, cu_seqlens)
 
 
-@pytest.mark.parametrize(("name", "pattern", "layout", "initial_state"), list(_params()))
+@pytest.mark.parametrize(("name", "pattern", "layout", "initial_state"), list(_params(IMPLEMENTATIONS, DEFAULT_TIER)))
 def test_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state):
     if name == "mosaic_gpu_interpret" and not mosaic_gpu.has_interpret_mode():
         pytest.skip("Mosaic GPU interpret mode needs JAX >= 0.12")
@@ -100,16 +101,6 @@ def test_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state)
 
 DELTA_IMPLEMENTATIONS = ("reference", "chunk")
 DELTA_DEFAULT_TIER = {("chunk", "grad(jit(f))", "packed", True), ("chunk", "vjp(jit(f))", "dense", False)}
-
-
-def _delta_params():
-    for name in DELTA_IMPLEMENTATIONS:
-        for pattern in PATTERNS:
-            for layout in LAYOUTS:
-                for initial_state in (True, False):
-                    fast = (name, pattern, layout, initial_state) in DELTA_DEFAULT_TIER
-                    yield pytest.param(name, pattern, layout, initial_state, marks=[] if fast else [pytest.mark.slow],
-                                       id=f"{name}-{pattern}-{layout}-{'init' if initial_state else 'zero'}")
 
 
 @functools.cache
@@ -136,7 +127,7 @@ def _delta_loss(implementation, diff, cu_seqlens):
     return jnp.sum(output * weights) + jnp.sum(jnp.sin(final))
 
 
-@pytest.mark.parametrize(("name", "pattern", "layout", "initial_state"), list(_delta_params()))
+@pytest.mark.parametrize(("name", "pattern", "layout", "initial_state"), list(_params(DELTA_IMPLEMENTATIONS, DELTA_DEFAULT_TIER)))
 def test_delta_rule_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state):
     diff, cu_seqlens = _delta_inputs(layout, initial_state)
     traced = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
