@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from . import varlen
 from .problem import Problem
 
 RESET = -1e4
@@ -140,8 +141,7 @@ def _segments(cu_seqlens: Array | None, num_tokens: int, rows: int, reverse: boo
     position = (num_tokens - 1 - tokens if reverse else tokens)[None, :, None]
     if cu_seqlens is None:
         return _Segments(None, rows, position)
-    ids = jnp.searchsorted(cu_seqlens, tokens, side="right").astype(jnp.int32) - 1
-    return _Segments(ids, cu_seqlens.shape[0] - 1, position)
+    return _Segments(varlen.segments(cu_seqlens, num_tokens).seq_id, cu_seqlens.shape[0] - 1, position)
 
 
 _NONE = 2**30  # a position beyond every token ("no such token")
