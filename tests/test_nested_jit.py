@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cases import Case, make_inputs, max_rel_error, split_args
+from test_delta import Case as DeltaCase
+from test_delta import make_inputs as delta_inputs
 
 import recurrax
 from recurrax.kernels import mosaic_gpu
@@ -105,20 +107,13 @@ DELTA_DEFAULT_TIER = {("chunk", "grad(jit(f))", "packed", True), ("chunk", "vjp(
 
 @functools.cache
 def _delta_inputs(layout: str, initial_state: bool):
-    """(differentiable arrays, cu_seqlens or None) of a small gated delta-rule call: query/key
-    shared by two value heads, per-head and per-channel gates, beta up to 2."""
+    """(differentiable float32 arrays, cu_seqlens or None) of a small gated delta-rule call
+    (`test_delta`'s inputs): query/key shared by two value heads, per-head and per-channel
+    gates, beta up to 2."""
     spec = LAYOUTS[layout]
-    B, T, H, Hqk, K, V = spec["B"], spec["T"], 2, 1, 16, 16
-    rng = np.random.default_rng(3)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    diff = dict(query=normal(B, T, Hqk, K), key=normal(B, T, Hqk, K) / 4, value=normal(B, T, H, V),
-                beta=jnp.asarray(rng.uniform(0, 2, (B, T, H)), jnp.float32),
-                g=-jnp.abs(normal(B, T, H)) / 4, gk=-jnp.abs(normal(B, T, H, K)) / 8)
-    cu_seqlens = spec.get("cu_seqlens")
-    if initial_state:
-        rows = B if cu_seqlens is None else len(cu_seqlens) - 1
-        diff["initial_state"] = normal(rows, H, K, V)
-    return diff, cu_seqlens
+    case = DeltaCase(gates=("g", "gk"), B=spec["B"], T=spec["T"], Hqk=1, H=2, K=16, V=16, initial_state=initial_state,
+                     cu_seqlens=spec.get("cu_seqlens"), beta_range=(0.0, 2.0))
+    return {name: jnp.asarray(x, jnp.float32) for name, x in delta_inputs(case).items()}, case.cu_seqlens
 
 
 def _delta_loss(implementation, diff, cu_seqlens):
