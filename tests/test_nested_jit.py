@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from _cases import Case, make_inputs, max_rel_error, split_args
 from test_delta import Case as DeltaCase
