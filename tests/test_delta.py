@@ -1,4 +1,4 @@
-"""The delta rule: the reference against a NumPy loop of the formula, `chunk` against the float64
+"""The delta rule: the reference against a NumPy loop of the formula, `chunk` and `scan` against the float64
 reference (forward and the gradients of every input) within a rounding floor measured here,
 packed sequences with a traced `cu_seqlens`, the validation messages, and `delta_rule_step`."""
 
@@ -17,7 +17,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 import recurrax
-from recurrax.delta import canonicalize_delta, chunk_delta, reference_delta
+from recurrax.delta import canonicalize_delta, chunk_delta, kernel_registry, reference_delta, scan_delta
 
 # ----------------------------------------------------------------------------- cases
 
@@ -137,6 +137,7 @@ def test_reference_gradients_match_finite_differences():
 
 DIFFERENTIABLE = ("query", "key", "value", "beta", "g", "gk", "initial_state")
 CHUNK = functools.partial(chunk_delta, chunk_size=8, leaf_size=2)  # several chunks and ladder levels at T ≈ 20
+SCAN = functools.partial(scan_delta, block=4)  # several blocks, sequences ending inside one
 
 
 def _run(algorithm, args: dict, case: Case):
@@ -167,9 +168,9 @@ def _rel_error(x, exact) -> float:
     return float(np.max(np.abs(np.asarray(x, np.float64) - exact)) / max(np.max(np.abs(exact)), 1e-30))
 
 
-def chunk_errors(case: Case) -> dict[str, tuple[float, float]]:
-    """Per quantity: (chunk's float32 error, the float32 reference's error), both relative to
-    the float64 reference's largest magnitude."""
+def chunk_errors(case: Case, algorithm=CHUNK) -> dict[str, tuple[float, float]]:
+    """Per quantity: (`algorithm`'s float32 error, the float32 reference's error), both relative
+    to the float64 reference's largest magnitude."""
     args64 = make_inputs(case)
     args32 = {n: np.asarray(x, np.float32) for n, x in args64.items()}
     o64, final64 = _run(reference_delta, args64, case)
@@ -177,7 +178,7 @@ def chunk_errors(case: Case) -> dict[str, tuple[float, float]]:
     cotangents = (rng.normal(size=o64.shape), rng.normal(size=final64.shape))
     exact = _values_and_grads(reference_delta, args64, case, cotangents)
     floor = _values_and_grads(reference_delta, args32, case, cotangents)
-    chunk = _values_and_grads(CHUNK, args32, case, cotangents)
+    chunk = _values_and_grads(algorithm, args32, case, cotangents)
     return {n: (_rel_error(chunk[n], exact[n]), _rel_error(floor[n], exact[n])) for n in exact}
 
 
@@ -203,6 +204,30 @@ def test_chunk_matches_float64_reference(case):
     errors = chunk_errors(case)
     bad = {n: e for n, e in errors.items() if not e[0] <= ROUNDING_FACTOR * max(e[1], EPS32)}
     assert not bad, f"(chunk error, float32 reference error) exceeding the floor: {bad}"
+
+
+SCAN_CASES = [
+    Case(gates=("g", "gk"), Hqk=1, H=2, K=6, V=5, beta_range=(0.0, 2.0)),
+    Case(gates=("g", "gk"), cu_seqlens=(0, 7, 7, 16, 18, 20), T=20),  # packed: an empty one, ends inside blocks
+    pytest.param(Case(gates=("g",), T=70, K=16, V=16, qk_l2norm=True), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case", SCAN_CASES, ids=str)
+def test_scan_matches_float64_reference(case):
+    errors = chunk_errors(case, SCAN)
+    bad = {n: e for n, e in errors.items() if not e[0] <= ROUNDING_FACTOR * max(e[1], EPS32)}
+    assert not bad, f"(scan error, float32 reference error) exceeding the floor: {bad}"
+
+
+def test_registry_explains_the_delta_rule_dispatch():
+    args = _small()
+    selection = kernel_registry.select(**args)
+    assert selection.name == "chunk" and [name for name, _ in selection.answers] == ["chunk", "scan", "reference"]
+    assert "runs: chunk" in str(selection)
+    assert kernel_registry.select(**args, implementation="scan").name == "scan"
+    with pytest.raises(ValueError, match="beta must lie"):
+        kernel_registry.select(**{**args, "beta": args["beta"] + 3})
 
 
 @functools.cache
@@ -336,11 +361,14 @@ def _backward_temp_bytes(implementation: str, T: int, K: int = 64, V: int = 64) 
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_chunk_backward_keeps_states_per_chunk_not_per_token():
+def test_chunk_and_scan_backward_keep_states_per_block_not_per_token():
     """The reference's autodiff keeps a K×V state per token; chunk's (one checkpointed scan step
-    per chunk) keeps one per chunk plus token-sized terms: at K = V = 64, C = 64 several times less."""
+    per chunk) and scan's (one checkpointed block of 64 tokens) keep one per chunk or block plus
+    token-sized terms: at K = V = 64, C = 64 several times less."""
     T = 512
     per_token_states = T * 64 * 64 * 4
-    chunk, reference = _backward_temp_bytes("chunk", T), _backward_temp_bytes("reference", T)
+    reference = _backward_temp_bytes("reference", T)
     assert reference > per_token_states
-    assert chunk < per_token_states / 2 and chunk < reference / 5, (chunk, reference)
+    for name in ("chunk", "scan"):
+        temp = _backward_temp_bytes(name, T)
+        assert temp < per_token_states / 2 and temp < reference / 5, (name, temp, reference)

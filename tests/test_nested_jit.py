@@ -7,7 +7,7 @@ differentiates it. The four patterns of issue 31 — `grad(jit(f))`, `jit(grad(j
 packed and dense, with and without an initial state. The default tier runs every
 implementation under `grad(jit(f))` (the pattern that crashed) and the default
 implementation under all four; `-m slow` runs the whole product. The delta rule
-(`recurrax.delta_rule`, its `reference` and `chunk`) the same way, two cases in the default tier.
+(`recurrax.delta_rule`, its `reference`, `scan` and `chunk`) the same way, three cases in the default tier.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ def test_nested_jit_with_traced_cu_seqlens(name, pattern, layout, initial_state)
 
 # ----------------------------------------------------------------------------- the delta rule
 
-DELTA_IMPLEMENTATIONS = ("reference", "chunk")
-DELTA_DEFAULT_TIER = {("chunk", "grad(jit(f))", "packed", True), ("chunk", "vjp(jit(f))", "dense", False)}
+DELTA_IMPLEMENTATIONS = ("reference", "scan", "chunk")
+DELTA_DEFAULT_TIER = {("chunk", "grad(jit(f))", "packed", True), ("chunk", "vjp(jit(f))", "dense", False),
+                      ("scan", "grad(jit(f))", "packed", True)}
 
 
 @functools.cache

@@ -126,7 +126,8 @@ class Support:
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """One registered algorithm: `fn(problem, *, scale, reverse) -> (output, final_state)`."""
+    """One registered algorithm: `fn(problem, *, scale, **options) -> (output, final_state)`
+    (`recurrent`'s options: `reverse`; the delta rule has none)."""
 
     name: str
     platform: Platform
@@ -141,13 +142,13 @@ class Implementation:
             return f"it runs on {self.backend.value}, this call is on {request.backend}"
         return self.support.refusal(request)
 
-    def run(self, problem: Problem, *, scale: float, reverse: bool):
+    def run(self, problem: Problem, *, scale: float, **options):
         """`fn` on a canonical problem, with shared query/key heads repeated first unless it
         takes them shared (`Support.shared_query_key`); the output in the query's dtype."""
         dtype = problem.query.dtype
         if not self.support.shared_query_key:
             problem = problem.expanded()
-        output, final_state = self.fn(problem, scale=scale, reverse=reverse)
+        output, final_state = self.fn(problem, scale=scale, **options)
         return output.astype(dtype), final_state
 
 
@@ -172,9 +173,18 @@ class Selection:
 
 
 class KernelRegistry:
-    """Named implementations of the recurrent operation."""
+    """Named implementations of one operation (`recurrent`'s is `kernel_registry`, the delta
+    rule's `recurrax.delta.kernel_registry`).
 
-    def __init__(self) -> None:
+    **Arguments:**
+    - `operation`: the public function's name, for messages.
+    - `describe`: `(*arguments, **keyword_arguments) -> Request`, the operation's own
+      validation of its arguments, used by `select` (default: `recurrent`'s).
+    """
+
+    def __init__(self, operation: str = "recurrent", describe: Callable[..., Request] | None = None) -> None:
+        self.operation = operation
+        self._describe = describe if describe is not None else _describe_recurrent
         self._implementations: dict[str, Implementation] = {}
         self.unavailable: dict[str, str] = {}
         """Implementations this installation cannot offer at all (e.g. a JAX without the Pallas
@@ -225,22 +235,17 @@ class KernelRegistry:
         raise ValueError("no registered implementation supports this call:\n" + "\n".join(refusals))
 
     def select(self, *arguments, implementation: str | None = None, **keyword_arguments) -> Selection:
-        """Which implementation `recurrax.recurrent(*arguments, **keyword_arguments)` would run
-        on this backend, and why the others refuse: a `Selection` (print it for a summary).
+        """Which implementation the operation called with `(*arguments, **keyword_arguments)`
+        would run on this backend, and why the others refuse: a `Selection` (print it for a
+        summary).
 
-        Takes `recurrent`'s arguments (validated as `recurrent` validates them), or a single
-        `Request`.
+        Takes the operation's arguments (validated as the operation validates them), or a
+        single `Request`.
         """
         if len(arguments) == 1 and isinstance(arguments[0], Request) and not keyword_arguments:
             request = arguments[0]
         else:
-            from .problem import Problem
-
-            names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state",
-                     "reverse", "cu_seqlens")
-            given = {**dict(zip(names, arguments)), **keyword_arguments}
-            given.pop("softmax_scale", None), given.pop("reverse", None)
-            request = Request.of(Problem.create(**given))
+            request = self._describe(*arguments, **keyword_arguments)
         answers = tuple((impl.name, impl.refusal(request)) for impl in self.implementations())
         answers += tuple((name, f"not available here: {reason}") for name, reason in self.unavailable.items())
         if implementation is not None:
@@ -259,6 +264,15 @@ class KernelRegistry:
         if reason is not None:
             raise ValueError(f"implementation={name!r} cannot run this call: {reason}")
         return impl
+
+
+def _describe_recurrent(*arguments, **keyword_arguments) -> Request:
+    """The `Request` of `recurrax.recurrent(*arguments, **keyword_arguments)`."""
+    names = ("query", "key", "value", "g", "g_gamma", "gk", "gv", "softmax_scale", "initial_state",
+             "reverse", "cu_seqlens")
+    given = {**dict(zip(names, arguments)), **keyword_arguments}
+    given.pop("softmax_scale", None), given.pop("reverse", None)
+    return Request.of(Problem.create(**given))
 
 
 kernel_registry = KernelRegistry()

@@ -2,16 +2,20 @@
 
 | module        | what it holds                                                              |
 |---------------|----------------------------------------------------------------------------|
-| `_api`        | `delta_rule`, `delta_rule_step`: validate, dispatch by name               |
+| `_api`        | `delta_rule`, `delta_rule_step`: validate, dispatch through the registry  |
+| `_implementations` | `kernel_registry`: the algorithms, their priority and `Support`      |
 | `_problem`    | `DeltaProblem`: validation (reusing `recurrax.problem`'s), β, `qk_l2norm`  |
 | `_reference`  | the token loop (the oracle)                                                |
+| `_scan`       | the token loop in blocks, one stored state per block (the fallback)        |
 | `_chunk`      | the chunkwise (WY/UT) algorithm: a triangular solve per chunk, a state scan |
 """
 
-from ._api import DEFAULT_IMPLEMENTATION, IMPLEMENTATIONS, delta_rule, delta_rule_step
+from ._api import delta_rule, delta_rule_step
 from ._chunk import chunk_delta
+from ._implementations import DEFAULT_IMPLEMENTATION, IMPLEMENTATIONS, kernel_registry
 from ._problem import DeltaProblem, canonicalize_delta
 from ._reference import reference_delta
+from ._scan import scan_delta
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION",
@@ -21,5 +25,7 @@ __all__ = [
     "chunk_delta",
     "delta_rule",
     "delta_rule_step",
+    "kernel_registry",
     "reference_delta",
+    "scan_delta",
 ]

@@ -7,15 +7,10 @@ from jaxtyping import Array, Float, Int
 
 from .._eager import cached_when_eager
 from ..problem import _fail, check_values
-from ._chunk import chunk_delta
+from ..registry import Request
+from ._implementations import kernel_registry
 from ._problem import canonicalize_delta, check_beta
-from ._reference import delta_token, reference_delta
-
-IMPLEMENTATIONS = {"chunk": chunk_delta, "reference": reference_delta}
-"""The delta rule's algorithms by name; `None` takes `DEFAULT_IMPLEMENTATION`. (A plain table
-for now: the kernel registry of `recurrent` is not yet generalised to a second operation.)"""
-
-DEFAULT_IMPLEMENTATION = "chunk"
+from ._reference import delta_token
 
 _STATIC = ("softmax_scale", "qk_l2norm", "implementation", "allow_positive_gates")
 
@@ -58,8 +53,10 @@ def delta_rule(
       packed.
     - `cu_seqlens`: `[num_seqs + 1]` integer boundaries of packed sequences (may be traced).
     - `qk_l2norm`: normalise query and key per head first, `x · rsqrt(Σ x² + 1e-6)` in float32.
-    - `implementation`: `"chunk"` (the default: chunkwise, a triangular solve per chunk) or
-      `"reference"` (the token loop).
+    - `implementation`: a name registered in `recurrax.delta.kernel_registry`: `"chunk"`
+      (chunkwise, a triangular solve per chunk), `"scan"` (the token loop in blocks, storing
+      one state per block) or `"reference"` (the plain token loop, the oracle); `None` takes the
+      best one for the call (`recurrax.delta.kernel_registry.select(...)` says which and why).
     - `allow_positive_gates`: keep positive log decays. By default a concrete gate with a
       positive value, or a concrete `beta` outside [0, 2], raises `ValueError`; traced ones
       are checked under `recurrax.runtime_checks()`.
@@ -78,23 +75,18 @@ def delta_rule(
     return output
 
 
-def _algorithm(implementation: str | None):
-    name = DEFAULT_IMPLEMENTATION if implementation is None else implementation
-    if not isinstance(name, str) or name not in IMPLEMENTATIONS:
-        _fail("implementation", f"one of {sorted(IMPLEMENTATIONS)} or None", repr(implementation))
-    return IMPLEMENTATIONS[name]
-
-
 @cached_when_eager(static_argnames=_STATIC)
 def _delta_rule(
     query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, *,
     implementation, allow_positive_gates,
 ):
-    algorithm = _algorithm(implementation)
+    if implementation is not None and not isinstance(implementation, str):
+        _fail("implementation", f"one of {kernel_registry.names()} or None", repr(implementation))
     problem, scale, layout = canonicalize_delta(
         query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
     )
-    output, final_state = algorithm(problem, scale=scale)
+    impl = kernel_registry.get(implementation, Request.of(problem))
+    output, final_state = impl.run(problem, scale=scale)
     return layout.restore(output), final_state
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..problem import (
+    Gate,
     Layout,
     _concrete,
     _fail,
@@ -73,6 +74,12 @@ class DeltaProblem(NamedTuple):
     @property
     def state_dtype(self):
         return self.initial_state.dtype
+
+    @property
+    def gates(self) -> frozenset[Gate]:
+        """The decay kinds present (what the registry's `Support` judges)."""
+        fields = {Gate.HEAD: self.log_decay_head, Gate.KEY: self.log_decay_key}
+        return frozenset(kind for kind, x in fields.items() if x is not None)
 
     def key_side_decay(self) -> Float[Array, "B T H K"] | Float[Array, "B T H"] | None:
         """The log decay a_t: [B, T, H] when only per-head, [B, T, H, K] with a per-channel term

@@ -1,0 +1,44 @@
+"""The delta rule's registry: its algorithms, where they run, and their priority.
+
+The same machinery as `recurrent`'s (`recurrax.registry`): with no name given, dispatch takes
+the highest-priority implementation whose `Support` covers the call; a forced name that cannot
+take it raises `ValueError` saying why; `kernel_registry.select(...)` explains the choice.
+"""
+
+from __future__ import annotations
+
+from ..problem import Gate
+from ..registry import FLOAT_DTYPES, Backend, KernelRegistry, Platform, Request, Support
+from ._chunk import chunk_delta
+from ._problem import canonicalize_delta
+from ._reference import reference_delta
+from ._scan import scan_delta
+
+SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=frozenset({Gate.HEAD, Gate.KEY}), varlen=True, shared_query_key=True)
+"""Every XLA algorithm takes every float dtype, both gates, packed input, and query/key heads
+shared by groups of value heads as they are."""
+
+ROWS = (
+    ("chunk",     Platform.XLA, Backend.ANY, 20, chunk_delta),
+    ("scan",      Platform.XLA, Backend.ANY, 10, scan_delta),
+    ("reference", Platform.XLA, Backend.ANY,  0, reference_delta),
+)  # fmt: skip
+
+_ARGUMENTS = ("query", "key", "value", "beta", "g", "gk", "softmax_scale", "initial_state", "cu_seqlens", "qk_l2norm")
+
+
+def _describe(*arguments, **keyword_arguments) -> Request:
+    """The `Request` of `recurrax.delta_rule(*arguments, **keyword_arguments)`."""
+    given = {"qk_l2norm": False, **dict(zip(_ARGUMENTS, arguments)), **keyword_arguments}
+    problem, _, _ = canonicalize_delta(*(given.get(name) for name in _ARGUMENTS),
+                                       given.get("allow_positive_gates", False))
+    return Request.of(problem)
+
+
+kernel_registry = KernelRegistry("delta_rule", _describe)
+for _name, _platform, _backend, _priority, _function in ROWS:
+    kernel_registry.register(_name, _platform, _backend, priority=_priority, supports=SUPPORT)(_function)
+
+IMPLEMENTATIONS = {impl.name: impl.fn for impl in kernel_registry.implementations()}
+"""The delta rule's algorithms by name, highest priority first."""
+DEFAULT_IMPLEMENTATION = kernel_registry.names()[0]
