@@ -4,7 +4,6 @@ packed sequences with a traced `cu_seqlens`, the validation messages, and `delta
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -17,63 +16,12 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 import recurrax
+from recurrax.tools.cases import DeltaCase as Case
+from recurrax.tools.cases import delta_options as call_kwargs
+from recurrax.tools.cases import make_delta_inputs as make_inputs
 from recurrax.delta import canonicalize_delta, chunk_delta, kernel_registry, reference_delta, scan_delta
 
 # ----------------------------------------------------------------------------- cases
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    gates: tuple[str, ...] = ()
-    B: int = 2
-    T: int = 19
-    Hqk: int = 2
-    H: int = 2
-    K: int = 8
-    V: int = 4
-    initial_state: bool = True
-    cu_seqlens: tuple[int, ...] | None = None
-    beta_range: tuple[float, float] = (0.0, 1.0)
-    gate_range: tuple[float, float] = (-1.0, 0.0)
-    qk_l2norm: bool = False
-    scale: float | None = None
-
-    def __str__(self):
-        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if getattr(self, f.name) != f.default]
-        return ",".join(fields) or "plain"
-
-
-def make_inputs(case: Case, seed: int = 0) -> dict:
-    """float64 NumPy arguments of `delta_rule`. Without `qk_l2norm` the keys are unit vectors
-    (then I − β k kᵀ is a contraction for β ∈ [0, 2] and the state stays bounded)."""
-    rng = np.random.default_rng(seed)
-    B = 1 if case.cu_seqlens is not None else case.B
-    lead = (B, case.T)
-    q = rng.normal(size=(*lead, case.Hqk, case.K))
-    k = rng.normal(size=(*lead, case.Hqk, case.K))
-    if not case.qk_l2norm:
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    args = dict(query=q, key=k, value=rng.normal(size=(*lead, case.H, case.V)),
-                beta=rng.uniform(*case.beta_range, size=(*lead, case.H)))
-    if case.beta_range[1] == 2.0:
-        args["beta"][..., 0, 0] = 2.0
-    low, high = case.gate_range
-    if "g" in case.gates:
-        args["g"] = rng.uniform(low, high, size=(*lead, case.H))
-    if "gk" in case.gates:
-        args["gk"] = rng.uniform(low, high, size=(*lead, case.H, case.K))
-    rows = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1
-    if case.initial_state:
-        args["initial_state"] = 0.5 * rng.normal(size=(rows, case.H, case.K, case.V))
-    return args
-
-
-def call_kwargs(case: Case) -> dict:
-    kwargs = dict(qk_l2norm=case.qk_l2norm, softmax_scale=case.scale)
-    if case.cu_seqlens is not None:
-        kwargs["cu_seqlens"] = jnp.asarray(case.cu_seqlens, jnp.int32)
-    return kwargs
 
 
 def numpy_delta(query, key, value, beta, g=None, gk=None, initial_state=None, cu_seqlens=None,

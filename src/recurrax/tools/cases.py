@@ -1,6 +1,7 @@
 """The one maker of test and benchmark inputs, and the comparison against the reference.
 
-Used by the tests, `recurrax check`, `recurrax bench` and every script in `benchmarks/`.
+Used by the tests, `recurrax check`, `recurrax bench` and every script in `benchmarks/`; the
+last section does the same for `delta_rule` (`DeltaCase`, `make_delta_inputs`, `compare_delta`).
 
 `assert_matches(name, case)` compares forward outputs, final state and every gradient (via
 `jax.vjp` with random cotangents for both outputs) of an implementation against the
@@ -222,3 +223,102 @@ def assert_matches(implementation: str | Callable, case: Case, tol: float | None
     errors = compare(implementation, case, seed)
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"{implementation} vs reference on {case}: {bad} (tol {tol})"
+
+
+# ----------------------------------------------------------------------------- the delta rule
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaCase:
+    """One call of `delta_rule`: shapes, gates (`"g"` per head, `"gk"` per key channel),
+    options. `cu_seqlens` implies packed B = 1; `Hqk` query/key heads shared by the H value heads."""
+
+    gates: tuple[str, ...] = ()
+    B: int = 2
+    T: int = 19
+    Hqk: int = 2
+    H: int = 2
+    K: int = 8
+    V: int = 4
+    initial_state: bool = True
+    cu_seqlens: tuple[int, ...] | None = None
+    beta_range: tuple[float, float] = (0.0, 1.0)
+    gate_range: tuple[float, float] = (-1.0, 0.0)
+    qk_l2norm: bool = False
+    scale: float | None = None
+
+    def __str__(self):
+        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default]
+        return ",".join(fields) or "plain"
+
+
+DELTA_DIFF_ARGS = ("query", "key", "value", "beta", "g", "gk", "initial_state")
+
+
+def make_delta_inputs(case: DeltaCase, seed: int = 0) -> dict:
+    """float64 NumPy arrays of `delta_rule` (the array arguments only; `cu_seqlens`, `qk_l2norm`
+    and the scale are the case's). Without `qk_l2norm` the keys are unit vectors (then
+    I − β k kᵀ is a contraction for β ∈ [0, 2] and the state stays bounded); with β's range
+    reaching 2, one β is exactly 2."""
+    rng = np.random.default_rng(seed)
+    B = 1 if case.cu_seqlens is not None else case.B
+    lead = (B, case.T)
+    q = rng.normal(size=(*lead, case.Hqk, case.K))
+    k = rng.normal(size=(*lead, case.Hqk, case.K))
+    if not case.qk_l2norm:
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    args = dict(query=q, key=k, value=rng.normal(size=(*lead, case.H, case.V)),
+                beta=rng.uniform(*case.beta_range, size=(*lead, case.H)))
+    if case.beta_range[1] == 2.0:
+        args["beta"][..., 0, 0] = 2.0
+    low, high = case.gate_range
+    if "g" in case.gates:
+        args["g"] = rng.uniform(low, high, size=(*lead, case.H))
+    if "gk" in case.gates:
+        args["gk"] = rng.uniform(low, high, size=(*lead, case.H, case.K))
+    rows = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1
+    if case.initial_state:
+        args["initial_state"] = 0.5 * rng.normal(size=(rows, case.H, case.K, case.V))
+    return args
+
+
+def delta_options(case: DeltaCase) -> dict:
+    """`delta_rule`'s non-array keyword arguments for `case`."""
+    options = dict(qk_l2norm=case.qk_l2norm, softmax_scale=case.scale)
+    if case.cu_seqlens is not None:
+        options["cu_seqlens"] = jnp.asarray(case.cu_seqlens, jnp.int32)
+    return options
+
+
+def delta_forward_backward(implementation: str, arrays: dict, options: dict, seed: int = 1):
+    """`delta_rule`'s output, final state and the gradients of every array argument for random
+    cotangents (traceable: jit it)."""
+    (o, state), pullback = jax.vjp(
+        lambda arrays: recurrax.delta_rule(**arrays, **options, implementation=implementation), arrays)
+    rng = np.random.default_rng(seed)
+    do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
+    dstate = jnp.asarray(rng.standard_normal(state.shape), state.dtype)
+    return o, state, pullback((do, dstate))[0]
+
+
+def delta_vjp(implementation: str, arrays: dict, options: dict, seed: int = 1):
+    """`delta_forward_backward` as one jitted call."""
+    return jax.jit(lambda arrays: delta_forward_backward(implementation, arrays, options, seed))(arrays)
+
+
+def compare_delta(implementation: str, case: DeltaCase, dtype: str = "float32", seed: int = 0) -> dict[str, float]:
+    """Max relative errors of `implementation` on `dtype` inputs vs the delta rule's
+    `reference` on the same inputs in float64 (x64 on), per output and gradient (judged as
+    `compare` judges them)."""
+    inputs = make_delta_inputs(case, seed)
+    options = delta_options(case)
+    o, state, grads = delta_vjp(implementation, {n: jnp.asarray(x, dtype) for n, x in inputs.items()}, options)
+    o_ref, state_ref, grads_ref = delta_vjp("reference", {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()},
+                                            options)
+    exact = (o_ref, state_ref, *grads_ref.values())
+    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0.0)) for y in exact)
+    floor = max(ZERO_FLOOR * scale, 1e-30)
+    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
+    errors.update({"d" + name: max_rel_error(grads[name], grads_ref[name], floor) for name in grads})
+    return errors

@@ -1,16 +1,35 @@
-"""`recurrax check`: every implementation this machine runs, against the float64 reference."""
+"""`recurrax check`: every implementation this machine runs, of `recurrent` and of `delta_rule`,
+against the float64 reference."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from recurrax import kernel_registry
-from recurrax.registry import Backend, Request, current_backend
+from recurrax.delta import canonicalize_delta
+from recurrax.delta import kernel_registry as delta_registry
+from recurrax.registry import Backend, KernelRegistry, Request, current_backend
 
-from .cases import Case, canonical, compare, default_tolerance, make_inputs, run_vjp, split_args
+from .cases import (
+    Case,
+    DeltaCase,
+    canonical,
+    compare,
+    compare_delta,
+    default_tolerance,
+    delta_forward_backward,
+    delta_options,
+    make_delta_inputs,
+    make_inputs,
+    run_vjp,
+    split_args,
+)
 from .options import positive_float
 
 SHAPE = dict(B=2, T=48, H=4, Hkv=4, K=16, V=16)
@@ -31,27 +50,98 @@ CASES = {
 }
 QUICK = ("g per channel", "all gates, reverse", "varlen")
 """`--quick`: one case per decay form, reverse, and packed input (a few compiles per implementation)."""
-CASE_WIDTH = max(len(name) for name in CASES)
+
+DELTA_SHAPE = dict(B=2, T=48, Hqk=4, H=4, K=16, V=16)
+DELTA_CASES = {
+    "DeltaNet (no gate)": DeltaCase(**DELTA_SHAPE),
+    "Gated DeltaNet, l2norm": DeltaCase(**DELTA_SHAPE, gates=("g",), qk_l2norm=True),
+    "KDA (gk)": DeltaCase(**DELTA_SHAPE, gates=("gk",), qk_l2norm=True),
+    "g + gk, beta to 2": DeltaCase(**DELTA_SHAPE, gates=("g", "gk"), beta_range=(0.0, 2.0)),
+    "grouped q/k 1:4": DeltaCase(**{**DELTA_SHAPE, "Hqk": 1, "V": 8}, gates=("g",)),
+    "strong decay (-20)": DeltaCase(**DELTA_SHAPE, gates=("g", "gk"), gate_range=(-20.0, 0.0)),
+    "varlen, an empty one": DeltaCase(**DELTA_SHAPE, gates=("gk",), cu_seqlens=(0, 5, 5, 30, 31, 48)),
+}
+DELTA_QUICK = ("Gated DeltaNet, l2norm", "varlen, an empty one")
+CASE_WIDTH = max(len(name) for name in (*CASES, *DELTA_CASES))
 
 
-def _machine_implementations() -> list[str]:
-    """The registered implementations that run on this machine's backend."""
+class Operation(NamedTuple):
+    """What `check` needs of one operation: its registry, cases and how to run one."""
+
+    name: str
+    registry: KernelRegistry
+    cases: Callable[[], dict[str, Any]]
+    quick: Callable[[], tuple[str, ...]]
+    errors: Callable[[str, Any, str], dict[str, float]]  # (implementation, case, dtype)
+    refusal: Callable[[str, Any, str], str | None]
+    seconds: Callable[[str, Any, str], float]
+
+
+def _steady_seconds(step, argument) -> float:
+    """Steady-state time of one call of the jitted `step` (compile excluded)."""
+    jax.block_until_ready(step(argument))
+    start = time.perf_counter()
+    jax.block_until_ready(step(argument))
+    return time.perf_counter() - start
+
+
+def _recurrent_errors(name: str, case: Case, dtype: str) -> dict[str, float]:
+    return compare(name, Case(**{**case.__dict__, "dtype": dtype}))
+
+
+def _recurrent_refusal(name: str, case: Case, dtype: str) -> str | None:
+    return _refusal(name, Case(**{**case.__dict__, "dtype": dtype}))
+
+
+def _recurrent_seconds(name: str, case: Case, dtype: str) -> float:
+    return _fwd_bwd_seconds(name, Case(**{**case.__dict__, "dtype": dtype}))
+
+
+def _delta_arrays(case: DeltaCase, dtype: str) -> dict:
+    return {n: jnp.asarray(x, dtype) for n, x in make_delta_inputs(case).items()}
+
+
+def _delta_refusal(name: str, case: DeltaCase, dtype: str) -> str | None:
+    arrays, options = _delta_arrays(case, dtype), delta_options(case)
+    names = ("query", "key", "value", "beta", "g", "gk", "softmax_scale", "initial_state", "cu_seqlens", "qk_l2norm")
+    problem, _, _ = canonicalize_delta(*({**arrays, **options}.get(n) for n in names))
+    impl = next(impl for impl in delta_registry.implementations() if impl.name == name)
+    return impl.refusal(Request.of(problem))
+
+
+def _delta_seconds(name: str, case: DeltaCase, dtype: str) -> float:
+    options = delta_options(case)
+    step = jax.jit(lambda arrays: delta_forward_backward(name, arrays, options))
+    return _steady_seconds(step, _delta_arrays(case, dtype))
+
+
+OPERATIONS = {
+    "recurrent": Operation("recurrent", kernel_registry, lambda: CASES, lambda: QUICK,
+                           _recurrent_errors, _recurrent_refusal, _recurrent_seconds),
+    "delta_rule": Operation("delta_rule", delta_registry, lambda: DELTA_CASES, lambda: DELTA_QUICK,
+                            lambda name, case, dtype: compare_delta(name, case, dtype), _delta_refusal, _delta_seconds),
+}
+"""The operations `check` covers (cases looked up at call time, so tests may replace them)."""
+
+
+def _machine_implementations(registry: KernelRegistry = kernel_registry) -> list[str]:
+    """The implementations of `registry` that run on this machine's backend."""
     backend = current_backend()
     return [
         impl.name
-        for impl in kernel_registry.implementations()
+        for impl in registry.implementations()
         if impl.backend is Backend.ANY or impl.backend.value == backend
     ]
 
 
-def chosen_implementations(requested: list[str] | None) -> list[str]:
+def chosen_implementations(requested: list[str] | None, registry: KernelRegistry = kernel_registry) -> list[str]:
     """The implementations to check, in registry order: `requested` (None: every one this
     machine runs) less those for another backend. `ValueError` for an unregistered name or an
     empty selection, naming `--implementations` and the valid names."""
-    runnable = _machine_implementations()
+    runnable = _machine_implementations(registry)
     if requested is None:
         return runnable
-    registered = kernel_registry.names()
+    registered = registry.names()
     unknown = [name for name in requested if name not in registered]
     if unknown:
         raise ValueError(f"--implementations: {', '.join(unknown)} not registered; registered: "
@@ -68,11 +158,7 @@ def chosen_implementations(requested: list[str] | None) -> list[str]:
 def _fwd_bwd_seconds(name: str, case: Case) -> float:
     """Steady-state time of one jitted forward + backward (compile excluded)."""
     diff, rest = split_args(make_inputs(case))
-    step = jax.jit(lambda diff: run_vjp(name, {**diff, **rest}))
-    jax.block_until_ready(step(diff))
-    start = time.perf_counter()
-    jax.block_until_ready(step(diff))
-    return time.perf_counter() - start
+    return _steady_seconds(jax.jit(lambda diff: run_vjp(name, {**diff, **rest})), diff)
 
 
 def _refusal(name: str, case: Case) -> str | None:
@@ -93,40 +179,63 @@ def _eta(done: int, total: int, elapsed: float) -> str:
     return f"[{done}/{total}, ETA {int(left // 60)}:{int(left % 60):02d}]"
 
 
+def _check_operation(operation: Operation, names: list[str], args, tolerance: float) -> dict[str, int]:
+    """Print one row per (implementation, case) of `operation`; the counts."""
+    cases = {name: case for name, case in operation.cases().items() if not args.quick or name in operation.quick()}
+    print(f"{operation.name}:")
+    print(f"{'implementation':<18} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
+    counts = {"matched": 0, "mismatched": 0, "unsupported": 0}
+    total, start = len(names) * len(cases), time.perf_counter()
+    for name in names:
+        for case_name, case in cases.items():
+            refusal = operation.refusal(name, case, args.dtype)
+            if refusal is None:
+                errors = operation.errors(name, case, args.dtype)
+                worst = max(errors, key=errors.get)
+                ok = errors[worst] <= tolerance
+                counts["matched" if ok else "mismatched"] += 1
+                line = _row(name, case_name, errors[worst], worst, operation.seconds(name, case, args.dtype), ok)
+            else:
+                counts["unsupported"] += 1
+                line = f"{name:<18} {case_name:<{CASE_WIDTH}} {'-':>11} declared unsupported: {refusal}"
+            done = sum(counts.values())
+            print(f"{line}  {_eta(done, total, time.perf_counter() - start)}", flush=True)
+    print(f"{operation.name}: {len(names)} implementations x {len(cases)} cases: {counts['matched']} matched, "
+          f"{counts['mismatched']} mismatched, {counts['unsupported']} declared unsupported (not run)")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="recurrax check", description=__doc__)
+    parser.add_argument("--operation", choices=[*OPERATIONS, "all"], default="all",
+                        help="which operation to check (default: all of them)")
     parser.add_argument("--implementations", nargs="*", help="names to check (default: all this machine runs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--tolerance", type=positive_float, help="max relative error, > 0 (default by dtype)")
     parser.add_argument("--quick", action="store_true",
                         help=f"only the cases {', '.join(QUICK)} (about a minute instead of several)")
     args = parser.parse_args(argv)
+    operations = list(OPERATIONS.values()) if args.operation == "all" else [OPERATIONS[args.operation]]
     try:
-        names = chosen_implementations(args.implementations)
+        chosen = _selected(args.implementations, operations)
     except ValueError as error:
         parser.error(str(error))
     jax.config.update("jax_enable_x64", True)
     tolerance = default_tolerance(args.dtype) if args.tolerance is None else args.tolerance
     print(f"backend {jax.default_backend()}, inputs {args.dtype}, oracle: reference in float64, tolerance {tolerance:.0e}")
-    cases = {name: case for name, case in CASES.items() if not args.quick or name in QUICK}
-    print(f"{'implementation':<18} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
-    counts = {"matched": 0, "mismatched": 0, "unsupported": 0}
-    total, start = len(names) * len(cases), time.perf_counter()
-    for name in names:
-        for case_name, case in cases.items():
-            case = Case(**{**case.__dict__, "dtype": args.dtype})
-            refusal = _refusal(name, case)
-            if refusal is None:
-                errors = compare(name, case)
-                worst = max(errors, key=errors.get)
-                ok = errors[worst] <= tolerance
-                counts["matched" if ok else "mismatched"] += 1
-                line = _row(name, case_name, errors[worst], worst, _fwd_bwd_seconds(name, case), ok)
-            else:
-                counts["unsupported"] += 1
-                line = f"{name:<18} {case_name:<{CASE_WIDTH}} {'-':>11} declared unsupported: {refusal}"
-            done = sum(counts.values())
-            print(f"{line}  {_eta(done, total, time.perf_counter() - start)}", flush=True)
-    print(f"{len(names)} implementations x {len(cases)} cases: {counts['matched']} matched, "
-          f"{counts['mismatched']} mismatched, {counts['unsupported']} declared unsupported (not run)")
-    return 1 if counts["mismatched"] else 0
+    mismatched = sum(_check_operation(op, names, args, tolerance)["mismatched"] for op, names in chosen)
+    return 1 if mismatched else 0
+
+
+def _selected(requested: list[str] | None, operations: list[Operation]) -> list[tuple[Operation, list[str]]]:
+    """(operation, implementations to check) pairs. A name is looked up in every operation's
+    registry: an operation registering none of the requested names is skipped; a name no
+    operation registers is a `ValueError` (as is an empty or unrunnable selection)."""
+    if requested is None or len(operations) == 1:
+        return [(op, chosen_implementations(requested, op.registry)) for op in operations]
+    known = {name for op in operations for name in op.registry.names()}
+    unknown = [name for name in requested if name not in known]
+    if unknown or not requested:
+        chosen_implementations(requested, kernel_registry)  # raises, naming the problem
+    return [(op, chosen_implementations([n for n in requested if n in op.registry.names()], op.registry))
+            for op in operations if set(requested) & set(op.registry.names())]
