@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import time
 
+import jax
+import numpy as np
 import pytest
 
+import recurrax
 from recurrax.tools.bench import command, machine, measure, report
 from recurrax.tools.bench.measure import Settings, Shape
 
@@ -222,3 +225,23 @@ def test_ctrl_c_keeps_the_finished_measurements(measured, monkeypatch, tmp_path,
     assert saved["status"] == "interrupted" and len(saved["records"]) == 2
     assert "Partial results (interrupted): 2 of 4 measurements" in (out / "results.md").read_text()
     assert "interrupted: 2 of 4 measurements saved in" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the delta rule
+
+
+def test_delta_kinds_measure_the_delta_rule():
+    """A delta kind compiles and runs `delta_rule` (gradients include beta), with the delta
+    rule's model FLOPs; a name only `recurrent` registers is recorded as unsupported."""
+    settings = measure.Settings(repeats=1, max_seconds=5.0, reference_max_len=64)
+    shape = Shape(1, 8, 2, 4, 4)
+    primals, _ = measure.make_arguments(shape, "delta_gk", 0)
+    assert set(primals[3]) == {"beta", "gk"}
+    record = measure.measure("scan", "delta_gk", shape, "fwd+bwd", settings)
+    assert record["status"] == "ok" and record["model_flops"] == 18 * 1 * 8 * 2 * 4 * 4
+    query, key, value, gates = measure.make_arguments(shape, "delta_g", 0)[0]
+    output, _ = jax.jit(measure.forward_program("chunk", "delta_g"))(query, key, value, gates)
+    direct = jax.jit(lambda *x: recurrax.delta_rule(*x, gates["beta"], g=gates["g"], qk_l2norm=True)[0])
+    np.testing.assert_array_equal(output, direct(query, key, value))
+    refused = measure.measure("pallas_interpret", "delta", shape, "fwd", settings)
+    assert refused["status"] == "unsupported" and "implementation must be one of" in refused["reason"]

@@ -255,6 +255,19 @@ class DeltaCase:
 
 DELTA_DIFF_ARGS = ("query", "key", "value", "beta", "g", "gk", "initial_state")
 
+DELTA_PRESETS = {"delta": (), "delta_g": ("g",), "delta_gk": ("gk",)}
+"""The benchmarks' delta-rule kinds: DeltaNet (no gate), Gated DeltaNet (per-head g) and KDA
+(per-channel gk), each with `qk_l2norm=True`, β ∈ [0, 1] and gates in [−0.1, 0]."""
+
+
+def delta_benchmark_inputs(B: int, T: int, H: int, K: int, V: int, kind: str, dtype: str = "float32",
+                           seed: int = 0) -> dict:
+    """`delta_rule`'s arrays for the benchmark kind `kind` (a key of `DELTA_PRESETS`): no
+    grouped heads, no initial state, in `dtype`."""
+    case = DeltaCase(gates=DELTA_PRESETS[kind], B=B, T=T, Hqk=H, H=H, K=K, V=V, initial_state=False,
+                     gate_range=(-0.1, 0.0), qk_l2norm=True)
+    return {n: jnp.asarray(x, dtype) for n, x in make_delta_inputs(case, seed).items()}
+
 
 def make_delta_inputs(case: DeltaCase, seed: int = 0) -> dict:
     """float64 NumPy arrays of `delta_rule` (the array arguments only; `cu_seqlens`, `qk_l2norm`

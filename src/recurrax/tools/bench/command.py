@@ -19,13 +19,13 @@ from typing import Any
 from recurrax._extras import require
 from recurrax.registry import kernel_registry
 
-from ..cases import GATE_PRESETS
+from ..cases import DELTA_PRESETS, GATE_PRESETS
 from ..options import non_negative_int, positive_float, positive_int, positive_int_list
 from .machine import machine_description, matmul_peak
 from .measure import DEFAULT_IMPLS, Settings, Shape, add_utilisation, grid_size, run_grid
 from .report import TABLE_HEADER, table_rows, write_outputs
 
-GATE_KINDS = tuple(GATE_PRESETS)
+GATE_KINDS = (*GATE_PRESETS, *DELTA_PRESETS)
 DTYPES = ("float32", "bfloat16")
 RESULT_FILES = ("results.md", "results.json", "results.png")
 
@@ -37,10 +37,11 @@ QUICK = {"seq_lens": [256, 1024], "batch": 1, "heads": 4, "qk_dim": 64, "v_dim":
 """Small enough for a smoke run, large enough (K = V = 64, T up to 1024) that `chunk` beats
 `scan` forward and backward, as in the full grid (forward alone is close at B·H = 4)."""
 
-FULL_GRID_DURATION = "about 5 minutes on a quiet 2-core CPU"
+FULL_GRID_DURATION = "about 8 minutes on a quiet 2-core CPU"
 QUICK_GRID_DURATION = "about 2 minutes on a quiet 2-core CPU"
 """Estimates, not guarantees: the committed full run (benchmarks/results, `--repeats 5`) spent
-1.5 minutes compiling and 2.1 timing; a quick run took 1 minute of CPU time (3.3 minutes
+1.5 minutes compiling and 2.1 timing for the five `recurrent` kinds (the three delta-rule
+kinds add about as much again per kind); a quick run took 1 minute of CPU time (3.3 minutes
 of wall time on a 2-core CPU with load average 10). A busy machine takes longer."""
 
 
@@ -59,7 +60,8 @@ def parser(prog: str = "recurrax bench") -> argparse.ArgumentParser:
     add("--quick", action="store_true", help=f"a smaller grid and target shapes: a smoke run of {QUICK_GRID_DURATION}, "
         "mostly compiling")
     add("--impls", help="comma-separated implementations (default: those of reference,scan,chunk registered)")
-    add("--gates", default=",".join(GATE_KINDS), help=f"comma-separated gate kinds among {','.join(GATE_KINDS)}")
+    add("--gates", default=",".join(GATE_KINDS), help=f"comma-separated gate kinds among {','.join(GATE_KINDS)} (the delta* kinds measure "
+        "delta_rule: DeltaNet, Gated DeltaNet, KDA)")
     add("--dtype", default="float32", choices=DTYPES, help="dtype of the measured inputs (default float32; MFU "
         "is always against the float32 matmul peak)")
     add("--seq-lens", type=positive_int_list, help=f"comma-separated sequence lengths {default('seq_lens')}")

@@ -9,6 +9,14 @@ gate kind and each sequence length, two programs are compiled and timed:
 | fwd+bwd | `jit(value_and_grad(loss))` wrt query, key, value and every gate, where   | 12·B·T·H·K·V  |
 |         | `loss = <output, d_output> + <final_state, d_state>` (random cotangents) |               |
 
+The gate kinds `delta`, `delta_g`, `delta_gk` (`cases.DELTA_PRESETS`) measure
+`recurrax.delta_rule` instead (DeltaNet, Gated DeltaNet, KDA; `qk_l2norm=True`; gradients
+also wrt `beta`), with the implementations of its own registry, and model FLOPs 6·B·T·H·K·V
+forward, 18·B·T·H·K·V forward and backward: per token and head the decay (K·V), the read
+Sᵀk (2·K·V), the rank-one write (2·K·V) and the output (2·K·V), rounded up to 6·K·V, tripled
+for the backward as for `recurrent`. These are the recurrence's FLOPs, not the chunk
+algorithm's (which does more: its C×C products and triangular solve).
+
 Compilation is not timed; a measurement is the median of `--repeats` runs, each ended by
 `jax.block_until_ready`. Model-FLOP utilisation (MFU) divides model FLOPs per second by this
 machine's float32 matmul peak, measured in the same run (a jitted `jnp.dot` of two square
@@ -34,13 +42,15 @@ import jax.numpy as jnp
 
 import recurrax
 
-from ..cases import GATE_PRESETS, Case, make_cotangents, make_inputs
+from ..cases import DELTA_PRESETS, GATE_PRESETS, Case, delta_benchmark_inputs, make_cotangents, make_inputs
 from .machine import seconds_of
 
 MODES = ("fwd", "fwd+bwd")
 
 FLOPS_PER_ELEMENT = {"fwd": 4, "fwd+bwd": 12}
 """Model FLOPs per B·T·H·K·V: forward 4, forward and backward 12."""
+DELTA_FLOPS_PER_ELEMENT = {"fwd": 6, "fwd+bwd": 18}
+"""The delta rule's model FLOPs per B·T·H·K·V (see the module docstring)."""
 
 DEFAULT_IMPLS = ("reference", "scan", "chunk")
 MiB = 2**20
@@ -79,10 +89,11 @@ class Settings:
     seed: int = 0
     dtype: str = "float32"
 
-def model_flops(shape: Shape, mode: str) -> int:
-    """Model FLOPs of one call: 4·B·T·H·K·V forward, 12·B·T·H·K·V forward and backward."""
+def model_flops(shape: Shape, mode: str, kind: str = "none") -> int:
+    """Model FLOPs of one call: 4·B·T·H·K·V forward, 12·B·T·H·K·V forward and backward (the
+    delta rule's kinds: 6 and 18)."""
     elements = shape.batch * shape.seq_len * shape.heads * shape.qk_dim * shape.v_dim
-    return FLOPS_PER_ELEMENT[mode] * elements
+    return (DELTA_FLOPS_PER_ELEMENT if kind in DELTA_PRESETS else FLOPS_PER_ELEMENT)[mode] * elements
 
 def utilisation(flops: float, seconds: float, peak_flops_per_s: float) -> float:
     """Model-FLOP utilisation: achieved FLOP/s as a fraction of the peak."""
@@ -96,27 +107,35 @@ def predicted_seconds(seconds: float, from_len: int, to_len: int) -> float:
 def make_arguments(shape: Shape, kind: str, seed: int, dtype: str = "float32") -> tuple[tuple, tuple]:
     """Random `(query, key, value, gates)` in `dtype` and cotangents `(d_output, d_state)` from
     the one input maker (`recurrax.tools.cases`), for the gate preset `kind`."""
-    case = Case.benchmark(shape.batch, shape.seq_len, shape.heads, shape.qk_dim, shape.v_dim, kind, dtype=dtype)
-    inputs = make_inputs(case, seed)
+    sizes = (shape.batch, shape.seq_len, shape.heads, shape.qk_dim, shape.v_dim)
+    cotangents = make_cotangents(Case.benchmark(*sizes, dtype=dtype), seed + 1)
+    if kind in DELTA_PRESETS:
+        inputs = delta_benchmark_inputs(*sizes, kind, dtype, seed)
+        gates = {name: inputs[name] for name in ("beta", "g", "gk") if name in inputs}
+        return (inputs["query"], inputs["key"], inputs["value"], gates), cotangents
+    inputs = make_inputs(Case.benchmark(*sizes, kind, dtype=dtype), seed)
     gates = {name: inputs[name] for name in ("g", "g_gamma", "gk", "gv") if name in inputs}
-    return (inputs["query"], inputs["key"], inputs["value"], gates), make_cotangents(case, seed + 1)
+    return (inputs["query"], inputs["key"], inputs["value"], gates), cotangents
 
 
-def forward_program(impl: str) -> Callable:
-    """`(query, key, value, gates) -> (output, final_state)` with `impl`."""
+def forward_program(impl: str, kind: str = "none") -> Callable:
+    """`(query, key, value, gates) -> (output, final_state)` with `impl`: `recurrent`, or
+    `delta_rule` (with `qk_l2norm`) for the delta kinds, whose `gates` hold `beta`."""
 
     def forward(query, key, value, gates):
+        if kind in DELTA_PRESETS:
+            return recurrax.delta_rule(query, key, value, **gates, qk_l2norm=True, implementation=impl)
         return recurrax.recurrent(query, key, value, **gates, implementation=impl)
 
     return forward
 
-def forward_backward_program(impl: str) -> Callable:
+def forward_backward_program(impl: str, kind: str = "none") -> Callable:
     """`(query, key, value, gates, d_output, d_state) -> (loss, grads)` with `impl`.
 
     The loss pairs both outputs with fixed random cotangents, so the backward sees the
     general case; grads cover query, key, value and every gate.
     """
-    forward = forward_program(impl)
+    forward = forward_program(impl, kind)
 
     def loss(query, key, value, gates, d_output, d_state):
         output, final_state = forward(query, key, value, gates)
@@ -124,11 +143,12 @@ def forward_backward_program(impl: str) -> Callable:
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
 
-def program_and_arguments(impl: str, mode: str, primals: tuple, cotangents: tuple) -> tuple[Callable, tuple]:
+def program_and_arguments(impl: str, mode: str, primals: tuple, cotangents: tuple,
+                          kind: str = "none") -> tuple[Callable, tuple]:
     """The function to compile for `mode` and the arguments it takes."""
     if mode == "fwd":
-        return forward_program(impl), primals
-    return forward_backward_program(impl), primals + cotangents
+        return forward_program(impl, kind), primals
+    return forward_backward_program(impl, kind), primals + cotangents
 
 def memory_of(compiled: Any) -> dict[str, int | None]:
     """Byte counts from XLA's compiled memory analysis (None where the backend gives none)."""
@@ -159,8 +179,11 @@ def time_runs(run: Callable[[], Any], repeats: int, max_seconds: float) -> dict[
     }
 
 def unsupported(error: Exception) -> bool:
-    """Whether `error` is the registry refusing the call (rather than a failure)."""
-    return isinstance(error, ValueError) and "cannot run this call" in str(error)
+    """Whether `error` is a registry refusing the call (rather than a failure): a declared
+    refusal, or a name the delta rule's registry does not hold (e.g. a kernel of `recurrent`
+    asked for a delta kind)."""
+    message = str(error)
+    return isinstance(error, ValueError) and ("cannot run this call" in message or "implementation must be one of" in message)
 
 def measure(
     impl: str, kind: str, shape: Shape, mode: str, settings: Settings, *, run: bool = True, skip_reason: str = ""
@@ -168,9 +191,9 @@ def measure(
     """Compile one program, read its memory, and (when `run`) time it. One record."""
     record: dict[str, Any] = {"impl": impl, "gates": kind, "mode": mode, **dataclasses.asdict(shape),
                               "dtype": settings.dtype}
-    record["model_flops"] = model_flops(shape, mode)
+    record["model_flops"] = model_flops(shape, mode, kind)
     primals, cotangents = make_arguments(shape, kind, settings.seed, settings.dtype)
-    function, arguments = program_and_arguments(impl, mode, primals, cotangents)
+    function, arguments = program_and_arguments(impl, mode, primals, cotangents, kind)
     try:
         start = time.perf_counter()
         compiled = jax.jit(function).lower(*arguments).compile()

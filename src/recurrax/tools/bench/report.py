@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cases import GATE_PRESETS
+from ..cases import DELTA_PRESETS, GATE_PRESETS
 from .measure import MODES, MiB, Shape
 
-GATE_KINDS = tuple(GATE_PRESETS)
+GATE_KINDS = (*GATE_PRESETS, *DELTA_PRESETS)
 
 def _ms(record: dict[str, Any] | None) -> str:
     if record is None:
@@ -152,8 +152,8 @@ def plot_results(records: Sequence[dict[str, Any]], path: Path) -> None:
     impls = sorted({r["impl"] for r in records})
     seq_lens = sorted({r["seq_len"] for r in records})
     colours = {impl: f"C{i}" for i, impl in enumerate(impls)}
-    styles = dict(zip(GATE_KINDS, ("-", "--", ":", "-.", (0, (5, 1, 1, 1)))))
-    markers = dict(zip(GATE_KINDS, "osD^v"))
+    styles = dict(zip(GATE_KINDS, ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), "-", "--", ":")))
+    markers = dict(zip(GATE_KINDS, "osD^vPX*"))
     for axis, mode in zip(axes, MODES):
         for impl in impls:
             for kind in GATE_KINDS:
