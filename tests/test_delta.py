@@ -248,6 +248,13 @@ def test_delta_rule_step_matches_the_sequence():
         outs.append(o_t)
     np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(state, final, rtol=1e-12, atol=1e-12)
+    # several tokens at once: a prefill of 2, then the other 3 in one call
+    prefix = {n: args[n][:, :2] for n in ("query", "key", "value", "beta", "g", "gk")}
+    rest = {n: args[n][:, 2:] for n in prefix}
+    o_2, state = recurrax.delta_rule_step(**prefix, state=args["initial_state"], qk_l2norm=True)
+    o_3, state = recurrax.delta_rule_step(**rest, state=state, qk_l2norm=True)
+    np.testing.assert_allclose(np.concatenate([o_2, o_3], 1), o, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(state, final, rtol=1e-10, atol=1e-10)
 
 
 # ----------------------------------------------------------------------------- validation

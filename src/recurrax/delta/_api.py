@@ -109,15 +109,21 @@ def delta_rule_step(
     *,
     allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "batch num_heads v_head_dim"], Float[Array, "batch num_heads qk_head_dim v_head_dim"]]:
-    """Advance the delta-rule state of `batch` sequences by one token each (decoding).
+    """Advance the delta-rule state of `batch` sequences by their next token(s) (decoding).
 
-    Exactly one token of `delta_rule(..., initial_state=state)`: the arguments are those of
-    `delta_rule` without the `seq_len` axis (validated by the same code, with an axis of 1
-    added), `state` the state after the previous tokens (None: zeros).
+    One-token form (3-D `query`): exactly one token of `delta_rule(..., initial_state=state)`;
+    the arguments are those of `delta_rule` without the `seq_len` axis (validated by the same
+    code, with an axis of 1 added), `state` the state after the previous tokens (None: zeros).
+    Several-token form (4-D `query`, `[batch, seq_len, ...]` arguments): identical to
+    `delta_rule(query, key, value, beta, g, gk, softmax_scale, initial_state=state,
+    qk_l2norm=qk_l2norm)`, so prefill and decoding are one call.
 
-    **Returns:** `(output [batch, num_heads, v_head_dim], new_state)`, the output in the
-    query's dtype, the state in float32 (float64 for float64 inputs).
+    **Returns:** `(output [batch, (seq_len,) num_heads, v_head_dim], new_state)`, the output
+    in the query's dtype, the state in float32 (float64 for float64 inputs).
     """
+    if getattr(query, "ndim", None) == 4:
+        return delta_rule(query, key, value, beta, g, gk, softmax_scale, state, None, qk_l2norm,
+                          allow_positive_gates=allow_positive_gates)
     arrays = (query, key, value, beta, g, gk)
     for name, x in zip(("query", "key", "value", "beta", "g", "gk"), arrays):
         if x is not None and getattr(x, "ndim", None) is not None and x.ndim < 2:
