@@ -169,6 +169,17 @@ def test_half_precision_query_keeps_its_dtype():
     assert scaled_error(output, output_ref) < 1e-2  # bfloat16 output rounding
 
 
+@pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="explicit mesh axes need jax.set_mesh")
+def test_explicit_mesh_axes():
+    arrays, options = inputs(Case(**SMALL, gates=("g",), cu_seqlens=(0, 5, 5, 16)))
+    mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        call = jax.jit(lambda a, cu: parallel.delta_rule(**a, cu_seqlens=cu, mesh=mesh, sequence_axis="seq"))
+        output, state = call(arrays, options["cu_seqlens"])
+    output_ref, state_ref = recurrax.delta_rule(**arrays, **options, implementation="reference")
+    assert scaled_error(output, output_ref) <= EXACT and scaled_error(state, state_ref) <= EXACT
+
+
 def _collectives(case: Case, split: Split) -> list[str]:
     """The collective instructions of the compiled forward, as `op result-type` strings."""
     arrays, options = inputs(case)
