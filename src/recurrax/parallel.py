@@ -64,7 +64,7 @@ from ._recurrent import _packed_tokens
 from .problem import Problem, canonicalize, check_values
 from .registry import Implementation, Request, kernel_registry
 
-__all__ = ["recurrent"]
+__all__ = ["delta_rule", "recurrent"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,3 +459,7 @@ def _sharded(
         empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
         final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
     return layout.restore(output), final_state
+
+
+# The delta rule's sequence parallelism lives with the delta rule and reuses the mesh plumbing above.
+from .delta._parallel import delta_rule  # noqa: E402

@@ -1,0 +1,292 @@
+"""Sequence parallelism for the delta rule: the token axis split over a device mesh, exact.
+
+| symbol   | meaning                                                                   |
+|----------|---------------------------------------------------------------------------|
+| P        | sequence shards: the size of `sequence_axis`                              |
+| p        | a shard's position along the sequence                                     |
+| L        | tokens per shard; T = P·L (N = P·L packed tokens with `cu_seqlens`)       |
+| B, H     | batch rows and value heads on one device (after batch / head sharding)    |
+| K, V     | key/query and value head dimensions                                       |
+| S        | packed sequences                                                          |
+| s        | the softmax scale                                                         |
+| h_p      | the state entering shard p [K, V]; h_0 = initial_state                    |
+| M_t, N_t | the shard's state after its token t as an affine map of h_p: M_t h_p + N_t |
+| M_p, N_p | the same after the shard's last token: the shard's transfer               |
+| r_t      | s · M_tᵀ q_t [K]: how the entry state reaches output t                    |
+
+Every step of the delta rule, S ↦ (I − β_t k_t k_tᵀ) diag(e^{a_t}) S + β_t k_t v_tᵀ, applies
+the same K×K matrix to every column of the state and adds that column's own write. So, by
+induction over the shard's tokens, its state after token t is M_t h_p + N_t, with
+M_t = Π_{u≤t} (I − β_u k_u k_uᵀ) diag(e^{a_u}) (later factors on the left) and N_t the state
+reached from zero; the output is o_t = s · (M_t h_p + N_t)ᵀ q_t = h_pᵀ r_t + o⁰_t.
+
+Both come from one run of the single-device algorithm on a widened state [K, K + V]: the
+first K columns start from the identity with zero values (they carry M_t and output r_t),
+the last V start from zero with the true values (they carry N_t and output o⁰_t). Then
+
+    h_{p+1} = M_p h_p + N_p          shard transfer
+    o_t     = o⁰_t + h_pᵀ r_t        output correction, one matmul (instead of a second run)
+
+Transfers compose associatively, (M, N) then (M', N') = (M' M, M' N + N'), so each shard
+all-gathers every shard's final widened state [M_p | N_p] — P·B·H·K·(K + V) numbers,
+independent of T — and folds the transfers of the shards before it, in the state dtype. For
+unit keys (`qk_l2norm`), β ∈ [0, 2] and gates ≤ 0 every factor of M has norm ≤ 1, so the fold
+cannot grow however many shards there are.
+
+Packed input (`cu_seqlens`): the entry state reaches only the shard's first sequence, and
+only when that sequence began in an earlier shard; that sequence starts from [I | 0]. Every
+sequence starting inside the shard starts from [0 | its initial state]: its M columns stay
+zero, so r_t = 0 on its tokens and, when it is the shard's last sequence, the transfer is
+h ↦ N_p (a reset) with no special case. A sequence's final state, M h_p + N, lives in the
+shard holding its last token; one psum over the sequence axis collects them (S·H·K·V
+numbers, again no T). An empty sequence keeps its initial state.
+
+The backward is JAX's autodiff through `shard_map`, as for `recurrax.parallel.recurrent`:
+the all-gather transposes to a reduce-scatter of the same size, and the local algorithm's
+own backward runs once per shard on the widened state (its memory grows by the factor
+(K + V) / V over a one-device run of the shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as Spec
+from jaxtyping import Array, Bool, Float, Int
+
+from .._eager import cached_when_eager
+from ..chunk._intra import dot
+from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map
+from ..problem import check_values
+from ._api import _algorithm, _packed_tokens
+from ._problem import DeltaProblem, canonicalize_delta, check_beta
+
+__all__ = ["delta_rule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaPlan:
+    """Static configuration of one sharded call.
+
+    **Arguments:**
+    - `algorithm`: the local algorithm, `(DeltaProblem, scale=) -> (output, final_state)`.
+    - `scale`: the softmax scale s.
+    - `axes`: the mesh axes.
+    """
+
+    algorithm: Callable
+    scale: float
+    axes: MeshAxes
+
+    def run(self, problem: DeltaProblem):
+        return self.algorithm(problem, scale=self.scale)
+
+    def gather(self, transfer: Float[Array, "R H K KV"]) -> Float[Array, "P R H K KV"]:
+        """Every shard's transfer [M_p | N_p], in shard order: one all-gather."""
+        return jax.lax.all_gather(transfer, self.axes.sequence)
+
+
+def widened(
+    problem: DeltaProblem, from_identity: Bool[Array, " R"], initial: Float[Array, "R H K V"]
+) -> DeltaProblem:
+    """The problem on the state [K, K + V]: values [0 | v], initial states [I or 0 | initial].
+
+    Rows (or packed sequences) marked `from_identity` start their M columns from I, the others
+    from 0. The query is taken in the state dtype, so that r_t comes back unrounded.
+    """
+    K = problem.key.shape[-1]
+    value = problem.value
+    value = jnp.concatenate([jnp.zeros((*value.shape[:-1], K), value.dtype), value], axis=-1)
+    identity = jnp.eye(K, dtype=initial.dtype)
+    start = jnp.where(from_identity[:, None, None, None], identity, jnp.zeros_like(identity))
+    start = jnp.broadcast_to(start, (*initial.shape[:2], K, K))
+    return problem._replace(
+        query=problem.query.astype(initial.dtype),
+        value=value,
+        initial_state=jnp.concatenate([start, initial], axis=-1),
+    )
+
+
+def carry(widened_state: Float[Array, "... K KV"], entry: Float[Array, "... K V"]) -> Float[Array, "... K V"]:
+    """M h + N for a widened state [M | N] and the entry state h."""
+    K = widened_state.shape[-2]
+    return dot("...kj,...jv->...kv", widened_state[..., :K], entry) + widened_state[..., K:]
+
+
+def fold_transfers(
+    first: Float[Array, "R H K V"], transfers: Float[Array, "P R H K KV"]
+) -> tuple[Float[Array, "P R H K V"], Float[Array, "R H K V"]]:
+    """The state entering every shard, and the state leaving the last one."""
+
+    def transfer(state, shard):
+        return carry(shard, state), state
+
+    last, incoming = jax.lax.scan(transfer, first, transfers)
+    return incoming, last
+
+
+def corrected(output: Float[Array, "R L H KV"], incoming: Float[Array, "R H K V"]) -> Float[Array, "R L H V"]:
+    """o⁰_t + h_pᵀ r_t from the widened run's output [r | o⁰]."""
+    K = incoming.shape[-2]
+    return output[..., K:] + dot("blhk,bhkv->blhv", output[..., :K], incoming)
+
+
+def _dense_shard(plan: DeltaPlan, problem: DeltaProblem, shard: Int[Array, ""], dtype):
+    """One shard of a batch of whole sequences: (output [B, L, H, V], final_state [B, H, K, V])."""
+    initial = problem.initial_state
+    rows = initial.shape[0]
+    output, final = plan.run(widened(problem, jnp.ones(rows, bool), jnp.zeros_like(initial)))
+    incoming, last = fold_transfers(initial, plan.gather(final))
+    return corrected(output, incoming[shard]).astype(dtype), last
+
+
+def _packed_shard(plan: DeltaPlan, problem: DeltaProblem, shard: Int[Array, ""], dtype):
+    """One shard of packed sequences: (output [1, L, H, V], this shard's final states [S, H, K, V]).
+
+    Final states are those of the sequences ending in the shard, zero elsewhere (summed over
+    shards by the psum).
+    """
+    length = problem.query.shape[1]
+    cu_seqlens, initial = problem.cu_seqlens, problem.initial_state
+    local_cu, starts_here, ends_here = _local_sequences(cu_seqlens, shard, length)
+    this = Pieces.of(cu_seqlens, shard, length)
+    continuing = (jnp.arange(initial.shape[0]) == this.head) & this.continues
+    own_initial = jnp.where(starts_here[:, None, None, None], initial, jnp.zeros_like(initial))
+    local = widened(problem._replace(cu_seqlens=local_cu), continuing, own_initial)
+    output, finals = plan.run(local)
+
+    incoming, _ = fold_transfers(jnp.zeros_like(initial[:1]), plan.gather(finals[this.tail][None]))
+    incoming = incoming[shard]
+    output = corrected(output, incoming).astype(dtype)
+    finals = carry(finals, incoming)
+    finals = jnp.where(ends_here[:, None, None, None], finals, jnp.zeros_like(finals))
+    return output, jax.lax.psum(finals, plan.axes.sequence)
+
+
+def _shard(plan: DeltaPlan, problem: DeltaProblem, dtype):
+    """The body run on every device of the mesh, on its own block of the canonical problem."""
+    shard = jax.lax.axis_index(plan.axes.sequence)
+    body = _dense_shard if problem.cu_seqlens is None else _packed_shard
+    return body(plan, problem, shard, dtype)
+
+
+def _specs(problem: DeltaProblem, axes: MeshAxes) -> tuple[DeltaProblem, tuple[Spec, Spec]]:
+    """Partition specs of the canonical problem and of (output, final_state)."""
+    tokens = Spec(axes.batch, axes.sequence, axes.head, None)
+    per_head = Spec(axes.batch, axes.sequence, axes.head)
+    packed = problem.cu_seqlens is not None
+    state = Spec(None if packed else axes.batch, axes.head, None, None)
+    given = lambda x, spec: None if x is None else spec  # noqa: E731
+    in_specs = DeltaProblem(
+        query=tokens,
+        key=tokens,
+        value=tokens,
+        beta=per_head,
+        log_decay_head=given(problem.log_decay_head, per_head),
+        log_decay_key=given(problem.log_decay_key, tokens),
+        initial_state=state,
+        cu_seqlens=given(problem.cu_seqlens, Spec()),
+    )
+    return in_specs, (tokens, state)
+
+
+def _heads_split_evenly(problem: DeltaProblem, mesh: Any, axes: MeshAxes) -> DeltaProblem:
+    """Query and key repeated to every value head when `head_axis` cannot split their heads
+    alongside the value heads (their count not divisible by its size); unchanged otherwise."""
+    heads = problem.query.shape[2]
+    if axes.head is None or heads % mesh.shape[axes.head] == 0:
+        return problem
+    groups = problem.value.shape[2] // heads
+    repeat = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
+    return problem._replace(query=repeat(problem.query), key=repeat(problem.key))
+
+
+def _place(problem: DeltaProblem, specs: DeltaProblem, mesh: Any) -> DeltaProblem:
+    """Lay the problem out as `specs` says (needed on meshes with explicit axes)."""
+    if not _explicit(mesh):
+        return problem
+    put = lambda x, spec: None if x is None else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+    return DeltaProblem(*(put(x, spec) for x, spec in zip(problem, specs)))
+
+
+def delta_rule(
+    query: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
+    key: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
+    value: Float[Array, "batch seq_len num_heads v_head_dim"] | Float[Array, "total_tokens num_heads v_head_dim"],
+    beta: Float[Array, "batch seq_len num_heads"] | Float[Array, "total_tokens num_heads"],
+    g: Float[Array, "batch seq_len num_heads"] | None = None,
+    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
+    softmax_scale: float | None = None,
+    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
+    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    qk_l2norm: bool = False,
+    *,
+    mesh: Any,
+    sequence_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    implementation: str | None = None,
+    allow_positive_gates: bool = False,
+) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    """`recurrax.delta_rule` with the token axis split over `sequence_axis` of a device mesh.
+
+    Same arguments, results and gradients as `recurrax.delta_rule`; each device runs the
+    local algorithm on its block of tokens with a state widened from [K, V] to [K, K + V]
+    (which also carries the product of its tokens' transitions), then the devices exchange
+    that state (an all-gather whose size does not depend on the sequence length) and each
+    corrects its outputs by the state entering its block.
+
+    **Arguments:**
+    - `query` … `qk_l2norm`: as for `recurrax.delta_rule`. With `cu_seqlens`, sequences may
+      cross shard boundaries and empty sequences are allowed.
+    - `mesh`: a `jax.sharding.Mesh` (on a mesh with explicit axes, call inside
+      `jax.set_mesh(mesh)`).
+    - `sequence_axis`: the mesh axis the token axis is split over; its size must divide the
+      token count (`seq_len`, or `total_tokens` when packed) — no padding is done.
+    - `batch_axis`, `head_axis`: optional other mesh axes for the batch rows (not with
+      `cu_seqlens`, whose batch is 1) and the value heads; their sizes must divide B and H.
+    - `implementation`: the local algorithm, as for `recurrax.delta_rule` (`None`: `"chunk"`).
+    - `allow_positive_gates`: as for `recurrax.delta_rule`.
+
+    Called eagerly, it runs one compiled program cached per shape, mesh and option.
+
+    **Returns:** `(output, final_state)` as `recurrax.delta_rule`, laid out over the mesh:
+    `output` split like the value, `final_state` split over `batch_axis` and `head_axis`.
+
+    **Raises:** `ValueError` for a mesh axis the mesh lacks, or a split axis that does not
+    divide evenly, besides `recurrax.delta_rule`'s own argument checks.
+    """
+    arrays = (query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm)
+    axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
+    output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation,
+                      allow_positive_gates=allow_positive_gates)
+    check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
+    check_beta(beta)
+    return output
+
+
+@cached_when_eager(static_argnames=("softmax_scale", "qk_l2norm", "mesh", "axes", "implementation",
+                                    "allow_positive_gates"))
+def _sharded(
+    query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, *,
+    mesh, axes: MeshAxes, implementation, allow_positive_gates,
+):
+    algorithm = _algorithm(implementation)
+    problem, scale, layout = canonicalize_delta(
+        query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
+    )
+    _check_divisible(problem._replace(query=problem.value), mesh, axes)  # reads B, T, H (value heads)
+    problem = _heads_split_evenly(problem, mesh, axes)
+    plan = DeltaPlan(algorithm, float(scale), axes)
+
+    in_specs, out_specs = _specs(problem, axes)
+    dtype = problem.query.dtype
+    sharded = _shard_map(lambda p: _shard(plan, p, dtype), mesh, (in_specs,), out_specs)
+    output, final_state = sharded(_place(problem, in_specs, mesh))
+    if problem.cu_seqlens is not None:
+        empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
+        final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
+    return layout.restore(output), final_state
