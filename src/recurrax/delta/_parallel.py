@@ -61,7 +61,9 @@ from .._eager import cached_when_eager
 from ..chunk._intra import dot
 from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map
 from ..problem import check_values
-from ._api import _algorithm, _packed_tokens
+from ..registry import Request
+from ._api import _packed_tokens
+from ._implementations import kernel_registry
 from ._problem import DeltaProblem, canonicalize_delta, check_beta
 
 __all__ = ["delta_rule"]
@@ -248,7 +250,8 @@ def delta_rule(
       token count (`seq_len`, or `total_tokens` when packed) — no padding is done.
     - `batch_axis`, `head_axis`: optional other mesh axes for the batch rows (not with
       `cu_seqlens`, whose batch is 1) and the value heads; their sizes must divide B and H.
-    - `implementation`: the local algorithm, as for `recurrax.delta_rule` (`None`: `"chunk"`).
+    - `implementation`: the local algorithm, as for `recurrax.delta_rule` (`None`: the
+      registry's choice for the call, `"chunk"` here).
     - `allow_positive_gates`: as for `recurrax.delta_rule`.
 
     Called eagerly, it runs one compiled program cached per shape, mesh and option.
@@ -274,10 +277,10 @@ def _sharded(
     query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, *,
     mesh, axes: MeshAxes, implementation, allow_positive_gates,
 ):
-    algorithm = _algorithm(implementation)
     problem, scale, layout = canonicalize_delta(
         query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
     )
+    algorithm = kernel_registry.get(implementation, Request.of(problem)).fn
     _check_divisible(problem._replace(query=problem.value), mesh, axes)  # reads B, T, H (value heads)
     problem = _heads_split_evenly(problem, mesh, axes)
     plan = DeltaPlan(algorithm, float(scale), axes)
