@@ -40,7 +40,8 @@ class TrainConfig:
 
     **Arguments:**
     - `task`: the MQAR task.
-    - `mixer`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
+    - `mixer`: a name of `recurrax.nn.MIXERS` (`"gla"`, `"retnet"`, `"lightning"`, `"linear"`,
+      `"gated_deltanet"`).
     - `d_model`, `num_layers`, `num_heads`, `mlp_ratio`: the model.
     - `conv_size`: taps of the mixers' short convolution over q, k, v (0 for none); it lets
       one layer see the previous token, which associative recall needs.
