@@ -49,7 +49,10 @@ def inputs(*shape, seed=0):
 
 def numpy_parameters(layer) -> dict:
     """The layer's parameters as float64 numpy arrays, by fla's names."""
-    get = lambda module, name="kernel": None if module is None else np.asarray(getattr(module, name)[...], np.float64)  # noqa: E731
+
+    def get(module, name="kernel"):
+        return None if module is None else np.asarray(getattr(module, name)[...], np.float64)
+
     convs = ("q_conv1d", "k_conv1d", "v_conv1d")
     return {
         **{name: get(getattr(layer, name)) for name in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "o_proj")},
