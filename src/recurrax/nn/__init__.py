@@ -1,4 +1,4 @@
-"""Flax NNX layers on top of `recurrax.recurrent` (install with the `nn` extra).
+"""Flax NNX layers on top of `recurrax.recurrent` and `recurrax.delta_rule` (install with the `nn` extra).
 
 Every mixer maps `[batch, seq_len, d_model]` (or packed `[total_tokens, d_model]` with
 `cu_seqlens`) to the same shape, uses the best registered algorithm for the parallel
@@ -26,6 +26,7 @@ from ._mixers import (  # noqa: E402
     retention_log_decays,
 )
 from ._conv import ShortConvolution  # noqa: E402
+from ._gated_deltanet import GatedDeltaNet, GatedRMSNorm  # noqa: E402
 from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
@@ -49,7 +50,9 @@ __all__ = [
     "MIXERS",
     "MLP",
     "Block",
+    "GatedDeltaNet",
     "GatedLinearAttention",
+    "GatedRMSNorm",
     "LanguageModel",
     "LightningAttention",
     "LinearAttention",

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from ._gated_deltanet import GatedDeltaNet
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
 from ._sharding import RESIDUAL, constrain, partitioned
@@ -30,6 +31,7 @@ MIXERS = {
     "retnet": MultiScaleRetention,
     "lightning": LightningAttention,
     "linear": LinearAttention,
+    "gated_deltanet": GatedDeltaNet,
 }
 """Mixer names accepted by `LanguageModel` and `make_mixer`."""
 CONFIG_MODEL_TYPE = "recurrax_language_model"
@@ -46,7 +48,7 @@ def make_mixer(name: str, d_model: int, num_heads: int, *, layer_idx: int, num_l
     """Build the mixer called `name` (a key of `MIXERS`) for layer `layer_idx` of `num_layers`.
 
     **Arguments:**
-    - `name`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
+    - `name`: `"gla"`, `"retnet"`, `"lightning"`, `"linear"` or `"gated_deltanet"`.
     - `d_model`, `num_heads`: width and query heads.
     - `layer_idx`, `num_layers`: position in the stack (used by Lightning Attention's decays).
     - `rngs`: initialisation randomness; `options`: the mixer's keyword arguments.
@@ -104,11 +106,13 @@ class LanguageModel(nnx.Module):
     **Arguments:**
     - `vocab_size`: number of token ids.
     - `d_model`: width; `num_layers`: blocks; `num_heads`: query heads per mixer.
-    - `mixer`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
+    - `mixer`: `"gla"`, `"retnet"`, `"lightning"`, `"linear"` or `"gated_deltanet"`.
     - `mlp_ratio`: MLP width as a multiple of `d_model`.
-    - `mixer_options`: extra keyword arguments of the mixer (e.g. `num_kv_heads`, `qk_head_dim`).
+    - `mixer_options`: extra keyword arguments of the mixer (e.g. `num_kv_heads`, `qk_head_dim`;
+      `num_v_heads`, `head_dim`, `expand_v` for `"gated_deltanet"`).
     - `implementation`: the registered implementation every mixer's parallel forward uses
-      (None: the best one on this backend; `recurrax.kernel_registry.select` tells which).
+      (None: the best one on this backend; `recurrax.kernel_registry.select` tells which;
+      for `"gated_deltanet"` a name of `recurrax.delta.IMPLEMENTATIONS`).
     - `dtype`, `param_dtype`: computation and parameter dtypes.
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
 

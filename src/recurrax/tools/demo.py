@@ -40,7 +40,8 @@ class TrainConfig:
 
     **Arguments:**
     - `task`: the MQAR task.
-    - `mixer`: `"gla"`, `"retnet"`, `"lightning"` or `"linear"`.
+    - `mixer`: a name of `recurrax.nn.MIXERS` (`"gla"`, `"retnet"`, `"lightning"`, `"linear"`,
+      `"gated_deltanet"`).
     - `d_model`, `num_layers`, `num_heads`, `mlp_ratio`: the model.
     - `conv_size`: taps of the mixers' short convolution over q, k, v (0 for none); it lets
       one layer see the previous token, which associative recall needs.
@@ -358,11 +359,12 @@ def _run_one(config: TrainConfig, progress: bool) -> tuple[History, DecodeReport
 
 def _print_summary(results: list[tuple[History, DecodeReport]]) -> None:
     batch = results[0][1].batch_size
-    print("\nmixer      held-out acc  decode acc  decode vs parallel (max |Δlogit|)  "
+    width = max(10, *(len(history.mixer) for history, _ in results))
+    print(f"\n{'mixer':<{width}} held-out acc  decode acc  decode vs parallel (max |Δlogit|)  "
           f"decode tokens/s (batch {batch})")
     for history, report in results:
         verdict = "ok" if report.matches else f"MISMATCH (tolerance {report.tolerance:.1e})"
-        print(f"{history.mixer:<10} {history.eval_accuracy[-1]:>11.1%}  {report.accuracy:>10.1%}  "
+        print(f"{history.mixer:<{width}} {history.eval_accuracy[-1]:>11.1%}  {report.accuracy:>10.1%}  "
               f"{report.max_abs_diff:>12.2e} {verdict:<21} {report.tokens_per_second:>14,.0f}")
     if not math.isfinite(sum(h.loss[-1] for h, _ in results)):
         print("warning: the training loss is not finite", file=sys.stderr)
