@@ -330,3 +330,18 @@ def test_the_demo_trains_it_and_decodes_exactly():
     graphdef, params, history, _ = demo.train(config, evals=2, progress=False)
     assert history.loss[-1] < 0.85 * history.loss[0]
     assert demo.decode_check(graphdef, params, config, batch_size=4).matches
+
+
+def test_sequence_parallel_rules_run_parallel_delta_rule():
+    """Under rules that put `length` on a mesh axis the layer runs `parallel.delta_rule` (one
+    all-gather of the shards' transfers) and equals one device (float64)."""
+    model = small_model()
+    tokens = jnp.asarray(np.random.default_rng(11).integers(0, 32, (2, 8)), jnp.int32)
+    want = forward(model, tokens)
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("data", "sequence"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with rnn.use_mesh(mesh, rnn.logical_rules("data", "sequence")):
+        got = forward(model, tokens)
+        program = jax.jit(lambda tokens: nnx.merge(*nnx.split(model))(tokens)).lower(tokens).as_text()
+    assert "all-gather" in program or "all_gather" in program
+    assert max_rel_error(got, want) < TOL

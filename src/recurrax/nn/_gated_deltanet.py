@@ -36,10 +36,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ..delta import IMPLEMENTATIONS, delta_rule, delta_rule_step
+from ..delta import IMPLEMENTATIONS, delta_rule_step
 from ._conv import CausalConv1d
 from ._mixers import MixerCache, _linear_factory, check_width
-from ._sharding import param
+from ._sharding import delta_rule_on_mesh, param
 
 A_RANGE = (1.0, 16.0)
 """`A = exp(A_log)` is drawn uniformly from this range at initialisation."""
@@ -225,10 +225,11 @@ class GatedDeltaNet(nnx.Module):
         return beta, g
 
     def _delta(self, q, k, v, beta, g, state, cu_seqlens):
-        """The delta rule: parallel (or prefill) with `delta_rule`, one token with `delta_rule_step`."""
+        """The delta rule: parallel (or prefill) with `delta_rule` (`parallel.delta_rule` when the
+        mesh rules split the tokens), one token with `delta_rule_step`."""
         if state is None or cu_seqlens is not None or q.shape[1] > 1:
-            return delta_rule(q, k, v, beta, g=g, initial_state=state, cu_seqlens=cu_seqlens, qk_l2norm=True,
-                              implementation=self.implementation)
+            return delta_rule_on_mesh(q, k, v, beta, g=g, initial_state=state, cu_seqlens=cu_seqlens,
+                                      qk_l2norm=True, implementation=self.implementation)
         o, state = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], state, g=g[:, 0], qk_l2norm=True)
         return o[:, None], state
 

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as Spec
 
 from .. import parallel
 from .._recurrent import recurrent
+from ..delta import delta_rule
 
 LOGICAL_AXES = ("batch", "length", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "inner",
                 "conv", "layers")
@@ -219,17 +220,30 @@ def recurrent_on_mesh(query, key, value, *, cu_seqlens=None, implementation: str
     """`recurrax.recurrent`, or `recurrax.parallel.recurrent` over the mesh axis of `length`
     when the current rules map it to one that divides the token count (batch rows and heads
     over the axes of `batch` and `heads` where those divide too). Same arguments and results."""
+    return _on_mesh(recurrent, parallel.recurrent, (query, key, value), cu_seqlens, implementation, options)
+
+
+def delta_rule_on_mesh(query, key, value, beta, *, cu_seqlens=None, implementation: str | None = None, **options):
+    """`recurrax.delta_rule`, or `recurrax.parallel.delta_rule` over the mesh axis of `length`,
+    chosen as `recurrent_on_mesh` chooses. Same arguments and results."""
+    return _on_mesh(delta_rule, parallel.delta_rule, (query, key, value, beta), cu_seqlens, implementation, options)
+
+
+def _on_mesh(single, sharded, arrays: tuple, cu_seqlens, implementation, options: dict):
+    """`single(*arrays, ...)`, or `sharded(*arrays, ..., mesh=, sequence_axis=, ...)` when the
+    rules map `length` to a mesh axis dividing the token count."""
+    query, value = arrays[0], arrays[2]
     (B, T), H = query.shape[:2], value.shape[-2]
     sequence = mesh_axis("length", T)
     if sequence is None:
-        return recurrent(query, key, value, cu_seqlens=cu_seqlens, implementation=implementation, **options)
+        return single(*arrays, cu_seqlens=cu_seqlens, implementation=implementation, **options)
     batch = None if cu_seqlens is not None else mesh_axis("batch", B)
     head = mesh_axis("heads", H)
     batch = None if batch == sequence else batch
     head = None if head in (sequence, batch) else head
-    return parallel.recurrent(query, key, value, cu_seqlens=cu_seqlens, implementation=implementation,
-                              mesh=jax.sharding.get_abstract_mesh(), sequence_axis=sequence, batch_axis=batch,
-                              head_axis=head, **options)
+    return sharded(*arrays, cu_seqlens=cu_seqlens, implementation=implementation,
+                   mesh=jax.sharding.get_abstract_mesh(), sequence_axis=sequence, batch_axis=batch,
+                   head_axis=head, **options)
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
