@@ -21,15 +21,14 @@ LOOP = dict(implementation="reference")
 
 def make(conv_size=3, seed=0, **options):
     """A float64 layer whose parameters are all random (also the norm weight and conv biases,
-    ones and zeros at initialisation), so that each one shows in the output. The conv biases
-    are float32 numbers: `CausalConv1d` adds its bias in float32, also in a float64 model."""
+    ones and zeros at initialisation), so that each one shows in the output."""
     options = {**dict(num_v_heads=H, head_dim=K, expand_v=1.5, conv_size=conv_size, **LOOP, **F64), **options}
     layer = rnn.GatedDeltaNet(D, HK, rngs=nnx.Rngs(seed), **options)
     rng = np.random.default_rng(seed + 100)
     layer.o_norm.weight[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(layer.o_norm.weight.shape))
     for conv in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d):
         if conv is not None and conv.bias is not None:
-            conv.bias[...] = jnp.asarray(0.2 * rng.standard_normal(conv.bias.shape).astype(np.float32), jnp.float64)
+            conv.bias[...] = jnp.asarray(0.2 * rng.standard_normal(conv.bias.shape), jnp.float64)
     return layer
 
 

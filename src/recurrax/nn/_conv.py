@@ -120,7 +120,7 @@ class CausalConv1d(_Convolution):
     def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         y = depthwise(taps, self.kernel[...][::-1])  # lag l ↦ kernel[W−1−l]
         if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
+            y = y + self.bias[...].astype(y.dtype)  # float32, or float64 in a float64 model
         if self.activation is not None:
             y = jax.nn.silu(y)
         return y.astype(x.dtype)
