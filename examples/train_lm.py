@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from recurrax.nn import LanguageModel
+from recurrax.nn import MIXERS, LanguageModel
 
 
 def make_batch(key: jax.Array, batch_size: int, seq_len: int, vocab_size: int) -> jax.Array:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--d-model", type=int, default=64, help="model width")
     parser.add_argument("--num-layers", type=int, default=2, help="number of blocks")
     parser.add_argument("--num-heads", type=int, default=2, help="attention heads per mixer")
-    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"], help="token mixer of every block")
+    parser.add_argument("--mixer", default="gla", choices=list(MIXERS), help="token mixer of every block")
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--log-every", type=int, default=20, help="print the loss every this many steps")
     parser.add_argument("--seed", type=int, default=0, help="random seed")

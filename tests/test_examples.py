@@ -100,9 +100,10 @@ def test_generate():
 @NEEDS_FLAX
 @NEEDS_OPTAX
 @pytest.mark.slow
-def test_train_lm():
+@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet"])
+def test_train_lm(mixer):
     output = run_example("train_lm.py", "--steps", "8", "--batch-size", "4", "--seq-len", "16", "--num-layers", "1",
-                         "--d-model", "32", "--learning-rate", "1e-2", "--log-every", "1")
+                         "--d-model", "32", "--learning-rate", "1e-2", "--log-every", "1", "--mixer", mixer)
     losses = [float(x) for x in re.findall(r"^step +\d+ loss ([-+.\deE]+)$", output, re.M)]
     assert len(losses) == 8
     assert losses[0] > 2.5                       # about log(32) = 3.47 before training
