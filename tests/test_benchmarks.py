@@ -55,3 +55,22 @@ def test_ab_runs_both_sides_and_reports_ratios(tmp_path):
     assert "| g | fwd+bwd (ms) |" in report and "| g | temp (MiB) |" in report
     with pytest.raises(SystemExit):
         ab.main(["--against", "HEAD", "--gates", "bogus"])
+
+
+def test_delta_rule_quick_run_without_peers(tmp_path):
+    """`benchmarks/delta_rule.py --quick` (issue 32's side-by-side): recurrax's implementations
+    timed and checked against the float64 reference; a peer without an interpreter is reported
+    as not run, not silently dropped."""
+    delta_rule = pytest.importorskip("delta_rule")
+    argv = ["--quick", "--variants", "gdn", "--rounds", "1", "--repeats", "1", "--matmul-size", "128", "--no-reference",
+            "--ejkernel-python", str(tmp_path / "missing-python"), "--out", str(tmp_path)]
+    assert delta_rule.main(argv) == 0
+    report = json.loads((tmp_path / "delta_rule.json").read_text())
+    rows = {row["name"]: row for row in report["variants"]["gdn"]["rows"]}
+    assert rows["recurrax chunk"]["output_vs_f64"] < 1e-4
+    assert rows["recurrax chunk"]["stats"]["fwd_bwd"]["n"] == 1
+    assert "no interpreter given" in rows["transformers"]["not_run"]
+    assert "not found" in rows["ejKernel"]["not_run"]
+    markdown = (tmp_path / "delta_rule.md").read_text()
+    assert "| recurrax chunk |" in markdown and "fwd+bwd ≥ 5× transformers | — | n/a" in markdown
+    assert delta_rule.forward_flops(**delta_rule.SHAPE) == 2 * 2048 * 4 * (64 * 8 * 128 + 6 * 128 * 128)
