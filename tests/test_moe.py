@@ -178,7 +178,9 @@ LAYERS = [  # (n, D, F, E, k, router options, method, block, gated, transposed, 
 
 
 def max_rel(a, b):
-    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float64) - b)) / jnp.max(jnp.abs(b)))
+    """max |a − b| / max |b| (max |a| where b is all zero: the selection-only bias's gradient)."""
+    scale = float(jnp.max(jnp.abs(b)))
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float64) - b))) / (scale or 1.0)
 
 
 @pytest.mark.parametrize("n, D, F, E, k, options, method, block, gated, transposed, act", LAYERS)
@@ -261,3 +263,43 @@ def test_routing_is_a_named_tuple_of_int32_and_float32():
     routing = route(tied_logits(0, 4, 5), 2)
     assert isinstance(routing, Routing)
     assert routing.experts.dtype == jnp.int32 and routing.weights.dtype == jnp.float32
+
+
+# ------------------------------------------------------------- the pretrained families' layers
+
+
+def pretrained_moe_layers():
+    from recurrax.nn.pretrained._hf_layers import GraniteMoE, NemotronMoE
+
+    granite = GraniteMoE(8, experts=6, width=5, top_k=2, rngs=nnx.Rngs(1))
+    kernel = granite.router.layer.kernel
+    kernel[...] = kernel[...].at[:, 3].set(kernel[:, 1])  # experts 1 and 3 tie on every token
+    router = dict(top_k=3, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5)
+    nemotron = NemotronMoE(8, experts=8, width=5, shared_width=4, latent=6, bias=False, act="relu2", router=router,
+                           rngs=nnx.Rngs(2))
+    gate = nemotron.gate.weight
+    gate[...] = gate[...].at[5].set(gate[2]) * 20  # ties (2 and 5), and scores away from ½
+    bias = jnp.linspace(-0.05, 0.05, 8, dtype=jnp.float32)
+    nemotron.gate.e_score_correction_bias[...] = bias.at[5].set(bias[2])
+    return {"granite": granite, "nemotron": nemotron}
+
+
+@pytest.mark.parametrize("family", ["granite", "nemotron"])
+def test_pretrained_moe_routed_equals_its_all_experts_oracle(family):
+    layer = pretrained_moe_layers()[family]
+    graph, state = nnx.split(layer)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 9, 8)), jnp.float32)
+    cotangent = jnp.asarray(np.random.default_rng(5).standard_normal(x.shape), jnp.float32)
+
+    def output_and_gradients(state, x, every):
+        def loss(state, x):
+            return jnp.vdot(nnx.merge(graph, state)(x, all_experts=every), cotangent.astype(x.dtype))
+        y = nnx.merge(graph, state)(x, all_experts=every)
+        return (y, *jax.grad(loss, argnums=(0, 1))(state, x))
+
+    routed = jax.jit(output_and_gradients, static_argnums=2)(state, x, False)
+    single = output_and_gradients(state, x, True)
+    exact = output_and_gradients(float64(state), float64(x), True)
+    for ours, ref, f32 in zip(*(jax.tree.leaves(t) for t in (routed, exact, single))):
+        floor = max_rel(f32, ref)
+        assert max_rel(ours, ref) <= floor_tolerance(floor), (max_rel(ours, ref), floor)
