@@ -303,3 +303,18 @@ def test_pretrained_moe_routed_equals_its_all_experts_oracle(family):
     for ours, ref, f32 in zip(*(jax.tree.leaves(t) for t in (routed, exact, single))):
         floor = max_rel(f32, ref)
         assert max_rel(ours, ref) <= floor_tolerance(floor), (max_rel(ours, ref), floor)
+
+
+@pytest.mark.slow
+def test_benchmark_quick_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+    spec = importlib.util.spec_from_file_location("moe_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "moe.md").read_text()
+    assert "| 64, top-8 | forward |" in text and (tmp_path / "moe.png").exists()
