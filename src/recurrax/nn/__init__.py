@@ -28,6 +28,7 @@ from ._mixers import (  # noqa: E402
 from ._conv import ShortConvolution  # noqa: E402
 from ._gated_deltanet import GatedDeltaNet, GatedRMSNorm  # noqa: E402
 from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
+from ._moe import ExpertWeights, MixtureOfExperts, Routing, all_experts, route, routed_experts  # noqa: E402
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
     FSDP,
@@ -44,11 +45,13 @@ from ._sharding import (  # noqa: E402
 
 __all__ = [
     "DATA_PARALLEL",
+    "ExpertWeights",
     "FEATURE_MAPS",
     "FSDP",
     "LOGICAL_AXES",
     "MIXERS",
     "MLP",
+    "MixtureOfExperts",
     "Block",
     "GatedDeltaNet",
     "GatedLinearAttention",
@@ -59,10 +62,12 @@ __all__ = [
     "MixerCache",
     "MultiScaleRetention",
     "RecurrentMixer",
+    "Routing",
     "SEQUENCE_PARALLEL",
     "ShortConvolution",
     "TENSOR_PARALLEL",
     "alibi_slopes",
+    "all_experts",
     "constrain",
     "lightning_log_decays",
     "logical_rules",
@@ -70,6 +75,8 @@ __all__ = [
     "make_mixer",
     "parameter_shardings",
     "retention_log_decays",
+    "route",
+    "routed_experts",
     "shard_model",
     "use_mesh",
 ]

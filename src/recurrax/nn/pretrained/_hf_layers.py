@@ -16,9 +16,10 @@
                     experts; optional latent projections; plus the shared MLP
     GraniteMoE      softmax over the top-k router logits; SwiGLU experts stored as `[E, 2F, D]`
 
-The experts run densely (every expert on every token, weighted by the router's sparse
-weights): exact, and cheap for the few experts of small models; a model with many experts
-pays E/k times the routed FLOPs.
+The routers and the experts are `recurrax.nn`'s mixture of experts (`route`,
+`routed_experts`): only the routed (token, expert) pairs are computed, as grouped matmuls.
+`all_experts=True` runs every expert on every token instead (E/k times the FLOPs): the
+oracle the routed path equals, kept for tests.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from .._moe import ExpertWeights as StackedExperts
+from .._moe import Routing, route, routed_experts
+from .._moe import all_experts as every_expert
 from .._sharding import param
 from ._attention import Attention, KVCache
 from ._mixer import RecurrentCache, heads, linear
@@ -162,22 +166,12 @@ class NemotronRouter(nnx.Module):
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, float(routed_scaling_factor)
 
-    def __call__(self, x: Float[Array, "n D"]) -> Float[Array, "n E"]:
-        """Dense combine weights `[n, E]` (zero outside each token's top-k)."""
-        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T)
-        choice = scores + self.e_score_correction_bias[...].astype(jnp.float32)
-        n, E = choice.shape
-        grouped = choice.reshape(n, self.n_group, E // self.n_group)
-        group_scores = jax.lax.top_k(grouped, min(2, E // self.n_group))[0].sum(-1)  # [n, groups]
-        best_groups = jax.lax.top_k(group_scores, self.topk_group)[1]
-        group_mask = jnp.zeros_like(group_scores).at[jnp.arange(n)[:, None], best_groups].set(1.0)
-        choice = jnp.where(jnp.repeat(group_mask, E // self.n_group, axis=-1) > 0, choice, -jnp.inf)
-        chosen = jax.lax.top_k(choice, self.top_k)[1]  # [n, k]
-        weights = jnp.take_along_axis(scores, chosen, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        weights = weights * self.routed_scaling_factor
-        return jnp.zeros_like(scores).at[jnp.arange(n)[:, None], chosen].set(weights)
+    def __call__(self, x: Float[Array, "n D"]) -> Routing:
+        """Each token's `top_k` experts and their weights."""
+        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
+        return route(logits, self.top_k, score="sigmoid", renormalize=self.norm_topk_prob,
+                     bias=self.e_score_correction_bias[...], n_group=self.n_group, topk_group=self.topk_group,
+                     routed_scaling=self.routed_scaling_factor)
 
 
 class NemotronMoE(nnx.Module):
@@ -194,14 +188,25 @@ class NemotronMoE(nnx.Module):
         self.fc1_latent_proj = None if latent is None else linear(hidden_size, latent, axes=("embed", None), **options)
         self.fc2_latent_proj = None if latent is None else linear(latent, hidden_size, axes=(None, "embed"), **options)
 
-    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
+        """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
         flat = x.reshape(-1, x.shape[-1])
-        weights = self.gate(flat)  # [n, E]
         inner = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = sum(expert(inner) * weights[:, e, None].astype(inner.dtype) for e, expert in enumerate(self.experts))
+        weights = StackedExperts(jnp.stack([expert.up_proj.kernel[...] for expert in self.experts]),
+                                 jnp.stack([expert.down_proj.kernel[...] for expert in self.experts]))
+        routed = run_experts(inner, self.gate(flat), weights, activation(self.experts[0].act, "mlp_hidden_act"),
+                             all_experts=all_experts)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed.reshape(x.shape) + self.shared_experts(x)
+
+
+def run_experts(x, routing: Routing, weights: StackedExperts, act, *, transposed: bool = False,
+                all_experts: bool = False):
+    """The routed experts (`recurrax.nn.routed_experts`), or with `all_experts` every expert."""
+    if all_experts:
+        return every_expert(x, routing, weights, act=act, transposed=transposed)
+    return routed_experts(x, routing, weights, act=act, transposed=transposed)
 
 
 class GraniteRouter(nnx.Module):
@@ -211,11 +216,9 @@ class GraniteRouter(nnx.Module):
         self.layer = linear(hidden_size, experts, axes=("embed", "experts"), dtype=dtype, rngs=rngs)
         self.top_k = top_k
 
-    def __call__(self, x: Float[Array, "n D"]) -> Float[Array, "n E"]:
-        logits = self.layer(x).astype(jnp.float32)
-        top, chosen = jax.lax.top_k(logits, self.top_k)
-        n = x.shape[0]
-        return jnp.zeros_like(logits).at[jnp.arange(n)[:, None], chosen].set(jax.nn.softmax(top, axis=-1))
+    def __call__(self, x: Float[Array, "n D"]) -> Routing:
+        """Each token's `top_k` experts (by logit) and the softmax of their logits."""
+        return route(self.layer(x).astype(jnp.float32), self.top_k, renormalize=True, select_on="logits")
 
 
 class ExpertWeights(nnx.Module):
@@ -241,12 +244,13 @@ class GraniteMoE(nnx.Module):
         self.act = act
         activation(act, "hidden_act")
 
-    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
+        """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
         flat = x.reshape(-1, x.shape[-1])
-        weights = self.router(flat).astype(flat.dtype)  # [n, E]
-        gate, up = jnp.split(jnp.einsum("nd,efd->nef", flat, self.input_linear.weight[...]), 2, axis=-1)
-        hidden = activation(self.act, "hidden_act")(gate) * up  # [n, E, F]
-        out = jnp.einsum("nef,edf,ne->nd", hidden, self.output_linear.weight[...], weights)
+        gate, up = jnp.split(self.input_linear.weight[...], 2, axis=1)  # [E, F, D] each
+        weights = StackedExperts(up, self.output_linear.weight[...], gate)
+        out = run_experts(flat, self.router(flat), weights, activation(self.act, "hidden_act"), transposed=True,
+                          all_experts=all_experts)
         return out.reshape(x.shape)
 
 
