@@ -52,6 +52,7 @@ come from JAX's autodiff of all of it (a hand-written backward is not written ye
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -61,6 +62,8 @@ from jaxtyping import Array, Float
 from .. import varlen
 from ..chunk._intra import ChunkDecay, dot
 from ..problem import Gate
+from ._chunk_adjoint import chunk_backward
+from ._chunk_vjp import chunk_scan
 from ._problem import DeltaProblem
 
 CHUNK_SIZES = {"scalar_decays": 64, "channel_decays": 32}
@@ -100,11 +103,11 @@ def _strictly_lower(size: int) -> Array:
     return jnp.tril(jnp.ones((size, size), bool), -1)
 
 
-def _chunk_decay(log_decay: Array | None, leaf: int, size: int) -> ChunkDecay:
-    """The decay factors of [B, H, n, C] (per head) or [B, H, n, C, K] (per channel) log decays."""
+def _chunk_decay(log_decay: Array | None, per_head: bool, leaf: int, size: int) -> ChunkDecay:
+    """The decay factors of [.., C] (per head) or [.., C, K] (per channel) log decays."""
     if log_decay is None:
         return ChunkDecay.build(None, None, leaf, size)
-    form = Gate.HEAD if log_decay.ndim == 4 else Gate.KEY
+    form = Gate.HEAD if per_head else Gate.KEY
     return ChunkDecay.build(log_decay, form, leaf, size)
 
 
@@ -118,7 +121,7 @@ def chunk_terms(q, k, v, beta, log_decay, leaf: int) -> ChunkTerms:
     """The state-independent terms of every chunk: q, k [.., n, C, K], v [.., n, C, V],
     beta [.., n, C], log_decay [.., n, C] / [.., n, C, K] / None (all in the state dtype)."""
     C, V = v.shape[-2], v.shape[-1]
-    decay = _chunk_decay(log_decay, leaf, C)
+    decay = _chunk_decay(log_decay, log_decay is not None and log_decay.ndim == beta.ndim, leaf, C)
     key_scores = jnp.where(_strictly_lower(C), decay.scores(k, k), 0)
     interactions = beta[..., :, None] * key_scores  # M
     rhs = beta[..., None] * jnp.concatenate([v, decay.from_start(k)], axis=-1)
@@ -158,60 +161,53 @@ def _from_chunks(o: Array) -> Array:
     return jnp.moveaxis(o.reshape(B, H, n * C, V), 1, 2)
 
 
-def _scan_axis_first(terms: ChunkTerms) -> ChunkTerms:
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)
-
-
-def _chunks_of(problem: DeltaProblem, C: int, leaf: int, take) -> ChunkTerms:
-    """The chunk terms of the problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...])."""
+def _chunk_inputs(problem: DeltaProblem, C: int, take) -> tuple:
+    """The problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...]) as chunks with the
+    chunk axis first: q, k [n, B, H, C, K], v [n, B, H, C, V], beta [n, B, H, C], log decay."""
     dtype = problem.state_dtype
     q, k = problem.expanded_query_key()
     arrays = (q, k, problem.value.astype(dtype), problem.beta, problem.key_side_decay())
-    q, k, v, beta, a = (_to_chunks(take(x), C) for x in arrays)
-    return chunk_terms(q, k, v, beta, a, leaf)
+    return tuple(None if x is None else jnp.moveaxis(_to_chunks(take(x), C), 2, 0) for x in arrays)
+
+
+def _stepper(scale: float, leaf: int):
+    """One chunk from its inputs (q, k, v, beta, log decay) and entry state, (output, exit),
+    and its adjoint."""
+    return (functools.partial(_chunk_from_inputs, scale=scale, leaf=leaf),
+            functools.partial(_chunk_adjoint, scale=scale, leaf=leaf))
+
+
+def _chunk_from_inputs(x: tuple, state: Array, *, scale: float, leaf: int):
+    return chunk_step(state, chunk_terms(*x, leaf), scale)
+
+
+def _chunk_adjoint(x: tuple, state: Array, d_out: Array, d_exit: Array, *, scale: float, leaf: int):
+    _, _, v, beta, log_decay = x
+    decay = _chunk_decay(log_decay, log_decay is not None and log_decay.ndim == beta.ndim, leaf, v.shape[-2])
+    return chunk_backward(x, state, d_out, d_exit, decay, scale)
 
 
 def _dense(problem: DeltaProblem, scale: float, C: int, leaf: int):
     T = problem.query.shape[1]
     padded = -(-T // C) * C
-    terms = _chunks_of(problem, C, leaf, lambda x: varlen.pad_tokens(x, padded))
-
-    @jax.checkpoint
-    def step(state, chunk):
-        return chunk_step(state, chunk, scale)[::-1]
-
-    final, out = jax.lax.scan(step, problem.initial_state, _scan_axis_first(terms))
-    return _from_chunks(jnp.moveaxis(out, 0, 2))[:, :T], final
-
-
-def _last_chunks(cu_seqlens: Array, C: int) -> Array:
-    """[S] the aligned layout's index of each sequence's last chunk (−1 for an empty one)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return jnp.cumsum((lengths + C - 1) // C) - 1
+    chunks = _chunk_inputs(problem, C, lambda x: varlen.pad_tokens(x, padded))
+    chunk = jnp.arange(padded // C)
+    owners = (jnp.zeros_like(chunk), chunk == 0, chunk == chunk[-1])
+    out, finals = chunk_scan(*_stepper(scale, leaf), chunks, problem.initial_state[None], owners)
+    return _from_chunks(jnp.moveaxis(out, 0, 2))[:, :T], finals[0]
 
 
 def _packed(problem: DeltaProblem, scale: float, C: int, leaf: int):
     N = problem.query.shape[1]
-    cu = problem.cu_seqlens
-    layout = varlen.chunk_layout(cu, N, C)
+    layout = varlen.chunk_layout(problem.cu_seqlens, N, C)
     owners = layout.owners
     take = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
-    terms = _chunks_of(problem, C, leaf, take)
+    chunks = _chunk_inputs(problem, C, take)
     init = problem.initial_state  # [S, H, K, V]
-
-    @jax.checkpoint
-    def step(state, chunk):
-        terms, seq, first = chunk
-        state = jnp.where(first, init[seq][None], state)
-        out, state = chunk_step(state, terms, scale)
-        return state, (out, state)
-
-    xs = (_scan_axis_first(terms), owners.seq, owners.first)
-    _, (out, exits) = jax.lax.scan(step, jnp.zeros_like(init[:1]), xs)
-    last = _last_chunks(cu, C)
-    finals = jnp.where(owners.empty[:, None, None, None], init, exits[jnp.maximum(last, 0), 0])
+    owners = (owners.seq, owners.first, owners.last)
+    out, finals = chunk_scan(*_stepper(scale, leaf), chunks, init[:, None], owners)
     out = _from_chunks(jnp.moveaxis(out, 0, 2))
-    return varlen.from_chunk_layout(out[0], layout)[None], finals
+    return varlen.from_chunk_layout(out[0], layout)[None], finals[:, 0]
 
 
 def chunk_delta(
