@@ -35,14 +35,17 @@ A decayed causal product scores(x, y) with cotangent G gives x̄ = apply(G, y) a
     Q̄ = apply(P̄, K) + Q̃̄ ⊙ e^{A}
     K̄ = apply_t(P̄, Q) + apply(L̄, K) + apply_t(L̄, K) + K̃̄ ⊙ e^{A} + K̂̄ ⊙ e^{A_{C−1} − A}
     Ā = Q ⊙ apply(P̄, K) − K ⊙ apply_t(P̄, Q) + K ⊙ (apply(L̄, K) − apply_t(L̄, K))
-        + Q̃ ⊙ Q̃̄ + K̃ ⊙ K̃̄ − K̂ ⊙ K̂̄
-    Ā_{C−1} += Σ_t K̂_t ⊙ K̂̄_t + Σ_v (γ S) ⊙ Ē
-    ā_u = Σ_{t≥u} Ā_t                           (A is the inclusive cumulative sum of a)
+        + Q̃ ⊙ Q̃̄ + K̃ ⊙ K̃̄                      (A_t's own terms; K̂ and γ hold A_{C−1} − A_t)
+    ā_u = Σ_{t≥u} Ā_t  +  Σ_{t<u} K̂_t ⊙ K̂̄_t  +  Σ_v (γ S) ⊙ Ē
 
-Every factor is one the forward already uses (`ChunkDecay`'s products of e^{a}, never a
-difference of cumulative sums), so hard resets (a = −∞) and strong decays give finite
-cotangents: a term of Ā_t that a reset cancels is cancelled by its partner in the suffix
-sum, both finite.
+(a_u is inside A_t for t ≥ u, inside A_{C−1} − A_t for t < u, and inside γ). Summed so, no
+two large terms cancel: P's diagonal (factor e^0 = 1, whose two terms of Ā_t would cancel
+at the same token) is kept out of P̄ in the Ā terms and added to Q̄, K̄ directly, and the
+K̂ term is a sum over t < u rather than +Σ_t at the end minus itself below u. What remains
+cancelling is a pair (t > s ≥ u) weighted by its own decay e^{A_t − A_s}, so with strong
+decays the cotangent keeps its relative precision. Every factor is one the forward already
+uses (`ChunkDecay`'s products of e^{a}, never a difference of cumulative sums), so hard
+resets (a = −∞) give finite cotangents.
 """
 
 from __future__ import annotations
@@ -96,22 +99,33 @@ def chunk_backward(x: tuple, state, d_out, d_exit, decay: ChunkDecay, scale: flo
     d_inputs = beta[..., None] * d_rhs
     d_key_scores = beta[..., :, None] * d_interactions  # L̄
 
+    # P's diagonal (decay factor 1) apart: its two terms of Ā would cancel at the same token
+    d_diagonal = jnp.sum(jnp.where(jnp.eye(C, dtype=bool), d_scores, 0), axis=-1)[..., None]
+    d_scores = jnp.where(strict, d_scores, 0)
     q_from_scores = decay.apply(d_scores, k)
     k_from_scores = decay.apply_t(d_scores, q)
     k_from_rows = decay.apply(d_key_scores, k)
     k_from_columns = decay.apply_t(d_key_scores, k)
     d_k_start = d_inputs[..., V:]
-    d_q = q_from_scores + decay.from_start(d_q_start)
-    d_k = k_from_scores + k_from_rows + k_from_columns + decay.from_start(d_k_start) + decay.to_end(d_k_end)
+    d_q = q_from_scores + d_diagonal * k + decay.from_start(d_q_start)
+    d_k = (k_from_scores + d_diagonal * q + k_from_rows + k_from_columns + decay.from_start(d_k_start)
+           + decay.to_end(d_k_end))
     d_x = (d_q, d_k, d_inputs[..., :V], d_beta, None)
     if log_decay is None:
         return d_x, d_state
-    cum = (q * q_from_scores - k * k_from_scores + k * (k_from_rows - k_from_columns)
-           + q_start * d_q_start + k_start * d_k_start - k_end * d_k_end)
-    cum = _channel_sum(cum, decay)
-    to_end = _channel_sum(k_end * d_k_end, decay)
+    through = _channel_sum(q * q_from_scores - k * k_from_scores + k * (k_from_rows - k_from_columns)
+                           + q_start * d_q_start + k_start * d_k_start, decay)
+    after = _channel_sum(k_end * d_k_end, decay)
     kept = _channel_sum(jnp.sum(decay.decay_rows(state) * d_exit, axis=-1), decay)
-    last = jnp.sum(to_end, axis=-2 if decay.per_channel else -1) + kept
-    cum = cum.at[..., -1, :].add(last) if decay.per_channel else cum.at[..., -1].add(last)
-    d_log_decay = chunk_cumsum(cum, decay.per_channel, reverse=True)
+    kept = kept[..., None, :] if decay.per_channel else kept[..., None]  # every token's decay is in γ
+    d_log_decay = chunk_cumsum(through, decay.per_channel, reverse=True) + _before(after, decay.per_channel) + kept
     return (*d_x[:4], d_log_decay), d_state
+
+
+def _before(x, channel: bool):
+    """Σ_{t<u} x_t for every u: the strictly exclusive cumulative sum over the chunk axis, as a
+    product with a strictly triangular ones matrix (not an inclusive sum minus x, which would
+    cancel)."""
+    size = x.shape[-2] if channel else x.shape[-1]
+    ones = jnp.tril(jnp.ones((size, size), x.dtype), -1)
+    return dot("us,...sd->...ud", ones, x) if channel else dot("us,...s->...u", ones, x)
