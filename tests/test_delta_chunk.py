@@ -44,7 +44,8 @@ def test_chunk_adjoint_equals_autodiff_of_the_chunk(gate, leaf):
     (d_x_auto, d_state_auto) = pullback((d_out, d_exit))
     decay = _chunk_decay(x[4], gate == "head", leaf, C)
     d_x, d_state = chunk_backward(x, state, d_out, d_exit, decay, 0.7)
-    for name, got, want in zip(("q", "k", "v", "beta", "log_decay", "state"), (*d_x, d_state), (*d_x_auto, d_state_auto)):
+    names = ("q", "k", "v", "beta", "log_decay", "state")
+    for name, got, want in zip(names, (*d_x, d_state), (*d_x_auto, d_state_auto)):
         if want is None:
             assert got is None, name
             continue

@@ -82,7 +82,7 @@ LEAF_SIZE = 1
 
 
 class ChunkTerms(NamedTuple):
-    """What each chunk contributes, independent of its entry state ([B, H, n, ...], n chunks).
+    """What a chunk contributes, independent of its entry state ([B, H, C, ...] per chunk).
 
     **Arguments:**
     - `queries`: Q ⊙ e^{A} [.., C, K]; `scores`: P ⊙ [s ≤ t] [.., C, C].

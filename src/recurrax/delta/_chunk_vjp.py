@@ -6,7 +6,7 @@
 | B, H   | batch rows, value heads                                                          |
 | C      | chunk size;  K, V: key and value head dimensions                                 |
 | R      | rows of the table of initial states: 1 (dense), or S packed sequences            |
-| x_i    | chunk i's inputs: q, k [B, H, C, K], v [B, H, C, V], β [B, H, C], log decay      |
+| x_i    | chunk i's inputs: q, k [B, C, H, K], v [B, C, H, V], β [B, C, H], log decay      |
 | S_i    | the state entering chunk i;  E_i = f_i(S_i) the state leaving it                 |
 
 Chunk i is a function `(o_i, E_i) = step(x_i, S_i)` (`_chunk`'s terms and step), and the state entering it is
@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array
 
 
 def _entry(state: Array, table: Array, seq: Array, first: Array) -> Array:
