@@ -61,7 +61,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -71,6 +70,7 @@ from ..problem import Gate
 from ._chunk_adjoint import chunk_backward
 from ._chunk_vjp import chunk_scan
 from ._problem import DeltaProblem
+from ._unit_lower import unit_lower_inverse
 
 CHUNK_SIZES = {"scalar_decays": 64, "channel_decays": 64}
 """Default C without / with a per-channel decay; with the ladder's leaf c = 1. The backward keeps
@@ -132,8 +132,8 @@ def chunk_terms(q, k, v, beta, log_decay, leaf: int) -> ChunkTerms:
     key_scores = jnp.where(_strictly_lower(C), decay.scores(k, k), 0)
     interactions = beta[..., :, None] * key_scores  # M
     rhs = beta[..., None] * jnp.concatenate([v, decay.from_start(k)], axis=-1)
-    # (I + M) X = rhs; the solve reads only M's strictly lower part (unit diagonal implied)
-    solved = jax.lax.linalg.triangular_solve(interactions, rhs, left_side=True, lower=True, unit_diagonal=True)
+    # (I + M) X = rhs, through the inverse of the unit lower-triangular I + M
+    solved = dot("...ts,...sj->...tj", unit_lower_inverse(interactions), rhs)
     return ChunkTerms(
         queries=decay.from_start(q),
         scores=decay.scores(q, k),

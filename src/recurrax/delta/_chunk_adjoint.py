@@ -20,7 +20,7 @@ Reversed, given Ō and Ē:
     Ū   = scale Pᵀ Ō + K̂ Ē                     P̄ = scale Ō Uᵀ (lower)
     Q̃̄   = scale Ō Sᵀ                           K̂̄ = U Ēᵀ
     S̄   = scale Q̃ᵀ Ō + γ Ē − Wᵀ Ū              (the cotangent passed to the previous chunk)
-    Ȳ   = (I + M)⁻ᵀ [Ū, −Ū Sᵀ]                  (a second unit-lower-triangular solve, transposed)
+    Ȳ   = (I + M)⁻ᵀ [Ū, −Ū Sᵀ]                  (the forward's inverse, transposed: `_unit_lower`)
     M̄   = −Ȳ [U_0, W]ᵀ (strictly lower),       L̄ = diag(β) M̄
     β̄_t = Σ_j Ȳ_tj R_tj / β_t + Σ_s M̄_ts L_ts  = Σ_j Ȳ_tj [V, K̃]_tj + Σ_s M̄_ts L_ts
     [V̄, K̃̄] = diag(β) Ȳ
@@ -50,17 +50,11 @@ resets (a = −∞) give finite cotangents.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ..chunk._intra import ChunkDecay, chunk_cumsum, dot
 from ..problem import Gate
-
-
-def _solve(interactions, rhs, transpose: bool = False):
-    """(I + M)⁻¹ rhs, or (I + M)⁻ᵀ rhs, for M strictly lower [.., C, C]."""
-    return jax.lax.linalg.triangular_solve(interactions, rhs, left_side=True, lower=True,
-                                           unit_diagonal=True, transpose_a=transpose)
+from ._unit_lower import unit_lower_inverse
 
 
 def _channel_sum(x, decay: ChunkDecay):
@@ -80,7 +74,8 @@ def chunk_backward(x: tuple, state, d_out, d_exit, decay: ChunkDecay, scale: flo
     interactions = beta[..., :, None] * key_scores  # M
     k_start = decay.from_start(k)
     inputs = jnp.concatenate([v, k_start], axis=-1)  # [V, K̃]
-    solved = _solve(interactions, beta[..., None] * inputs)  # [U_0, W]
+    inverse = unit_lower_inverse(interactions)  # (I + M)⁻¹
+    solved = dot("...ts,...sj->...tj", inverse, beta[..., None] * inputs)  # [U_0, W]
     corrections = solved[..., V:]
     written = solved[..., :V] - dot("...ck,...kv->...cv", corrections, state)  # U
     scores = decay.scores(q, k)  # P
@@ -93,7 +88,7 @@ def chunk_backward(x: tuple, state, d_out, d_exit, decay: ChunkDecay, scale: flo
     d_state = (scale * dot("...ck,...cv->...kv", q_start, d_out) + decay.decay_rows(d_exit)
                - dot("...ck,...cv->...kv", corrections, d_written))
     d_solved = jnp.concatenate([d_written, -dot("...cv,...kv->...ck", d_written, state)], axis=-1)
-    d_rhs = _solve(interactions, d_solved, transpose=True)  # Ȳ
+    d_rhs = dot("...st,...sj->...tj", inverse, d_solved)  # Ȳ = (I + M)⁻ᵀ [Ū, −Ū Sᵀ]
     d_interactions = jnp.where(strict, -dot("...tj,...sj->...ts", d_rhs, solved), 0)  # M̄
     d_beta = jnp.sum(d_rhs * inputs, axis=-1) + jnp.sum(d_interactions * key_scores, axis=-1)
     d_inputs = beta[..., None] * d_rhs
