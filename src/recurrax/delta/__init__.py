@@ -8,6 +8,9 @@
 | `_reference`  | the token loop (the oracle)                                                |
 | `_scan`       | the token loop in blocks, one stored state per block (the fallback)        |
 | `_chunk`      | the chunkwise (WY/UT) algorithm: a triangular solve per chunk, a state scan |
+| `_chunk_vjp`  | its scan over chunks with a custom VJP (recompute each chunk backwards)    |
+| `_chunk_adjoint` | the hand-derived backward of one chunk                                |
+| `_unit_lower` | (I + M)⁻¹ of a unit lower-triangular M by matmuls                         |
 """
 
 from ._api import delta_rule, delta_rule_step

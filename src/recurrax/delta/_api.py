@@ -61,8 +61,10 @@ def delta_rule(
       positive value, or a concrete `beta` outside [0, 2], raises `ValueError`; traced ones
       are checked under `recurrax.runtime_checks()`.
 
-    Gradients come from JAX's autodiff (`chunk` keeps one state per chunk for the backward).
-    Non-finite inputs are not guarded: a NaN or infinity propagates.
+    Gradients for every input: `chunk` through a custom VJP that recomputes each chunk in
+    its backward (one stored state per chunk), `scan` and `reference` through JAX's autodiff.
+    Non-finite inputs are not guarded: a NaN or infinity propagates (a log decay of −inf, a
+    hard reset, is exact).
 
     **Returns:** `(output, final_state)`: `output` shaped like `value` (per value head), in the
     query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32

@@ -34,12 +34,22 @@ decay matrix built from products of e^{a}, per channel the ladder of rescaled ha
 e^{A_t}·e^{−A_s}. The
 per-head and per-channel gates are combined into one per-channel decay when both are present.
 
-**Cost.** Inside a chunk (all chunks at once): the C×C products P and M, the solve (C²·(K+V)
-per chunk); across chunks a `lax.scan` carrying the [K, V] state, each step under
-`jax.checkpoint`, so that autodiff keeps one state per chunk (O(T/C·K·V), not per token);
-the per-chunk intermediates (P, W, U_0, decayed queries and keys) are token-sized. Gradients
-come from JAX's autodiff of all of it (a hand-written backward is not written yet).
-
+**Cost.** Per chunk: the C×C products P and M, the solve (C²·(K+V)), and the state products
+(C·K·V); the chunks run in a `lax.scan` (`_chunk_vjp.chunk_scan`) whose step builds that
+chunk's terms from its inputs and entry state, so nothing token-sized is kept besides the
+inputs and the output. The backward is a custom VJP: a reverse scan that recomputes each
+chunk's terms from its inputs and its entry state (the exit states are the forward's only
+residual) and applies the hand-derived adjoint of `_chunk_adjoint`; across chunks only the
+[K, V] state cotangent flows. Memory of jit(grad): one state per chunk, O(T/C·K·V) per head,
+plus token-sized inputs, output and gradients. Measured here (XLA's temp bytes at B = 1,
+T = 16384, H = 4, K = V = 128, float32, `qk_l2norm`): 194 MiB with a per-head g and with a
+per-channel gk (autodiff through all chunk terms at once, before: 709 and 1451 MiB).
+The chunks are laid out [n, B, C, H, ...] (a reshape of the tokens, no copy for B = 1) and
+turned heads-first inside the step. The solve is a product with (I + M)⁻¹ (`_unit_lower`),
+which the adjoint reuses transposed. Time on a 2-core CPU at B = 2, T = 2048, H = 4,
+K = V = 128, g, `qk_l2norm` (jit, min of 7, a shared machine): forward ~78 ms, fwd+bwd
+~224 ms (before: ~89 and ~290 ms); what remains is many small per-chunk ops ([B·H] batches
+of 64×128 matmuls) run one scan step at a time.
 - Padding: T is padded to a multiple of C with q = k = v = 0, β = 0 and log decay 0, tokens
   that neither change the state nor read it. A short T first shrinks C (by halving).
 - Packed input: tokens are gathered into the chunk-aligned layout of `varlen.chunk_layout`
@@ -52,27 +62,31 @@ come from JAX's autodiff of all of it (a hand-written backward is not written ye
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .. import varlen
 from ..chunk._intra import ChunkDecay, dot
 from ..problem import Gate
+from ._chunk_adjoint import chunk_backward
+from ._chunk_vjp import chunk_scan
 from ._problem import DeltaProblem
+from ._unit_lower import unit_lower_inverse
 
-CHUNK_SIZES = {"scalar_decays": 64, "channel_decays": 32}
-"""Default C without / with a per-channel decay; with the ladder's leaf c = 1. Taken from the
-CPU sweep of `recurrent`'s chunk (`chunk/_tiling.py`); on CPU at [1, 1024, 4 heads, K = V = 64]
-with `gk`, (C, c) = (32, 1) ran fwd+bwd in 80 ms against 264 ms for (64, 16). Not swept for the
-delta rule itself yet."""
+CHUNK_SIZES = {"scalar_decays": 64, "channel_decays": 64}
+"""Default C without / with a per-channel decay; with the ladder's leaf c = 1. The backward keeps
+one [K, V] state per chunk, so C sets its memory: at B = 1, T = 16384, 4 heads, K = V = 128 with
+`gk`, XLA's temporaries of jit(grad) were 258 MiB at C = 32 and 194 MiB at C = 64 (per-head
+g: 194 MiB), and fwd+bwd at the issue's CPU shape was no slower at 64 (a loaded machine: a
+fine sweep is still to do)."""
 LEAF_SIZE = 1
 
 
 class ChunkTerms(NamedTuple):
-    """What each chunk contributes, independent of its entry state ([B, H, n, ...], n chunks).
+    """What a chunk contributes, independent of its entry state ([B, H, C, ...] per chunk).
 
     **Arguments:**
     - `queries`: Q ⊙ e^{A} [.., C, K]; `scores`: P ⊙ [s ≤ t] [.., C, C].
@@ -100,11 +114,11 @@ def _strictly_lower(size: int) -> Array:
     return jnp.tril(jnp.ones((size, size), bool), -1)
 
 
-def _chunk_decay(log_decay: Array | None, leaf: int, size: int) -> ChunkDecay:
-    """The decay factors of [B, H, n, C] (per head) or [B, H, n, C, K] (per channel) log decays."""
+def _chunk_decay(log_decay: Array | None, per_head: bool, leaf: int, size: int) -> ChunkDecay:
+    """The decay factors of [.., C] (per head) or [.., C, K] (per channel) log decays."""
     if log_decay is None:
         return ChunkDecay.build(None, None, leaf, size)
-    form = Gate.HEAD if log_decay.ndim == 4 else Gate.KEY
+    form = Gate.HEAD if per_head else Gate.KEY
     return ChunkDecay.build(log_decay, form, leaf, size)
 
 
@@ -118,12 +132,12 @@ def chunk_terms(q, k, v, beta, log_decay, leaf: int) -> ChunkTerms:
     """The state-independent terms of every chunk: q, k [.., n, C, K], v [.., n, C, V],
     beta [.., n, C], log_decay [.., n, C] / [.., n, C, K] / None (all in the state dtype)."""
     C, V = v.shape[-2], v.shape[-1]
-    decay = _chunk_decay(log_decay, leaf, C)
+    decay = _chunk_decay(log_decay, log_decay is not None and log_decay.ndim == beta.ndim, leaf, C)
     key_scores = jnp.where(_strictly_lower(C), decay.scores(k, k), 0)
     interactions = beta[..., :, None] * key_scores  # M
     rhs = beta[..., None] * jnp.concatenate([v, decay.from_start(k)], axis=-1)
-    # (I + M) X = rhs; the solve reads only M's strictly lower part (unit diagonal implied)
-    solved = jax.lax.linalg.triangular_solve(interactions, rhs, left_side=True, lower=True, unit_diagonal=True)
+    # (I + M) X = rhs, through the inverse of the unit lower-triangular I + M
+    solved = dot("...ts,...sj->...tj", unit_lower_inverse(interactions), rhs)
     return ChunkTerms(
         queries=decay.from_start(q),
         scores=decay.scores(q, k),
@@ -143,75 +157,77 @@ def chunk_step(state: Float[Array, "... K V"], terms: ChunkTerms, scale: float):
     return output, decayed + dot("...ck,...cv->...kv", terms.keys_to_end, written)
 
 
-def _to_chunks(x: Array | None, C: int) -> Array | None:
-    """[B, T, H, ...] (T a multiple of C) -> [B, H, n, C, ...]."""
-    if x is None:
-        return None
-    B, T, H = x.shape[:3]
-    x = jnp.moveaxis(x, 2, 1)
-    return x.reshape(B, H, T // C, C, *x.shape[3:])
+def _to_chunks(x: Array, C: int) -> Array:
+    """[B, T, H, ...] (T a multiple of C) -> [n, B, C, H, ...]: a reshape, and no copy for B = 1."""
+    B, T = x.shape[:2]
+    return jnp.moveaxis(x.reshape(B, T // C, C, *x.shape[2:]), 1, 0)
 
 
 def _from_chunks(o: Array) -> Array:
-    """[B, H, n, C, V] -> [B, n·C, H, V]."""
-    B, H, n, C, V = o.shape
-    return jnp.moveaxis(o.reshape(B, H, n * C, V), 1, 2)
+    """[n, B, C, H, V] -> [B, n·C, H, V]."""
+    n, B, C = o.shape[:3]
+    return jnp.moveaxis(o, 0, 1).reshape(B, n * C, *o.shape[3:])
 
 
-def _scan_axis_first(terms: ChunkTerms) -> ChunkTerms:
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)
+def _heads_first(x: Array | None) -> Array | None:
+    """One chunk's [B, C, H, ...] -> [B, H, C, ...] (inside a scan step: chunk-sized copies only)."""
+    return None if x is None else jnp.moveaxis(x, 2, 1)
 
 
-def _chunks_of(problem: DeltaProblem, C: int, leaf: int, take) -> ChunkTerms:
-    """The chunk terms of the problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...])."""
+def _tokens_first(x: Array | None) -> Array | None:
+    return None if x is None else jnp.moveaxis(x, 1, 2)
+
+
+def _chunk_inputs(problem: DeltaProblem, C: int, take) -> tuple:
+    """The problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...]) as chunks with the
+    chunk axis first: q, k [n, B, C, H, K], v [n, B, C, H, V], beta [n, B, C, H], log decay."""
     dtype = problem.state_dtype
     q, k = problem.expanded_query_key()
     arrays = (q, k, problem.value.astype(dtype), problem.beta, problem.key_side_decay())
-    q, k, v, beta, a = (_to_chunks(take(x), C) for x in arrays)
-    return chunk_terms(q, k, v, beta, a, leaf)
+    return tuple(None if x is None else _to_chunks(take(x), C) for x in arrays)
+
+
+def _stepper(scale: float, leaf: int):
+    """One chunk from its inputs (q, k, v, beta, log decay; [B, C, H, ...]) and entry state,
+    (output [B, C, H, V], exit), and its adjoint."""
+    return (functools.partial(_chunk_from_inputs, scale=scale, leaf=leaf),
+            functools.partial(_chunk_adjoint, scale=scale, leaf=leaf))
+
+
+def _chunk_from_inputs(x: tuple, state: Array, *, scale: float, leaf: int):
+    out, exit_state = chunk_step(state, chunk_terms(*map(_heads_first, x), leaf), scale)
+    return _tokens_first(out), exit_state
+
+
+def _chunk_adjoint(x: tuple, state: Array, d_out: Array, d_exit: Array, *, scale: float, leaf: int):
+    x = tuple(map(_heads_first, x))
+    _, _, v, beta, log_decay = x
+    decay = _chunk_decay(log_decay, log_decay is not None and log_decay.ndim == beta.ndim, leaf, v.shape[-2])
+    d_x, d_state = chunk_backward(x, state, _heads_first(d_out), d_exit, decay, scale)
+    return tuple(map(_tokens_first, d_x)), d_state
 
 
 def _dense(problem: DeltaProblem, scale: float, C: int, leaf: int):
     T = problem.query.shape[1]
     padded = -(-T // C) * C
-    terms = _chunks_of(problem, C, leaf, lambda x: varlen.pad_tokens(x, padded))
-
-    @jax.checkpoint
-    def step(state, chunk):
-        return chunk_step(state, chunk, scale)[::-1]
-
-    final, out = jax.lax.scan(step, problem.initial_state, _scan_axis_first(terms))
-    return _from_chunks(jnp.moveaxis(out, 0, 2))[:, :T], final
-
-
-def _last_chunks(cu_seqlens: Array, C: int) -> Array:
-    """[S] the aligned layout's index of each sequence's last chunk (−1 for an empty one)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return jnp.cumsum((lengths + C - 1) // C) - 1
+    chunks = _chunk_inputs(problem, C, lambda x: varlen.pad_tokens(x, padded))
+    chunk = jnp.arange(padded // C)
+    owners = (jnp.zeros_like(chunk), chunk == 0, chunk == chunk[-1])
+    out, finals = chunk_scan(*_stepper(scale, leaf), chunks, problem.initial_state[None], owners)
+    return _from_chunks(out)[:, :T], finals[0]
 
 
 def _packed(problem: DeltaProblem, scale: float, C: int, leaf: int):
     N = problem.query.shape[1]
-    cu = problem.cu_seqlens
-    layout = varlen.chunk_layout(cu, N, C)
+    layout = varlen.chunk_layout(problem.cu_seqlens, N, C)
     owners = layout.owners
     take = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
-    terms = _chunks_of(problem, C, leaf, take)
+    chunks = _chunk_inputs(problem, C, take)
     init = problem.initial_state  # [S, H, K, V]
-
-    @jax.checkpoint
-    def step(state, chunk):
-        terms, seq, first = chunk
-        state = jnp.where(first, init[seq][None], state)
-        out, state = chunk_step(state, terms, scale)
-        return state, (out, state)
-
-    xs = (_scan_axis_first(terms), owners.seq, owners.first)
-    _, (out, exits) = jax.lax.scan(step, jnp.zeros_like(init[:1]), xs)
-    last = _last_chunks(cu, C)
-    finals = jnp.where(owners.empty[:, None, None, None], init, exits[jnp.maximum(last, 0), 0])
-    out = _from_chunks(jnp.moveaxis(out, 0, 2))
-    return varlen.from_chunk_layout(out[0], layout)[None], finals
+    owners = (owners.seq, owners.first, owners.last)
+    out, finals = chunk_scan(*_stepper(scale, leaf), chunks, init[:, None], owners)
+    out = _from_chunks(out)
+    return varlen.from_chunk_layout(out[0], layout)[None], finals[:, 0]
 
 
 def chunk_delta(
