@@ -5,7 +5,7 @@
 
 Writes `moe.md` and `moe.png` into `--out` (default `benchmarks/results/`).
 
-One layer of `recurrax.nn._moe` (float32): `tokens` tokens of width `d_model`, SwiGLU experts
+One layer of `recurrax.nn.MixtureOfExperts` (float32): `tokens` tokens of width `d_model`, SwiGLU experts
 of width `width`, softmax router with renormalised top-k. Three parts, in one run:
 
 1. the grouped matmul on its own (one projection `d_model → width` of the routed rows, 64
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recurrax.nn._moe import (  # noqa: E402
+from recurrax.nn import (  # noqa: E402
     ExpertWeights,
     all_experts,
     default_block_size,

@@ -28,7 +28,19 @@ from ._mixers import (  # noqa: E402
 from ._conv import ShortConvolution  # noqa: E402
 from ._gated_deltanet import GatedDeltaNet, GatedRMSNorm  # noqa: E402
 from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
-from ._moe import ExpertWeights, MixtureOfExperts, Routing, all_experts, route, routed_experts  # noqa: E402
+from ._moe import (  # noqa: E402
+    Dispatch,
+    ExpertWeights,
+    MixtureOfExperts,
+    Routing,
+    all_experts,
+    default_block_size,
+    dispatch,
+    grouped_matmul,
+    padded_rows,
+    route,
+    routed_experts,
+)
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
     FSDP,
@@ -45,6 +57,7 @@ from ._sharding import (  # noqa: E402
 
 __all__ = [
     "DATA_PARALLEL",
+    "Dispatch",
     "ExpertWeights",
     "FEATURE_MAPS",
     "FSDP",
@@ -69,10 +82,14 @@ __all__ = [
     "alibi_slopes",
     "all_experts",
     "constrain",
+    "default_block_size",
+    "dispatch",
+    "grouped_matmul",
     "lightning_log_decays",
     "logical_rules",
     "logical_specs",
     "make_mixer",
+    "padded_rows",
     "parameter_shardings",
     "retention_log_decays",
     "route",
