@@ -2,7 +2,7 @@
 
 | symbol   | meaning                                                                   |
 |----------|---------------------------------------------------------------------------|
-| B, T, H  | batch rows, tokens per row, value heads (query/key heads repeated to H)   |
+| B, T, H  | batch rows, tokens per row, value heads (shared query/key heads repeated to H per chunk) |
 | n        | chunks per row: ceil(T / C) (packed: the aligned layout's M chunks)       |
 | K, V     | key/query and value head dimensions                                       |
 | C, c     | chunk size; leaf size of the per-channel decay ladder (`chunk/_intra.py`) |
@@ -180,11 +180,28 @@ def _tokens_first(x: Array | None) -> Array | None:
 
 def _chunk_inputs(problem: DeltaProblem, C: int, take) -> tuple:
     """The problem's tokens placed by `take` ([B, T, ...] -> [B, n·C, ...]) as chunks with the
-    chunk axis first: q, k [n, B, C, H, K], v [n, B, C, H, V], beta [n, B, C, H], log decay."""
+    chunk axis first: q, k [n, B, C, Hqk, K] (shared heads as they are), v [n, B, C, H, V],
+    beta [n, B, C, H], log decay."""
     dtype = problem.state_dtype
-    q, k = problem.expanded_query_key()
-    arrays = (q, k, problem.value.astype(dtype), problem.beta, problem.key_side_decay())
+    arrays = (problem.query.astype(dtype), problem.key.astype(dtype), problem.value.astype(dtype), problem.beta,
+              problem.key_side_decay())
     return tuple(None if x is None else _to_chunks(take(x), C) for x in arrays)
+
+
+def _expanded(x: tuple) -> tuple:
+    """One chunk's inputs with query and key repeated to every value head (a chunk-sized copy:
+    value head h reads query/key head h // (H / Hqk))."""
+    q, k, v, *rest = x
+    groups = v.shape[2] // q.shape[2]
+    return (jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2), v, *rest)
+
+
+def _grouped(d_x: tuple, heads: int) -> tuple:
+    """The cotangents of `_expanded`'s query and key summed back over each group of heads."""
+    d_q, d_k, *rest = d_x
+    B, C, H, K = d_q.shape
+    back = lambda d: d.reshape(B, C, heads, H // heads, K).sum(3)  # noqa: E731
+    return (back(d_q), back(d_k), *rest)
 
 
 def _stepper(scale: float, leaf: int):
@@ -195,16 +212,17 @@ def _stepper(scale: float, leaf: int):
 
 
 def _chunk_from_inputs(x: tuple, state: Array, *, scale: float, leaf: int):
-    out, exit_state = chunk_step(state, chunk_terms(*map(_heads_first, x), leaf), scale)
+    out, exit_state = chunk_step(state, chunk_terms(*map(_heads_first, _expanded(x)), leaf), scale)
     return _tokens_first(out), exit_state
 
 
 def _chunk_adjoint(x: tuple, state: Array, d_out: Array, d_exit: Array, *, scale: float, leaf: int):
-    x = tuple(map(_heads_first, x))
+    qk_heads = x[0].shape[2]
+    x = tuple(map(_heads_first, _expanded(x)))
     _, _, v, beta, log_decay = x
     decay = _chunk_decay(log_decay, log_decay is not None and log_decay.ndim == beta.ndim, leaf, v.shape[-2])
     d_x, d_state = chunk_backward(x, state, _heads_first(d_out), d_exit, decay, scale)
-    return tuple(map(_tokens_first, d_x)), d_state
+    return _grouped(tuple(map(_tokens_first, d_x)), qk_heads), d_state
 
 
 def _dense(problem: DeltaProblem, scale: float, C: int, leaf: int):
