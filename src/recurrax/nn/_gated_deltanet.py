@@ -38,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from ..delta import IMPLEMENTATIONS, delta_rule_step
 from ._conv import CausalConv1d
-from ._mixers import MixerCache, _linear_factory, check_width
+from ._mixers import CachedMixer, MixerCache, _linear_factory, check_width
 from ._sharding import delta_rule_on_mesh, param
 
 A_RANGE = (1.0, 16.0)
@@ -71,7 +71,7 @@ class GatedRMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(CachedMixer):
     """Gated DeltaNet: projections, short convolutions over q/k/v with SiLU, the gated delta
     rule (β = sigmoid, g = −exp(A_log) · softplus(a + dt_bias)), a gated RMS norm per head
     and an output projection (module docstring).
@@ -174,30 +174,10 @@ class GatedDeltaNet(nnx.Module):
         y = y[0] if x.ndim == 2 else y
         return y if cache is None else (y, MixerCache(state, conv))
 
-    def init_cache(self, batch_size: int, dtype=jnp.float32) -> MixerCache:
-        """An empty decode cache for `batch_size` sequences (zero state and convolution inputs).
-
-        **Arguments:**
-        - `batch_size`: sequences to decode (or packed sequences `num_seqs`).
-        - `dtype`: the state dtype: float32, or float64 for float64 models under x64.
-        """
-        state_shape, conv_shape = self._cache_shapes(batch_size)
-        conv = None if conv_shape is None else jnp.zeros(conv_shape, self.dtype)
-        return MixerCache(jnp.zeros(state_shape, dtype), conv)
-
     def _cache_shapes(self, rows: int) -> MixerCache:
         state = (rows, self.num_v_heads, self.head_dim, self.head_v_dim)
         conv = None if self.q_conv1d is None else (rows, self.q_conv1d.kernel_size - 1, sum(self.channels))
         return MixerCache(state, conv)
-
-    def _check_cache(self, cache, rows: int) -> None:
-        if not isinstance(cache, MixerCache):
-            raise TypeError(f"cache must be a MixerCache (see init_cache), got {type(cache).__name__}")
-        for field, want in zip(MixerCache._fields, self._cache_shapes(rows)):
-            got = getattr(cache, field)
-            if (want is None) != (got is None) or (want is not None and tuple(want) != got.shape):
-                expected = "None" if want is None else list(want)
-                raise ValueError(f"cache.{field} must be {expected} for {rows} rows, got {getattr(got, 'shape', got)}")
 
     def _qkv(self, x: Float[Array, "B T D"], conv_buffer, cu_seqlens):
         """q, k `[B, T, Hk, K]`, v `[B, T, H, V]` (after convolution and SiLU) and the new buffer."""

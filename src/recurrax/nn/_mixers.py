@@ -70,7 +70,37 @@ class MixerCache(NamedTuple):
     conv: Float[Array, "rows taps channels"] | None
 
 
-class RecurrentMixer(nnx.Module):
+class CachedMixer(nnx.Module):
+    """What every token mixer with a `MixerCache` shares: an empty cache, and the check of a
+    given one, from the cache shapes the mixer declares (`_cache_shapes(rows)`) and the dtype of
+    its convolution inputs (`self.dtype`)."""
+
+    def init_cache(self, batch_size: int, dtype=jnp.float32) -> MixerCache:
+        """An empty decode cache for `batch_size` sequences (zero state and convolution buffer).
+
+        **Arguments:**
+        - `batch_size`: sequences to decode (or packed sequences `num_seqs`).
+        - `dtype`: the state dtype: float32, or float64 for float64 models under x64.
+        """
+        state_shape, conv_shape = self._cache_shapes(batch_size)
+        conv = None if conv_shape is None else jnp.zeros(conv_shape, self.dtype)
+        return MixerCache(jnp.zeros(state_shape, dtype), conv)
+
+    def _cache_shapes(self, rows: int) -> MixerCache:
+        """The shapes of a cache for `rows` sequences (None for an absent buffer)."""
+        raise NotImplementedError
+
+    def _check_cache(self, cache, rows: int) -> None:
+        if not isinstance(cache, MixerCache):
+            raise TypeError(f"cache must be a MixerCache (see init_cache), got {type(cache).__name__}")
+        for field, want in zip(MixerCache._fields, self._cache_shapes(rows)):
+            got = getattr(cache, field)
+            if (want is None) != (got is None) or (want is not None and tuple(want) != got.shape):
+                expected = "None" if want is None else list(want)
+                raise ValueError(f"cache.{field} must be {expected} for {rows} rows, got {getattr(got, 'shape', got)}")
+
+
+class RecurrentMixer(CachedMixer):
     """Projections, grouped heads, the recurrence, per-head RMS norm, output gate and projection.
 
     Subclasses choose the decays (`_decays`) and the query/key feature map (`_features`).
@@ -167,17 +197,6 @@ class RecurrentMixer(nnx.Module):
         y = y[0] if x.ndim == 2 else y
         return y if cache is None else (y, MixerCache(state, conv))
 
-    def init_cache(self, batch_size: int, dtype=jnp.float32) -> MixerCache:
-        """An empty decode cache for `batch_size` sequences (zero state and convolution buffer).
-
-        **Arguments:**
-        - `batch_size`: sequences to decode (or packed sequences `num_seqs`).
-        - `dtype`: the state dtype: float32, or float64 for float64 models under x64.
-        """
-        state_shape, conv_shape = self._cache_shapes(batch_size)
-        conv = None if conv_shape is None else jnp.zeros(conv_shape, self.dtype)
-        return MixerCache(jnp.zeros(state_shape, dtype), conv)
-
     def _cache_shapes(self, rows: int) -> MixerCache:
         """The shapes of a cache for `rows` sequences."""
         state = (rows, self.num_heads, self.qk_head_dim, self.v_head_dim)
@@ -187,15 +206,6 @@ class RecurrentMixer(nnx.Module):
     def _check_input(self, x, cu_seqlens, name: str = "x") -> Float[Array, "B T D"]:
         check_width(name, x, self.d_model, cu_seqlens)
         return x[None] if x.ndim == 2 else x
-
-    def _check_cache(self, cache, rows: int) -> None:
-        if not isinstance(cache, MixerCache):
-            raise TypeError(f"cache must be a MixerCache (see init_cache), got {type(cache).__name__}")
-        for field, want in zip(MixerCache._fields, self._cache_shapes(rows)):
-            got = getattr(cache, field)
-            if (want is None) != (got is None) or (want is not None and tuple(want) != got.shape):
-                expected = "None" if want is None else list(want)
-                raise ValueError(f"cache.{field} must be {expected} for {rows} rows, got {getattr(got, 'shape', got)}")
 
     def _project(self, x: Float[Array, "B T D"], conv_buffer, cu_seqlens):
         """q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] and the new convolution buffer."""
