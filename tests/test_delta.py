@@ -147,11 +147,16 @@ ROUNDING_FACTOR = 8.0
 EPS32 = float(np.finfo(np.float32).eps)
 
 
+def assert_within_floor(errors: dict[str, tuple[float, float]], name: str = "chunk") -> None:
+    """Every (error, float32 reference error) pair of `chunk_errors` within ROUNDING_FACTOR
+    times the reference's own error (at least float32's epsilon)."""
+    bad = {n: e for n, e in errors.items() if not e[0] <= ROUNDING_FACTOR * max(e[1], EPS32)}
+    assert not bad, f"({name} error, float32 reference error) exceeding the floor: {bad}"
+
+
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=str)
 def test_chunk_matches_float64_reference(case):
-    errors = chunk_errors(case)
-    bad = {n: e for n, e in errors.items() if not e[0] <= ROUNDING_FACTOR * max(e[1], EPS32)}
-    assert not bad, f"(chunk error, float32 reference error) exceeding the floor: {bad}"
+    assert_within_floor(chunk_errors(case))
 
 
 SCAN_CASES = [
@@ -163,9 +168,7 @@ SCAN_CASES = [
 
 @pytest.mark.parametrize("case", SCAN_CASES, ids=str)
 def test_scan_matches_float64_reference(case):
-    errors = chunk_errors(case, SCAN)
-    bad = {n: e for n, e in errors.items() if not e[0] <= ROUNDING_FACTOR * max(e[1], EPS32)}
-    assert not bad, f"(scan error, float32 reference error) exceeding the floor: {bad}"
+    assert_within_floor(chunk_errors(case, SCAN), "scan")
 
 
 def test_registry_explains_the_delta_rule_dispatch():
