@@ -102,12 +102,8 @@ def random_model(config: dict, seed: int = 0) -> CausalLM:
 
 def last_logits(model: CausalLM, tokens):
     """The last position's logits only (as transformers' `logits_to_keep=1`): the layers on every
-    token, the 50,280-way head on the last."""
-    h = model._embed(tokens)
-    positions = model._positions(h, None, None)
-    for block in model._layers():
-        h, _ = block(h, None, cu_seqlens=None, positions=positions)
-    return model._head(h[:, -1:])[:, 0]
+    token, the head on the last."""
+    return model(tokens, logits_to_keep=1)[:, 0]
 
 
 def spread(samples) -> str:
@@ -131,7 +127,7 @@ def ours(directory: Path, inputs: dict, repeats: int, decode_steps: int) -> dict
 
     decode = {}
     for batch in BATCHES:
-        cache = model.init_cache(batch)
+        cache = model.init_cache(batch, decode_steps + 1)  # attention layers hold the tokens decoded here
         token = jnp.asarray(np.random.default_rng(batch).integers(0, model.vocab_size, (batch, 1)), jnp.int32)
         token, cache = step(state, token, cache)  # warm-up (compiles)
         samples = []

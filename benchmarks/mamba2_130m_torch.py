@@ -1,8 +1,8 @@
-"""`transformers`' side of `mamba2_130m.py`: its own Mamba2ForCausalLM on the same checkpoint.
+"""`transformers`' side of `mamba2_130m.py` (and `granite_4_h_tiny.py`): its own model on the same checkpoint.
 
     TORCH_PYTHON benchmarks/mamba2_130m_torch.py DIR [--threads 2] [--repeats 3]
 
-Run by `mamba2_130m.py` (not on its own): reads DIR (config.json + model.safetensors,
+Run by `mamba2_130m.py` and `granite_4_h_tiny.py` (not on its own): reads DIR (config.json + model.safetensors,
 written by recurrax's `save_pretrained`), DIR/inputs.npz and DIR/floor_shapes.json, writes
 DIR/torch_measurements.json and DIR/torch_logits.npy. Also this CPU's floors for torch: float32
 `F.linear` GFLOP/s at the model's matmul shapes and the GB/s of a `sum` over as many bytes as
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     inputs = np.load(args.directory / "inputs.npz")
     start = time.perf_counter()
-    model = transformers.Mamba2ForCausalLM.from_pretrained(args.directory, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.directory, dtype=torch.float32).eval()
     load_seconds = time.perf_counter() - start
     vocab = model.config.vocab_size
     with torch.inference_mode():

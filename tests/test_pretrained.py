@@ -241,6 +241,17 @@ def test_tiny_save_load_round_trip(tmp_path):
     assert again.config == {**TINY, "dtype": "float32"}  # the saved dtype is recorded
 
 
+def test_logits_to_keep_is_the_tail_of_the_full_logits():
+    model = tiny_model()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 6)), jnp.int32)
+    full, kept = model(tokens), model(tokens, logits_to_keep=2)
+    assert kept.shape == (2, 2, TINY["vocab_size"])
+    floor = np.finfo(np.float32).eps * TINY["hidden_size"] * float(jnp.abs(full).max())  # the head's dot order
+    np.testing.assert_allclose(kept, full[:, -2:], rtol=0, atol=floor)
+    with pytest.raises(ValueError, match="logits_to_keep must be in"):
+        model(tokens, logits_to_keep=7)
+
+
 def test_unknown_model_type_names_supported_ones():
     with pytest.raises(ValueError, match="unsupported model_type 'mamba'.*gla, retnet, hgrn2, linear_attn, lightnet"):
         CausalLM(dict(TINY, model_type="mamba"))

@@ -193,6 +193,7 @@ class CausalLM(nnx.Module):
         cache: ModelCache | None = None,
         *,
         cu_seqlens: Int[Array, " S_plus_1"] | None = None,
+        logits_to_keep: int | None = None,
     ):
         """Next-token logits for every token; with `cache`, continue from it and return it too.
 
@@ -203,6 +204,8 @@ class CausalLM(nnx.Module):
           parallel pass from an empty history. Its softmax-attention layers hold `capacity`
           positions per row: writing past them is refused (see the module's docstring).
         - `cu_seqlens`: `[S + 1]` boundaries of packed sequences.
+        - `logits_to_keep`: the head on the last `logits_to_keep` positions only (as
+          `transformers`' option of that name): `[B, logits_to_keep, vocab]`; not with `cu_seqlens`.
 
         **Returns:** `logits` `[B, T, vocab]` (packed: `[N, vocab]`), float32, or
         `(logits, new_cache)`.
@@ -215,6 +218,9 @@ class CausalLM(nnx.Module):
                              f"got shape {tokens.shape}")
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        if logits_to_keep is not None and (packed or not 1 <= logits_to_keep <= tokens.shape[1]):
+            raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, "
+                             f"got {logits_to_keep}" + (" with cu_seqlens" if packed else ""))
         check_token_ids(tokens, self.vocab_size)
         h = constrain(self.body.embed(tokens[None] if packed else tokens), *RESIDUAL)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
@@ -229,6 +235,8 @@ class CausalLM(nnx.Module):
             h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
             h = constrain(h, *RESIDUAL)
             new_caches.append(new_cache)
+        if logits_to_keep is not None:
+            h, positions = h[:, -logits_to_keep:], positions[:, -logits_to_keep:]
         logits = constrain(self._head(h), "batch", "length", "vocab")
         if capacity is not None:  # traced positions: the tokens past it get NaN logits
             logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
