@@ -1,4 +1,4 @@
-"""The `recurrax` command line: `check`, `bench`, `demo`, `compile`."""
+"""The `recurrax` command line: `check`, `bench`, `demo`, `generate`, `compile`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
     "check": ("recurrax.tools.check", "compare every implementation with the reference"),
     "bench": ("recurrax.tools.bench", "time and measure memory of the implementations"),
     "demo": ("recurrax.tools.demo", "train a small model on associative recall"),
+    "generate": ("recurrax.tools.generate", "text from a checkpoint directory (a prompt or a chat), streamed"),
     "compile": ("recurrax.tools.compile", "compile for a GPU or TPU this machine does not have; kernel resources"),
 }
 TOOLCHAIN_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1",

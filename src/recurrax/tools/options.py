@@ -43,3 +43,22 @@ def positive_int_list(text: str) -> list[int]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return [positive_int(item) for item in items]
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number ≥ 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in (0, 1]."""
+    value = non_negative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value

@@ -4,19 +4,22 @@
     logits = model(tokens)                                      # [B, T, vocab]
     outputs = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=20)    # any CachedLanguageModel
     save_pretrained(model, "out/")                              # readable by fla's from_pretrained
+    tokenizer = load_tokenizer("path/to/checkpoint")            # tokenizer.json (+ chat template, eos ids)
+    for piece in stream_text(model, tokenizer, "Once upon a time", max_new_tokens=50): print(piece, end="")
 
 Supported `model_type`s (`SUPPORTED`): fla's gla, retnet, hgrn2, linear_attn, lightnet, each
 optionally hybrid with fla's softmax attention (config `attn`), and `transformers`' mamba2,
 nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2. `CausalLM(config)` builds any of them
 freshly initialised (to train from scratch); `from_pretrained` returns one. Needs `flax` and,
-for checkpoints, `safetensors` (`pip install 'recurrax[pretrained]'`).
+for checkpoints, `safetensors`, for text `tokenizers` and `jinja2` (`pip install 'recurrax[pretrained]'`).
 """
 
 from .._conv import CausalConv1d
 from ._attention import Attention, KVCache
 from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
 from ._config import SUPPORTED
-from ._generate import CachedLanguageModel, generate
+from ._chat_template import render_chat
+from ._generate import CachedLanguageModel, generate, generate_tokens
 from ._gla import GatedLinearAttention
 from ._hgrn2 import HGRN2Attention
 from ._lightnet import LightNetAttention
@@ -25,6 +28,8 @@ from ._mixer import RecurrentCache
 from ._model import CausalLM, ModelCache
 from ._norm import RMSNorm
 from ._retnet import MultiScaleRetention
+from ._text import IncrementalDecoder, TextStream, generate_text, stream_text
+from ._tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "SUPPORTED",
@@ -34,6 +39,7 @@ __all__ = [
     "CausalLM",
     "GatedLinearAttention",
     "HGRN2Attention",
+    "IncrementalDecoder",
     "KVCache",
     "LightNetAttention",
     "LinearAttention",
@@ -41,9 +47,16 @@ __all__ = [
     "MultiScaleRetention",
     "RMSNorm",
     "RecurrentCache",
+    "TextStream",
+    "Tokenizer",
     "from_pretrained",
     "generate",
+    "generate_text",
+    "generate_tokens",
+    "load_tokenizer",
     "load_weights",
+    "render_chat",
     "save_pretrained",
     "state_dict",
+    "stream_text",
 ]

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections import deque
 from functools import partial
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import math
 import numbers
@@ -178,6 +178,42 @@ def generate(
     `ValueError`, each naming the argument; nothing is coerced. A model without the protocol
     is a `TypeError` naming the methods it lacks.
     """
+    prompts, events = _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
+                                      max_cache_bytes=max_cache_bytes)
+    outputs = [[] for _ in prompts]
+    for i, token in events:
+        outputs[i].append(token)
+    return outputs
+
+
+def generate_tokens(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    num_slots: int | None = None,
+    max_cache_bytes: int | None = None,
+) -> Iterator[tuple[int, int]]:
+    """`generate` as it runs: an iterator of `(prompt index, token id)`, each token as soon as
+    its step has sampled it (the tokens of one prompt in order; prompts decoded together
+    interleave). The arguments and their checks are `generate`'s, done when this is called,
+    not at the first `next`; the tokens are exactly `generate`'s. Stopping early (`close()`,
+    or leaving a `for` loop) computes nothing more.
+    """
+    return _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
+                           max_cache_bytes=max_cache_bytes)[1]
+
+
+def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p, seed, stop_tokens, num_slots,
+                    max_cache_bytes):
+    """The checked prompts and the iterator of `(prompt index, token)` that decodes them."""
     check_protocol(model)
     prompts = _checked_prompts(prompts, model.vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 0)
@@ -190,31 +226,36 @@ def generate(
     if stop_tokens is None:
         stop_tokens = getattr(model, "eos_token_ids", ())
     stop_tokens = _checked_ids("stop_tokens", stop_tokens, model.vocab_size)
-    outputs = [[] for _ in prompts]
     if max_new_tokens == 0 or not prompts:
-        return outputs
+        return prompts, (event for event in ())  # a generator: it has close()
     P = num_slots or min(len(prompts), 8)
     longest = max(map(len, prompts))
     capacity = _capacity(model, longest + max_new_tokens)
     if runtime_checks_enabled() and capacity > 1:  # the checks see the padding sequence's positions too
         capacity = max(capacity, bucket(P * longest, 64))
     _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
-    stops = set(stop_tokens)
-    graphdef, params = nnx.split(model)
-    static = dict(graphdef=graphdef, slots=P, capacity=capacity)
     top_k = model.vocab_size if top_k is None else min(top_k, model.vocab_size)  # fits int32
     sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p or 1.0))
+    return prompts, _events(model, prompts, max_new_tokens, set(stop_tokens), P, capacity, seed, sampling)
+
+
+def _events(model, prompts, max_new_tokens, stops, P, capacity, seed, sampling):
+    """Decode the checked `prompts` in a pool of `P` slots, yielding `(prompt index, token)`."""
+    graphdef, params = nnx.split(model)
+    static = dict(graphdef=graphdef, slots=P, capacity=capacity)
     admit, step = _compiled()
     pool = _empty_pool(model, P, capacity)
     queue = deque(range(len(prompts)))
     slot_prompt, next_tokens = [-1] * P, np.zeros(P, np.int32)
+    counts = [0] * len(prompts)
 
-    def record(slot: int, token: int) -> None:
+    def record(slot: int, token: int) -> tuple[int, int]:
         i = slot_prompt[slot]
-        outputs[i].append(token)
+        counts[i] += 1
         next_tokens[slot] = token
-        if token in stops or len(outputs[i]) >= max_new_tokens:
+        if token in stops or counts[i] >= max_new_tokens:
             slot_prompt[slot] = -1
+        return i, token
 
     while queue or any(i >= 0 for i in slot_prompt):
         free = [s for s in range(P) if slot_prompt[s] < 0]
@@ -226,18 +267,17 @@ def generate(
             first = np.asarray(first)
             for row, (slot, i) in enumerate(admitted):
                 slot_prompt[slot] = i
-                record(slot, int(first[row]))
+                yield record(slot, int(first[row]))
         active = [s for s in range(P) if slot_prompt[s] >= 0]
         if not active:
             continue
         ids = np.array([max(i, 0) for i in slot_prompt], np.int32)
-        counts = np.array([len(outputs[i]) if i >= 0 else 0 for i in slot_prompt], np.int32)
-        sampled, pool = step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(counts), seed,
+        done = np.array([counts[i] if i >= 0 else 0 for i in slot_prompt], np.int32)
+        sampled, pool = step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(done), seed,
                               sampling, **static)
         sampled = np.asarray(sampled)
         for slot in active:
-            record(slot, int(sampled[slot]))
-    return outputs
+            yield record(slot, int(sampled[slot]))
 
 
 STATIC = ("graphdef", "slots", "capacity")

@@ -1,0 +1,127 @@
+"""`recurrax generate MODEL_DIR`: text from a checkpoint directory, streamed to stdout.
+
+    recurrax generate MODEL_DIR --prompt "Once upon a time"        a continuation
+    recurrax generate MODEL_DIR --chat --prompt "Hi!"               one reply, through the chat template
+    recurrax generate MODEL_DIR --chat                              a conversation typed at the terminal
+    echo '[{"role": "user", "content": "Hi!"}]' | recurrax generate MODEL_DIR --chat
+
+Greedy unless `--temperature` is above 0. Without `--prompt`, the prompt (or with `--chat`
+the conversation: a JSON list of messages, or plain text as one user message) is read from
+stdin; with `--chat` and a terminal, it is an interactive chat (an empty line or end of input
+ends it). The load time, and the tokens and tokens/s of each reply, go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .options import non_negative_float, non_negative_int, positive_int, probability
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="recurrax generate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json, model.safetensors, "
+                        "tokenizer.json; tokenizer_config.json for --chat)")
+    parser.add_argument("--prompt", help="the prompt (default: read from stdin)")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat "
+                        "template; without --prompt, an interactive chat at a terminal")
+    parser.add_argument("--system", help="a system message first (with --chat)")
+    parser.add_argument("--max-new-tokens", type=non_negative_int, default=256,
+                        help="most tokens per reply (default 256)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="sampling temperature; 0 (default) is greedy")
+    parser.add_argument("--top-p", type=probability, help="nucleus sampling: keep the most likely tokens of mass p")
+    parser.add_argument("--top-k", type=positive_int, help="keep the k most likely tokens")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from recurrax.nn.pretrained import from_pretrained, load_tokenizer
+
+    start = time.perf_counter()
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = from_pretrained(args.model)
+    except (OSError, ValueError, TypeError) as error:
+        print(f"recurrax generate: {error}", file=sys.stderr)
+        return 1
+    print(f"loaded {args.model} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    if args.chat and args.prompt is None and sys.stdin.isatty():
+        return _interactive(model, tokenizer, args)
+    try:
+        prompt = _prompt(tokenizer, args)
+    except (ValueError, TypeError) as error:
+        print(f"recurrax generate: {error}", file=sys.stderr)
+        return 1
+    _reply(model, tokenizer, prompt, args)
+    return 0
+
+
+def _prompt(tokenizer, args) -> str | list[int]:
+    """The prompt text, or with --chat the conversation's ids through the chat template."""
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not args.chat:
+        return text
+    messages = _conversation(text) if args.prompt is None else [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(_with_system(messages, args.system), tokenize=True)
+
+
+def _conversation(text: str) -> list[dict]:
+    """stdin's conversation: a JSON list of messages (or {"messages": [...]}), else one user message."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return [{"role": "user", "content": text}]
+    messages = data.get("messages") if isinstance(data, dict) else data
+    if not isinstance(messages, list):
+        raise ValueError("a conversation on stdin must be a JSON list of {\"role\", \"content\"} messages")
+    return messages
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    return messages if system is None else [{"role": "system", "content": system}, *messages]
+
+
+def _interactive(model, tokenizer, args) -> int:
+    """A chat at the terminal; the conversation so far goes into each prompt."""
+    messages = _with_system([], args.system)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        reply = _reply(model, tokenizer, tokenizer.apply_chat_template(messages, tokenize=True), args)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _reply(model, tokenizer, prompt, args) -> str:
+    """Stream the continuation of `prompt` to stdout; its speed to stderr. Returns its text."""
+    from recurrax.nn.pretrained import stream_text
+
+    start = time.perf_counter()
+    stream = stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    first, first_count = None, 0
+    for piece in stream:
+        if first is None:
+            first, first_count = time.perf_counter(), len(stream.tokens)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    count = len(stream.tokens)
+    rate = (count - first_count) / (end - first) if first and count > first_count else float("nan")
+    print(f"{count} tokens in {end - start:.2f} s ({rate:.1f} tokens/s after the first text; stopped by "
+          f"{stream.finish_reason})", file=sys.stderr)
+    return stream.text
