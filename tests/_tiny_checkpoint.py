@@ -55,7 +55,7 @@ def write_checkpoint(directory: str) -> None:
     from recurrax.nn.pretrained import CausalLM, load_weights, save_pretrained
     from recurrax.nn.pretrained._checkpoint import tensors
 
-    config = dict(model_type="gla", vocab_size=300, hidden_size=32, num_hidden_layers=2, num_heads=2,
+    config = dict(model_type="gla", vocab_size=300, hidden_size=32, num_hidden_layers=1, num_heads=2,
                   hidden_ratio=2, use_short_conv=True, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(7)

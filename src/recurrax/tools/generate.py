@@ -8,7 +8,8 @@
 Greedy unless `--temperature` is above 0. Without `--prompt`, the prompt (or with `--chat`
 the conversation: a JSON list of messages, or plain text as one user message) is read from
 stdin; with `--chat` and a terminal, it is an interactive chat (an empty line or end of input
-ends it). The load time, and the tokens and tokens/s of each reply, go to stderr.
+ends it). The load time and, for each reply, the time to its first token and the tokens/s
+after it go to stderr.
 """
 
 from __future__ import annotations
@@ -111,17 +112,22 @@ def _reply(model, tokenizer, prompt, args) -> str:
     start = time.perf_counter()
     stream = stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
-    first, first_count = None, 0
     for piece in stream:
-        if first is None:
-            first, first_count = time.perf_counter(), len(stream.tokens)
         sys.stdout.write(piece)
         sys.stdout.flush()
-    end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    count = len(stream.tokens)
-    rate = (count - first_count) / (end - first) if first and count > first_count else float("nan")
-    print(f"{count} tokens in {end - start:.2f} s ({rate:.1f} tokens/s after the first text; stopped by "
-          f"{stream.finish_reason})", file=sys.stderr)
+    print(_speed(stream, start), file=sys.stderr)
     return stream.text
+
+
+def _speed(stream, start: float) -> str:
+    """Time to the first token (compilation included on a first call) and the decoding rate
+    after the second token (the first decode step compiles)."""
+    times, count = stream.token_times, len(stream.tokens)
+    if not times:
+        return "0 tokens"
+    line = f"{count} tokens; first after {times[0] - start:.2f} s"
+    if count > 2 and times[-1] > times[1]:
+        line += f", then {(count - 2) / (times[-1] - times[1]):.1f} tokens/s"
+    return f"{line} (stopped by {stream.finish_reason})"

@@ -22,6 +22,7 @@ A stop string is found even when it spans tokens, and none of it is ever given o
 
 from __future__ import annotations
 
+import time
 from typing import Iterator, Sequence
 
 from ._generate import generate_tokens
@@ -68,7 +69,8 @@ class TextStream:
     """An iterator of the new text of one prompt, a piece per step (see the module notes).
 
     After (or during) iteration: `tokens` are the generated ids (the end-of-sequence id
-    included), `text` the text given out so far, `finish_reason` `"stop"` (an
+    included), `token_times` when each came (`time.perf_counter()`), `text` the text given
+    out so far, `finish_reason` `"stop"` (an
     end-of-sequence id or a stop string), `"length"` (`max_new_tokens`) or None while running.
     `close()` stops generating.
     """
@@ -76,6 +78,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, events: Iterator[tuple[int, int]], prompt_ids: Sequence[int],
                  stop_tokens: Sequence[int], stop: Sequence[str]):
         self.tokens: list[int] = []
+        self.token_times: list[float] = []
         self.text = ""
         self.finish_reason: str | None = None
         self._events = events
@@ -101,6 +104,7 @@ class TextStream:
         pending = ""
         for _, token in self._events:
             self.tokens.append(token)
+            self.token_times.append(time.perf_counter())
             if token in self._stop_tokens:
                 break
             pending += self._decoder.push(token)
