@@ -180,9 +180,10 @@ def test_sample_tokens_top_k_top_p_temperature():
     assert set(np.asarray(many[:, 0]).tolist()) == set(nucleus.tolist())
 
 
-def _greedy_by_parallel_forwards(model, prompts, n):
+def _greedy_by_parallel_forwards(model, prompts, n, repetition_penalty=None):
     """The reference: each next token is the argmax of one parallel forward over everything so
-    far (right-padded to one length: a causal model's logits at t ignore what follows t)."""
+    far (right-padded to one length: a causal model's logits at t ignore what follows t); with
+    a repetition penalty, `transformers`' rule applied in numpy to the tokens of the row so far."""
     rows = [list(p) for p in prompts]
     forward = jax.jit(lambda tokens: model(tokens))
     for _ in range(n):
@@ -191,7 +192,11 @@ def _greedy_by_parallel_forwards(model, prompts, n):
             padded[i, : len(row)] = row
         logits = np.asarray(forward(jnp.asarray(padded)))
         for i, row in enumerate(rows):
-            row.append(int(np.argmax(logits[i, len(row) - 1])))
+            last = logits[i, len(row) - 1]
+            if repetition_penalty is not None:
+                seen = np.isin(np.arange(last.shape[-1]), row)
+                last = np.where(seen, np.where(last > 0, last / repetition_penalty, last * repetition_penalty), last)
+            row.append(int(np.argmax(last)))
     return [row[len(p):] for row, p in zip(rows, prompts)]
 
 
@@ -207,6 +212,35 @@ def test_generate_on_a_language_model_equals_greedy_parallel_forwards(mixer):
     prompts = [[3, 1, 4, 1, 5, 9, 2], [6], [5, 3, 5, 8]]
     want = _greedy_by_parallel_forwards(model, prompts, 5)
     assert generate(model, prompts, 5, num_slots=2) == want
+
+
+def test_repetition_penalty_equals_greedy_parallel_forwards():
+    """A repetition penalty (prompt and output tokens so far), 3 prompts on 2 slots, equals the
+    numpy rule on parallel forwards of a float64 model, and changes the tokens."""
+    from recurrax.nn import LanguageModel
+
+    model = LanguageModel(32, 16, 2, 2, mixer="gla", mlp_ratio=2, mixer_options=dict(num_kv_heads=1, conv_size=3),
+                          dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(5))
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [6], [5, 3, 5, 8]]
+    want = _greedy_by_parallel_forwards(model, prompts, 6, repetition_penalty=1.8)
+    assert generate(model, prompts, 6, num_slots=2, repetition_penalty=1.8) == want
+    assert generate(model, prompts, 6, num_slots=2) != want
+    assert generate(model, prompts, 6, num_slots=2, repetition_penalty=1.0) == generate(model, prompts, 6, num_slots=2)
+
+
+def test_penalize_repetitions_and_seen_tokens_against_numpy():
+    from recurrax.nn.pretrained._generate import penalize_repetitions, seen_in_prompts
+
+    rng = np.random.default_rng(4)
+    logits, seen = rng.normal(size=(3, 9)), rng.random((3, 9)) < 0.5
+    want = np.where(seen, np.where(logits > 0, logits / 1.5, logits * 1.5), logits)
+    got = penalize_repetitions(jnp.asarray(logits, jnp.float32), jnp.asarray(seen), 1.5)
+    np.testing.assert_allclose(got, want, rtol=2 * np.finfo(np.float32).eps)
+    prompts = [[1, 2, 1], [], [8, 0]]  # packed, then padding
+    tokens = np.array(sum(prompts, []) + [7, 7], np.int32)
+    cu_seqlens = np.array([0, 3, 3, 5, 7], np.int32)
+    expected = np.array([[t in p for t in range(9)] for p in prompts])
+    assert np.array_equal(seen_in_prompts(jnp.asarray(tokens), jnp.asarray(cu_seqlens), 3, 9), expected)
 
 
 def test_generate_names_what_a_model_lacks():

@@ -55,13 +55,54 @@ def test_chat_reads_a_conversation_from_stdin(directory, monkeypatch, capsys):
     assert "tokens/s" in out.err
 
 
+def test_every_sampling_option_reaches_stream_text(directory, monkeypatch, capsys):
+    from recurrax.nn import pretrained
+
+    calls = []
+
+    class Finished:
+        tokens, token_times, finish_reason, text = [], [], "stop", ""
+
+        def __iter__(self):
+            return iter(["done"])
+
+    monkeypatch.setattr(pretrained, "stream_text", lambda *args, **options: calls.append((args, options)) or Finished())
+    assert cli.main(["generate", directory, "--prompt", "x", "--max-new-tokens", "7", "--temperature", "0.5",
+                     "--top-k", "3", "--top-p", "0.5", "--repetition-penalty", "1.3", "--seed", "9", "--stop", "a",
+                     "--stop", "b"]) == 0
+    (args, options), = calls
+    assert args[2:] == ("x", 7) and options == dict(temperature=0.5, top_k=3, top_p=0.5, repetition_penalty=1.3,
+                                                    seed=9, stop=["a", "b"])
+    assert capsys.readouterr().out == "done\n"
+
+
 def test_missing_tokenizer_is_a_message(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path), "--prompt", "x"]) == 1
     assert "tokenizer.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "0"]])
+@pytest.mark.parametrize("option", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "0"],
+                                    ["--repetition-penalty", "0"]])
 def test_bad_options_are_usage_errors(directory, option, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["generate", directory, "--prompt", "x", *option])
     assert exit.value.code == 2 and option[0] in capsys.readouterr().err
+
+
+def test_readme_commands_parse():
+    """Every `recurrax generate` line of the README's "Chat with a checkpoint" names its
+    fixture directory and only options the command has."""
+    import pathlib
+    import shlex
+
+    from recurrax.tools.generate import parse_args
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Chat with a checkpoint"):]
+    section = section[: section.index("\n## ")]
+    lines = [line.split("recurrax generate", 1)[1].split("  #")[0] for line in section.splitlines()
+             if "recurrax generate " in line and not line.startswith("`")]
+    assert len(lines) >= 4
+    for line in lines:
+        args = parse_args(shlex.split(line))
+        assert os.path.isdir(pathlib.Path(__file__).parents[1] / args.model)

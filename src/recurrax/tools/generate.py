@@ -19,7 +19,7 @@ import json
 import sys
 import time
 
-from .options import non_negative_float, non_negative_int, positive_int, probability
+from .options import non_negative_float, non_negative_int, positive_float, positive_int, probability
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,6 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="sampling temperature; 0 (default) is greedy")
     parser.add_argument("--top-p", type=probability, help="nucleus sampling: keep the most likely tokens of mass p")
     parser.add_argument("--top-k", type=positive_int, help="keep the k most likely tokens")
+    parser.add_argument("--repetition-penalty", type=positive_float,
+                        help="above 1 makes tokens already in the prompt or reply less likely")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
     return parser.parse_args(argv)
@@ -111,7 +113,8 @@ def _reply(model, tokenizer, prompt, args) -> str:
 
     start = time.perf_counter()
     stream = stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+                         top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                         seed=args.seed, stop=args.stop)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()

@@ -19,6 +19,11 @@ runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed)
 so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
 buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
 
+`generate_tokens` yields each `(prompt, token)` as its step samples it (`generate` collects
+them; text streaming reads them). A repetition penalty carries, beside the pool, which
+tokens each slot has seen (`[P, vocab]` booleans: its prompt, set at admission, and every
+token it sampled); without one, nothing of it is compiled.
+
 Any model with a cache can generate: `generate` needs only the `CachedLanguageModel`
 protocol, which `recurrax.nn.LanguageModel` and `CausalLM` implement:
 
@@ -134,6 +139,21 @@ def sample_tokens(logits, keys, *, temperature, top_k, top_p):
     return jnp.where(temperature > 0, sampled, greedy)
 
 
+def penalize_repetitions(logits, seen, penalty):
+    """`logits [P, vocab]` with the tokens each row has seen (`seen [P, vocab]`, its prompt
+    and its tokens so far) made less likely, as `transformers`' repetition penalty: a seen
+    token's positive logit divided by `penalty`, a negative one multiplied by it (`penalty`
+    > 1 discourages repeats; 1 changes nothing; it may be traced)."""
+    logits = logits.astype(jnp.float32)
+    return jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def seen_in_prompts(tokens, cu_seqlens, rows: int, vocab: int):
+    """`[rows, vocab]`: which tokens each of the first `rows` packed sequences holds."""
+    sequence = jnp.searchsorted(cu_seqlens, jnp.arange(tokens.shape[0]), side="right") - 1
+    return jnp.zeros((rows, vocab), bool).at[sequence, tokens].set(True, mode="drop")
+
+
 def _keys(seed, prompt_ids, counts):
     base = jax.random.key(seed)
     return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_ids, counts)
@@ -147,6 +167,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
     num_slots: int | None = None,
@@ -163,6 +184,10 @@ def generate(
     - `temperature`: 0 for greedy decoding, else the sampling temperature (finite, ≥ 0).
     - `top_k`, `top_p`: keep the k most likely tokens (an integer ≥ 1; more than the
       vocabulary keeps all) / the smallest set with mass ≥ p (0 < p ≤ 1).
+    - `repetition_penalty`: > 1 makes the tokens of the prompt and of the output so far less
+      likely (`transformers`' penalty: a positive logit divided by it, a negative one
+      multiplied; greedy decoding too); None (default) or 1 for none. None compiles nothing
+      for it.
     - `seed`: sampling randomness (an integer).
     - `stop_tokens`: ids that end a sequence (the stop token is included in its output);
       default (None): the model's `eos_token_ids` (a `CausalLM`'s `eos_token_id`, from
@@ -179,7 +204,7 @@ def generate(
     is a `TypeError` naming the methods it lacks.
     """
     prompts, events = _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                                      top_p=top_p, seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
+                                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
                                       max_cache_bytes=max_cache_bytes)
     outputs = [[] for _ in prompts]
     for i, token in events:
@@ -195,6 +220,7 @@ def generate_tokens(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
     num_slots: int | None = None,
@@ -207,12 +233,12 @@ def generate_tokens(
     or leaving a `for` loop) computes nothing more.
     """
     return _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
+                           repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
                            max_cache_bytes=max_cache_bytes)[1]
 
 
-def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p, seed, stop_tokens, num_slots,
-                    max_cache_bytes):
+def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p, repetition_penalty, seed,
+                    stop_tokens, num_slots, max_cache_bytes):
     """The checked prompts and the iterator of `(prompt index, token)` that decodes them."""
     check_protocol(model)
     prompts = _checked_prompts(prompts, model.vocab_size)
@@ -220,6 +246,9 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
     _check_number("temperature", temperature, 0.0)
     _check_int("top_k", top_k, 1, optional=True)
     _check_number("top_p", top_p, 0.0, optional=True, high=1.0)
+    _check_number("repetition_penalty", repetition_penalty, 0.0, optional=True)
+    if repetition_penalty == 0:
+        raise ValueError("repetition_penalty must be > 0 (1 or None for no penalty), got 0")
     _check_int("seed", seed)
     _check_int("num_slots", num_slots, 1, optional=True)
     _check_int("max_cache_bytes", max_cache_bytes, 1, optional=True)
@@ -236,11 +265,15 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
     _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
     top_k = model.vocab_size if top_k is None else min(top_k, model.vocab_size)  # fits int32
     sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p or 1.0))
-    return prompts, _events(model, prompts, max_new_tokens, set(stop_tokens), P, capacity, seed, sampling)
+    penalty = None
+    if repetition_penalty is not None and repetition_penalty != 1:
+        penalty = (jnp.float32(repetition_penalty), jnp.zeros((P, model.vocab_size), bool))
+    return prompts, _events(model, prompts, max_new_tokens, set(stop_tokens), P, capacity, seed, sampling, penalty)
 
 
-def _events(model, prompts, max_new_tokens, stops, P, capacity, seed, sampling):
-    """Decode the checked `prompts` in a pool of `P` slots, yielding `(prompt index, token)`."""
+def _events(model, prompts, max_new_tokens, stops, P, capacity, seed, sampling, penalty):
+    """Decode the checked `prompts` in a pool of `P` slots, yielding `(prompt index, token)`.
+    `penalty`: None, or the repetition penalty and the tokens each slot has seen `[P, vocab]`."""
     graphdef, params = nnx.split(model)
     static = dict(graphdef=graphdef, slots=P, capacity=capacity)
     admit, step = _compiled()
@@ -263,7 +296,8 @@ def _events(model, prompts, max_new_tokens, stops, P, capacity, seed, sampling):
             admitted = [(slot, queue.popleft()) for slot in free[: len(queue)]]
             tokens, cu_seqlens, slots, ids = _pack([prompts[i] for _, i in admitted], [s for s, _ in admitted], P)
             ids[: len(admitted)] = [i for _, i in admitted]
-            first, pool = admit(params, pool, tokens, cu_seqlens, slots, ids, seed, sampling, **static)
+            first, pool, penalty = admit(params, pool, tokens, cu_seqlens, slots, ids, seed, sampling, penalty,
+                                         **static)
             first = np.asarray(first)
             for row, (slot, i) in enumerate(admitted):
                 slot_prompt[slot] = i
@@ -273,8 +307,8 @@ def _events(model, prompts, max_new_tokens, stops, P, capacity, seed, sampling):
             continue
         ids = np.array([max(i, 0) for i in slot_prompt], np.int32)
         done = np.array([counts[i] if i >= 0 else 0 for i in slot_prompt], np.int32)
-        sampled, pool = step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(done), seed,
-                              sampling, **static)
+        sampled, pool, penalty = step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(done),
+                                       seed, sampling, penalty, **static)
         sampled = np.asarray(sampled)
         for slot in active:
             yield record(slot, int(sampled[slot]))
@@ -287,23 +321,38 @@ caches reuse its buffers instead of fresh allocations each step (2.7× less CPU 
 for mamba2-130m at 64 slots)."""
 
 
-def _admit_body(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, *, graphdef, slots, capacity):
-    """Prefill the packed prompts, put their caches into their target slots, sample their first tokens."""
+def _admit_body(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, penalty=None, *, graphdef,
+                slots, capacity):
+    """Prefill the packed prompts, put their caches into their target slots, sample their first
+    tokens. With a `penalty` (factor, seen), the slots' seen tokens become their prompts' and
+    first tokens."""
     net = nnx.merge(graphdef, params)
     logits, fresh = net.prefill(tokens, cu_seqlens, net.generation_cache(slots + 1, capacity))
     last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
     pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
-    return _sample(last, _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids)), sampling), constrain_cache(pool)
+    keys = _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids))
+    if penalty is None:
+        return _sample(last, keys, sampling), constrain_cache(pool), None
+    factor, seen = penalty
+    prompt_seen = seen_in_prompts(tokens, cu_seqlens, slots, seen.shape[1])
+    first = _sample(penalize_repetitions(last, prompt_seen, factor), keys, sampling)
+    seen = seen.at[targets].set(prompt_seen.at[jnp.arange(slots), first].set(True), mode="drop")
+    return first, constrain_cache(pool), (factor, seen)
 
 
-def _step_body(params, tokens, pool, prompt_ids, counts, seed, sampling, *, graphdef, slots, capacity):
-    """Advance every slot by its pending token; sample the next ones."""
+def _step_body(params, tokens, pool, prompt_ids, counts, seed, sampling, penalty=None, *, graphdef, slots, capacity):
+    """Advance every slot by its pending token; sample the next ones (marking them seen)."""
     logits, pool = nnx.merge(graphdef, params).decode_step(tokens, pool)
-    return _sample(logits, _keys(seed, prompt_ids, counts), sampling), constrain_cache(pool)
+    keys = _keys(seed, prompt_ids, counts)
+    if penalty is None:
+        return _sample(logits, keys, sampling), constrain_cache(pool), None
+    factor, seen = penalty
+    sampled = _sample(penalize_repetitions(logits, seen, factor), keys, sampling)
+    return sampled, constrain_cache(pool), (factor, seen.at[jnp.arange(slots), sampled].set(True))
 
 
-_admit = jax.jit(_admit_body, static_argnames=STATIC, donate_argnames=("pool",))
-_step = jax.jit(_step_body, static_argnames=STATIC, donate_argnames=("pool",))
+_admit = jax.jit(_admit_body, static_argnames=STATIC, donate_argnames=("pool", "penalty"))
+_step = jax.jit(_step_body, static_argnames=STATIC, donate_argnames=("pool", "penalty"))
 
 
 def _checkified(body, pool_position: int):

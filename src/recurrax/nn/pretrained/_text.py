@@ -142,8 +142,8 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 
 
 def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_new_tokens: int = 256, *,
-                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                stop: Sequence[str] = (), stop_tokens: Sequence[int] | None = None,
+                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                repetition_penalty: float | None = None, seed: int = 0, stop: Sequence[str] = (), stop_tokens: Sequence[int] | None = None,
                 max_cache_bytes: int | None = None) -> TextStream:
     """Continue `prompt`, giving out its new text step by step (a `TextStream`).
 
@@ -152,8 +152,8 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
     - `tokenizer`: its `Tokenizer` (e.g. `load_tokenizer(directory)`).
     - `prompt`: text (encoded with the tokenizer's special tokens, e.g. a leading BOS), or
       token ids used as they are (e.g. `tokenizer.apply_chat_template(messages, tokenize=True)`).
-    - `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `max_cache_bytes`: as in
-      `generate` (greedy at temperature 0).
+    - `max_new_tokens`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`,
+      `max_cache_bytes`: as in `generate` (greedy at temperature 0).
     - `stop`: strings that end the text; the text stops before the first one (it is not
       given out).
     - `stop_tokens`: ids that end the text (not decoded); default: the tokenizer's and the
@@ -169,7 +169,8 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
     if stop_tokens is None:
         stop_tokens = sorted(set(tokenizer.eos_token_ids) | set(getattr(model, "eos_token_ids", ())))
     events = generate_tokens(model, [prompt_ids], max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_bytes=max_cache_bytes)
+                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
+                             max_cache_bytes=max_cache_bytes)
     return TextStream(tokenizer, events, prompt_ids, stop_tokens, stop)
 
 
