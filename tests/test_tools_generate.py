@@ -82,7 +82,7 @@ def test_missing_tokenizer_is_a_message(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option", [["--temperature", "-1"], ["--top-p", "0"], ["--top-k", "0"],
-                                    ["--repetition-penalty", "0"]])
+                                    ["--repetition-penalty", "0"], ["--system", "without --chat"]])
 def test_bad_options_are_usage_errors(directory, option, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["generate", directory, "--prompt", "x", *option])

@@ -41,7 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="above 1 makes tokens already in the prompt or reply less likely")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat (it is a message of the chat template)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.ids = list(context)[len(context) - min(len(context), CONTEXT_TOKENS):]
+        self.ids = list(context)[-CONTEXT_TOKENS:]
         self.prefix = 0
         self.read = len(self.ids)
 
@@ -68,11 +68,18 @@ class IncrementalDecoder:
 class TextStream:
     """An iterator of the new text of one prompt, a piece per step (see the module notes).
 
+    **Arguments:**
+    - `tokenizer`: the `Tokenizer` that decodes.
+    - `events`: a generator of `(prompt index, token)`, as `generate_tokens` yields for one
+      prompt (closed when the text stops).
+    - `prompt_ids`: the prompt (its last tokens are the decoding context).
+    - `stop_tokens`: ids that end the text (not decoded); `stop`: strings that end it (not
+      given out).
+
     After (or during) iteration: `tokens` are the generated ids (the end-of-sequence id
     included), `token_times` when each came (`time.perf_counter()`), `text` the text given
-    out so far, `finish_reason` `"stop"` (an
-    end-of-sequence id or a stop string), `"length"` (`max_new_tokens`) or None while running.
-    `close()` stops generating.
+    out so far, `finish_reason` `"stop"` (an end-of-sequence id or a stop string), `"length"`
+    (`max_new_tokens`) or None while running. `close()` stops generating.
     """
 
     def __init__(self, tokenizer: Tokenizer, events: Iterator[tuple[int, int]], prompt_ids: Sequence[int],
@@ -101,29 +108,28 @@ class TextStream:
         self._events.close()
 
     def _generate(self) -> Iterator[str]:
-        pending = ""
+        pending, stopped = "", False
         for _, token in self._events:
             self.tokens.append(token)
             self.token_times.append(time.perf_counter())
             if token in self._stop_tokens:
+                stopped = True
                 break
             pending += self._decoder.push(token)
             end = first_stop(pending, self._stop)
             if end is not None:
-                self._events.close()
-                pending = pending[:end]
+                pending, stopped = pending[:end], True
                 break
             ready = len(pending) - held_back(pending, self._stop)
             if ready:
                 yield pending[:ready]
                 pending = pending[ready:]
-        else:
+        self._events.close()
+        if not stopped:  # max_new_tokens: what is left, incomplete characters included
             pending += self._decoder.flush()
             end = first_stop(pending, self._stop)
-            self.finish_reason = "length" if end is None else "stop"
-            pending = pending if end is None else pending[:end]
-        if self.finish_reason is None:
-            self.finish_reason = "stop"
+            stopped, pending = end is not None, pending if end is None else pending[:end]
+        self.finish_reason = "stop" if stopped else "length"
         if pending:
             yield pending
 
@@ -166,8 +172,9 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
         raise TypeError(f"stop must be a sequence of non-empty strings, got {stop!r}")
-    if stop_tokens is None:
-        stop_tokens = sorted(set(tokenizer.eos_token_ids) | set(getattr(model, "eos_token_ids", ())))
+    if stop_tokens is None:  # ids the model cannot produce are left out
+        stop_tokens = sorted(i for i in set(tokenizer.eos_token_ids) | set(getattr(model, "eos_token_ids", ()))
+                             if i < model.vocab_size)
     events = generate_tokens(model, [prompt_ids], max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
                              max_cache_bytes=max_cache_bytes)
