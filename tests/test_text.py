@@ -108,3 +108,6 @@ def test_stream_text_checks_its_arguments(checkpoint):
         stream_text(model, tokenizer, "x", 4, stop="x")
     with pytest.raises(ValueError, match="temperature"):
         stream_text(model, tokenizer, "x", 4, temperature=-1.0)
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            stream_text(model, tokenizer, "x", 4, repetition_penalty=bad)

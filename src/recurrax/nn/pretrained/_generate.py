@@ -204,8 +204,8 @@ def generate(
     is a `TypeError` naming the methods it lacks.
     """
     prompts, events = _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
-                                      max_cache_bytes=max_cache_bytes)
+                                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
+                                      stop_tokens=stop_tokens, num_slots=num_slots, max_cache_bytes=max_cache_bytes)
     outputs = [[] for _ in prompts]
     for i, token in events:
         outputs[i].append(token)
@@ -233,8 +233,8 @@ def generate_tokens(
     or leaving a `for` loop) computes nothing more.
     """
     return _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens, num_slots=num_slots,
-                           max_cache_bytes=max_cache_bytes)[1]
+                           repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
+                           num_slots=num_slots, max_cache_bytes=max_cache_bytes)[1]
 
 
 def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p, repetition_penalty, seed,

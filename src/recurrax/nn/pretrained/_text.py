@@ -149,8 +149,8 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 
 def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_new_tokens: int = 256, *,
                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                repetition_penalty: float | None = None, seed: int = 0, stop: Sequence[str] = (), stop_tokens: Sequence[int] | None = None,
-                max_cache_bytes: int | None = None) -> TextStream:
+                repetition_penalty: float | None = None, seed: int = 0, stop: Sequence[str] = (),
+                stop_tokens: Sequence[int] | None = None, max_cache_bytes: int | None = None) -> TextStream:
     """Continue `prompt`, giving out its new text step by step (a `TextStream`).
 
     **Arguments:**
