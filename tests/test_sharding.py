@@ -45,8 +45,10 @@ def relative_error(got, want) -> float:
 def test_rules_tables():
     rules = dict(rnn.logical_rules("fsdp", "tensor", "sequence"))
     assert rules["batch"] == "data" and rules["embed"] == "data" and rules["length"] == "sequence"
-    assert all(rules[name] == "tensor" for name in ("heads", "kv_heads", "mlp", "experts", "vocab", "inner"))
-    assert rules["head_dim"] is None and rules["conv"] is None
+    assert all(rules[name] == "tensor" for name in ("heads", "kv_heads", "mlp", "vocab", "inner"))
+    assert rules["head_dim"] is None and rules["conv"] is None and rules["experts"] is None
+    assert dict(rnn.logical_rules("tensor", "expert"))["experts"] == "expert" == dict(rnn.EXPERT_PARALLEL)["experts"]
+    assert dict(rnn.logical_rules("expert", expert="data"))["experts"] == "data"
     assert dict(rnn.DATA_PARALLEL)["embed"] is None and dict(rnn.DATA_PARALLEL)["batch"] == "data"
     assert set(dict(rnn.TENSOR_PARALLEL).values()) == {None, "tensor"}
     assert dict(rnn.SEQUENCE_PARALLEL)["length"] == "sequence"

@@ -111,14 +111,15 @@ def _send_plan(experts: Int[Array, "n k"], per_device: int, devices: int, slots:
     destination · C + rank), `rows [X·C]` (the token of each row, n for an empty one) and
     `local_experts [X·C]` (each row's expert on its destination, 0 for an empty one)."""
     n, k = experts.shape
-    flat = experts.reshape(-1)
+    flat = experts.reshape(-1).astype(jnp.int32)
+    pairs = jnp.arange(flat.shape[0], dtype=jnp.int32)
     destination = flat // per_device
     order = jnp.argsort(destination, stable=True)
-    counts = jnp.bincount(destination, length=devices)
-    starts = jnp.cumsum(counts) - counts
+    counts = jnp.bincount(destination, length=devices).astype(jnp.int32)
+    starts = jnp.cumsum(counts, dtype=jnp.int32) - counts
     sorted_destination = destination[order]
-    sorted_slot = sorted_destination * slots + jnp.arange(flat.shape[0]) - starts[sorted_destination]
+    sorted_slot = sorted_destination * slots + pairs - starts[sorted_destination]
     slot = jnp.zeros_like(flat).at[order].set(sorted_slot)
-    rows = jnp.full((devices * slots,), n, jnp.int32).at[slot].set(jnp.arange(flat.shape[0], dtype=jnp.int32) // k)
-    local_experts = jnp.zeros((devices * slots,), jnp.int32).at[slot].set((flat % per_device).astype(jnp.int32))
+    rows = jnp.full((devices * slots,), n, jnp.int32).at[slot].set(pairs // k)
+    local_experts = jnp.zeros((devices * slots,), jnp.int32).at[slot].set(flat % per_device)
     return slot.reshape(n, k), rows, local_experts

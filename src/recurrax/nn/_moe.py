@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from ..registry import current_backend
 from ._expert_parallel import expert_axis, expert_parallel
 from ._sharding import param
 
@@ -157,8 +158,10 @@ def dispatch(experts: Int[Array, "n k"], num_experts: int, block_size: int) -> D
 
 def default_method() -> str:
     """`"ragged"` (`jax.lax.ragged_dot`) on GPU and TPU, `"blocks"` on the CPU, where XLA's
-    `ragged_dot` runs at a few GFLOP/s (benchmarks/moe.py)."""
-    return "blocks" if jax.default_backend() == "cpu" else "ragged"
+    `ragged_dot` runs at a few GFLOP/s (benchmarks/moe.py). The backend is the one dispatch
+    judges for (`recurrax.registry.current_backend`): a `recurrax.target(...)` chip or a
+    deviceless topology's abstract mesh when compiling for one, else this host's device."""
+    return "blocks" if current_backend() == "cpu" else "ragged"
 
 
 def default_block_size(method: str, pairs: int, num_experts: int) -> int:
