@@ -303,14 +303,14 @@ def check_moe(target: str, experts: int, top_k: int) -> None:
     def loss(state, x):
         return jnp.sum(jnp.square(nnx.merge(graphdef, state)(x)))
 
-    def gradients(state, x):  # a new function each time: jit's trace cache ignores the target judged
+    def gradients(state, x):  # traced by a new function each time: jit's cache ignores the target judged
         return jax.grad(loss, argnums=(0, 1))(state, x)
 
     compiled = targets.compile_for(target, gradients, state, x)
     assert "ragged_dot" in compiled.executable.as_text()
     with targets.target(target):
-        assert "ragged_dot" in jax.jit(lambda *args: gradients(*args)).lower(state, x).as_text()
-    assert "ragged_dot" not in jax.jit(lambda *args: gradients(*args)).lower(state, x).as_text()  # this host
+        assert "ragged_dot" in str(jax.make_jaxpr(lambda *args: gradients(*args))(state, x))
+    assert "ragged_dot" not in str(jax.make_jaxpr(lambda *args: gradients(*args))(state, x))  # this host
 
 
 @pytest.mark.parametrize("shape", [pytest.param(shape, marks=pytest.mark.slow if shape != "64e-top8" else ())

@@ -46,6 +46,17 @@ def granite(k):
     return layer
 
 
+def nemotron():
+    from recurrax.nn.pretrained._hf_layers import NemotronMoE
+
+    router = dict(top_k=3, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5)
+    layer = NemotronMoE(8, experts=8, width=6, shared_width=4, latent=6, bias=False, act="relu2", router=router,
+                        rngs=nnx.Rngs(2))  # experts without a gate, behind a latent projection
+    weight = layer.gate.weight
+    weight[...] = weight[...].at[5].set(weight[2]) * 20  # experts 2 and 5 tie on every token
+    return layer
+
+
 CASES = [  # layer, mesh axes, layouts; the default tier's two cases cover data, FSDP, tensor and
     # expert parallelism, k = E, and one expert per device (slots bounded by min(k, E/X) = 1)
     pytest.param(lambda: granite(6), dict(data=2, expert=2, tensor=2), ("fsdp", "expert", "tensor"),
@@ -57,6 +68,8 @@ CASES = [  # layer, mesh axes, layouts; the default tier's two cases cover data,
                  id="expert8-k=E-sigmoid", marks=pytest.mark.slow),
     pytest.param(lambda: mixture(3), dict(data=4, tensor=2), ("data", "expert", "tensor"),
                  id="expert-over-data4-tensor2-k3", marks=pytest.mark.slow),
+    pytest.param(nemotron, dict(data=2, expert=2, tensor=2), ("data", "expert", "tensor"),
+                 id="data2-expert2-tensor2-nemotron", marks=pytest.mark.slow),
 ]
 
 

@@ -75,9 +75,10 @@ def expert_parallel(x: Float[Array, "n D"], experts: Int[Array, "n k"], combine:
     mesh = jax.sharding.get_abstract_mesh()
     num_experts, X = weights.up.shape[0], mesh.shape[axis]
     width = weights.up.shape[1 if transposed else 2]
-    tokens = tuple(dict.fromkeys(a for a in (mesh_axis("batch"), mesh_axis("length"), axis) if a is not None))
+    free = set(mesh.axis_names) - set(mesh.manual_axes)  # not already split by an enclosing shard_map
+    tokens = tuple(dict.fromkeys(a for a in (mesh_axis("batch"), mesh_axis("length"), axis) if a in free))
     tensor = mesh_axis("mlp", width)
-    tensor = None if tensor in tokens else tensor
+    tensor = tensor if tensor in free - set(tokens) else None
     n, k = experts.shape
     shards = math.prod(mesh.shape[a] for a in tokens)
     padding = -n % shards
