@@ -277,3 +277,49 @@ def test_the_largest_tpu_chunk_the_vmem_check_accepts_compiles(generation):
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_the_largest_tpu_chunk_the_vmem_check_accepts_compiles_float32_k256(generation):
     check_largest_chunk(generation, 256, 256, "float32", "both")
+
+
+# ----------------------------------------------------------------------------- mixture of experts: ragged_dot
+
+
+MOE_SHAPES = {"64e-top8": (64, 8), "512e-top10": (512, 10)}
+"""(experts, top-k) of benchmarks/moe.py's layers: d_model 1024, expert FFN 512, 8 × 512 tokens."""
+
+
+def check_moe(target: str, experts: int, top_k: int) -> None:
+    """`MixtureOfExperts`' forward and backward compile for the target with the grouped matmul
+    its backend gets (`jax.lax.ragged_dot`), where this CPU's own choice is the block-padded
+    batched matmul (no `ragged_dot` in its program)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import recurrax.nn as rnn
+
+    need(target)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: rnn.MixtureOfExperts(1024, experts, 512, top_k,
+                                                                             rngs=nnx.Rngs(0))))
+    x = jax.ShapeDtypeStruct((8, 512, 1024), jnp.float32)
+
+    def loss(state, x):
+        return jnp.sum(jnp.square(nnx.merge(graphdef, state)(x)))
+
+    def gradients(state, x):  # traced by a new function each time: jit's cache ignores the target judged
+        return jax.grad(loss, argnums=(0, 1))(state, x)
+
+    compiled = targets.compile_for(target, gradients, state, x)
+    assert "ragged_dot" in compiled.executable.as_text()
+    with targets.target(target):
+        assert "ragged_dot" in str(jax.make_jaxpr(lambda *args: gradients(*args))(state, x))
+    assert "ragged_dot" not in str(jax.make_jaxpr(lambda *args: gradients(*args))(state, x))  # this host
+
+
+@pytest.mark.parametrize("shape", [pytest.param(shape, marks=pytest.mark.slow if shape != "64e-top8" else ())
+                                   for shape in MOE_SHAPES])
+def test_mixture_of_experts_compiles_with_ragged_dot_for_h100(shape):
+    check_moe("h100", *MOE_SHAPES[shape])
+
+
+@pytest.mark.parametrize("shape", [pytest.param(shape, marks=pytest.mark.slow if shape != "64e-top8" else ())
+                                   for shape in MOE_SHAPES])
+def test_mixture_of_experts_compiles_with_ragged_dot_for_v5e(shape):
+    check_moe("v5e", *MOE_SHAPES[shape])

@@ -318,3 +318,15 @@ def test_benchmark_quick_run(tmp_path):
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "moe.md").read_text()
     assert "| 64, top-8 | forward |" in text and (tmp_path / "moe.png").exists()
+
+
+def test_grouped_matmul_follows_the_backend_calls_are_compiled_for():
+    """Blocks on this CPU; `ragged_dot` when compiling for a GPU or TPU (`recurrax.target`,
+    no toolchain needed to judge), as tests/test_compile.py compiles it for H100 and v5e."""
+    import recurrax
+    from recurrax.nn._moe import default_method
+
+    assert jax.default_backend() == "cpu" and default_method() == "blocks"
+    for chip in ("h100", "v5e"):
+        with recurrax.target(chip):
+            assert default_method() == "ragged"

@@ -45,8 +45,10 @@ def relative_error(got, want) -> float:
 def test_rules_tables():
     rules = dict(rnn.logical_rules("fsdp", "tensor", "sequence"))
     assert rules["batch"] == "data" and rules["embed"] == "data" and rules["length"] == "sequence"
-    assert all(rules[name] == "tensor" for name in ("heads", "kv_heads", "mlp", "experts", "vocab", "inner"))
-    assert rules["head_dim"] is None and rules["conv"] is None
+    assert all(rules[name] == "tensor" for name in ("heads", "kv_heads", "mlp", "vocab", "inner"))
+    assert rules["head_dim"] is None and rules["conv"] is None and rules["experts"] is None
+    assert dict(rnn.logical_rules("tensor", "expert"))["experts"] == "expert" == dict(rnn.EXPERT_PARALLEL)["experts"]
+    assert dict(rnn.logical_rules("expert", expert="data"))["experts"] == "data"
     assert dict(rnn.DATA_PARALLEL)["embed"] is None and dict(rnn.DATA_PARALLEL)["batch"] == "data"
     assert set(dict(rnn.TENSOR_PARALLEL).values()) == {None, "tensor"}
     assert dict(rnn.SEQUENCE_PARALLEL)["length"] == "sequence"
@@ -173,11 +175,26 @@ def one_device():
 @pytest.mark.parametrize("family, layout, packed", list(cases()))
 def test_forward_and_gradients_equal_one_device(one_device, family, layout, packed):
     sizes, layouts = LAYOUTS[layout]
-    device_mesh, rules = mesh(*sizes), rnn.logical_rules(*layouts)
+    check_against_one_device(one_device, family, mesh(*sizes), rnn.logical_rules(*layouts), packed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_expert_parallel_model_equals_one_device(one_device, packed):
+    """Nemotron-H's MoE layers with their 4 experts over the 4 devices of the mesh axis
+    `tensor`, named as the expert axis (all-to-all dispatch), batch rows over `data`."""
+    rules = rnn.logical_rules("data", "expert", expert="tensor")
+    check_against_one_device(one_device, "nemotron_h", mesh(2, 4, 1), rules, packed, expect="all_to_all")
+
+
+def check_against_one_device(one_device, family, device_mesh, rules, packed, expect=None):
+    """The logits and every gradient on the mesh within `floor_tolerance` of one device's;
+    `expect`: a name the sharded program's text must contain."""
     model = rnn.shard_model(from_pretrained(MODELS[family]), device_mesh, rules)
     inputs = inputs_of(model, packed)
     with rnn.use_mesh(device_mesh, rules):
         logits, grads = run(model, inputs)
+        assert expect is None or expect in logits_and_grads.lower(*nnx.split(model), *inputs).as_text()
     want_logits, want_grads, (logits_floor, grads_floor, floors) = one_device(family, packed)
     grads = flat_gradients(grads)
     assert grads.keys() == want_grads.keys()

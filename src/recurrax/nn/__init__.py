@@ -43,6 +43,7 @@ from ._moe import (  # noqa: E402
 )
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
+    EXPERT_PARALLEL,
     FSDP,
     LOGICAL_AXES,
     SEQUENCE_PARALLEL,
@@ -58,6 +59,7 @@ from ._sharding import (  # noqa: E402
 __all__ = [
     "DATA_PARALLEL",
     "Dispatch",
+    "EXPERT_PARALLEL",
     "ExpertWeights",
     "FEATURE_MAPS",
     "FSDP",

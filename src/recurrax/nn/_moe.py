@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from ..registry import current_backend
+from ._expert_parallel import expert_axis, expert_parallel
 from ._sharding import param
 
 SCORES = ("softmax", "sigmoid")
@@ -156,8 +158,10 @@ def dispatch(experts: Int[Array, "n k"], num_experts: int, block_size: int) -> D
 
 def default_method() -> str:
     """`"ragged"` (`jax.lax.ragged_dot`) on GPU and TPU, `"blocks"` on the CPU, where XLA's
-    `ragged_dot` runs at a few GFLOP/s (benchmarks/moe.py)."""
-    return "blocks" if jax.default_backend() == "cpu" else "ragged"
+    `ragged_dot` runs at a few GFLOP/s (benchmarks/moe.py). The backend is the one dispatch
+    judges for (`recurrax.registry.current_backend`): a `recurrax.target(...)` chip or a
+    deviceless topology's abstract mesh when compiling for one, else this host's device."""
+    return "blocks" if current_backend() == "cpu" else "ragged"
 
 
 def default_block_size(method: str, pairs: int, num_experts: int) -> int:
@@ -214,7 +218,24 @@ def routed_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeig
                    block_size: int | None = None, chunk: int | None = None) -> Float[Array, "n D"]:
     """`Σ_{e∈S_t} w_{t,e} FFN_e(x_t)` over the routed pairs only (see the module docstring).
     `transposed`: `weights` in PyTorch's `[E, out, in]` layout; `method`: `"blocks"` or
-    `"ragged"` (default: by backend); `block_size` (default by method); `chunk`: blocks per step."""
+    `"ragged"` (default: by backend); `block_size` (default by method); `chunk`: blocks per step.
+
+    Under a mesh whose rules map the `experts` axis to a mesh axis (`logical_rules("expert")`,
+    `use_mesh`), the experts run split over it, each pair sent to its expert's device
+    (`recurrax.nn._expert_parallel`); the result is the same up to float rounding."""
+    options = dict(act=act, transposed=transposed, method=method, block_size=block_size, chunk=chunk)
+    axis = expert_axis(weights.up.shape[0])
+    if axis is not None:
+        def local(rows, experts, weights):  # each received row through its one expert, weight 1
+            ones = jnp.ones((rows.shape[0], 1), jnp.float32)
+            return _routed_experts(rows, Routing(experts[:, None], ones), weights, **options)
+
+        return expert_parallel(x, routing.experts, routing.weights, weights, axis, local, transposed=transposed)
+    return _routed_experts(x, routing, weights, **options)
+
+
+def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transposed, method, block_size, chunk):
+    """`routed_experts` on the devices at hand (each holding every expert it is given)."""
     method = method or default_method()
     num_experts = weights.up.shape[0]
     block_size = block_size or default_block_size(method, routing.experts.size, num_experts)

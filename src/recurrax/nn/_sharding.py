@@ -12,7 +12,7 @@ metadata (`out_sharding`, set through `nnx.with_partitioning`) with these logica
 | `kv_heads`   | key/value heads: fused `Hkv·K` / `Hkv·V` axes                              |
 | `head_dim`   | one head's channels (per-head norm weights)                                |
 | `mlp`        | an MLP's (or an expert's) hidden width                                     |
-| `experts`    | routed experts                                                             |
+| `experts`    | routed experts (the first axis of stacked expert weights)                  |
 | `inner`      | a projection's concatenated outputs: Mamba-2's `[z | xBC | dt]` and its conv channels, the fused q/k/v of `recurrax.nn` mixers |
 | `conv`       | short-convolution taps                                                     |
 | `layers`     | HGRN2's per-layer lower bounds                                             |
@@ -21,14 +21,25 @@ Low-rank and feature-map dimensions are `None` (never sharded). Activations use 
 `length`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp` and `vocab`.
 
 A rules table (Flax's `LogicalRules`: `(logical, mesh axis or None)` pairs) maps them to mesh
-axes; `logical_rules` builds the usual ones over the mesh axes `data`, `tensor` and `sequence`:
+axes; `logical_rules` builds the usual ones over the mesh axes `data`, `tensor`, `sequence` and
+`expert`:
 
 | layout     | maps                                                                     |
 |------------|--------------------------------------------------------------------------|
 | `data`     | `batch` → `data`                                                         |
 | `fsdp`     | `batch` → `data`, and `embed` → `data` (parameters and, through them, optimizer state sharded) |
-| `tensor`   | `heads`, `kv_heads`, `mlp`, `experts`, `vocab`, `inner` → `tensor`       |
+| `tensor`   | `heads`, `kv_heads`, `mlp`, `vocab`, `inner` → `tensor`                  |
 | `sequence` | `length` → `sequence`                                                    |
+| `expert`   | `experts` → `expert` (expert parallelism)                                |
+
+Expert parallelism has its own mesh axis, `expert`, rather than `tensor`'s: tensor parallelism
+splits each expert's hidden width `mlp` over `tensor` (its own all-reduce), and expert
+parallelism splits the experts and, with them, the tokens (`recurrax.nn._expert_parallel`:
+each (token, expert) pair travels to its expert's device by an all-to-all), so the two
+combine on a mesh such as `(data, expert, tensor)`. `logical_rules(..., expert="data")` runs
+expert parallelism over the data-parallel devices instead (with the `data` layout; `fsdp`
+gives `data` to the weights' `embed` axis first). Under the rules, a mixture of experts whose
+expert count the expert axis divides takes that path (`routed_experts`).
 
 Creating a model never shards it (the metadata has `eager_sharding=False`), with or without a
 mesh; `shard_model` places its parameters. A dimension the mesh axes do not divide stays
@@ -58,10 +69,10 @@ LOGICAL_AXES = ("batch", "length", "vocab", "embed", "heads", "kv_heads", "head_
                 "conv", "layers")
 """Every logical axis name the layers use (parameters and activations)."""
 
-TENSOR_AXES = ("heads", "kv_heads", "mlp", "experts", "vocab", "inner")
+TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab", "inner")
 """The logical axes tensor parallelism shards."""
 
-LAYOUTS = ("data", "fsdp", "tensor", "sequence")
+LAYOUTS = ("data", "fsdp", "tensor", "sequence", "expert")
 """The layouts `logical_rules` combines."""
 
 RESIDUAL = ("batch", "length", "embed")
@@ -70,19 +81,22 @@ RESIDUAL = ("batch", "length", "embed")
 Rules = tuple[tuple[str, Any], ...]
 
 
-def logical_rules(*layouts: str, data: str = "data", tensor: str = "tensor", sequence: str = "sequence") -> Rules:
+def logical_rules(*layouts: str, data: str = "data", tensor: str = "tensor", sequence: str = "sequence",
+                  expert: str = "expert") -> Rules:
     """The rules table of a combination of the usual layouts.
 
     - `"data"`: `batch` over `data` (parameters replicated);
     - `"fsdp"`: `batch` and the parameters' `embed` axis over `data` (an optimizer's state,
       made from the placed parameters, is sharded alike);
-    - `"tensor"`: `heads`, `kv_heads`, `mlp`, `experts`, `vocab` and `inner` over `tensor`;
-    - `"sequence"`: `length` over `sequence`.
+    - `"tensor"`: `heads`, `kv_heads`, `mlp`, `vocab` and `inner` over `tensor`;
+    - `"sequence"`: `length` over `sequence`;
+    - `"expert"`: `experts` over `expert` (expert parallelism; mixtures of experts then send
+      each token to its experts' devices).
 
     **Arguments:**
-    - `layouts`: any of `"data"`, `"fsdp"`, `"tensor"`, `"sequence"`; none: everything
-      replicated.
-    - `data`, `tensor`, `sequence`: the mesh axis names each layout uses.
+    - `layouts`: any of `"data"`, `"fsdp"`, `"tensor"`, `"sequence"`, `"expert"`; none:
+      everything replicated.
+    - `data`, `tensor`, `sequence`, `expert`: the mesh axis names each layout uses.
 
     **Returns:** one `(logical axis, mesh axis or None)` pair for every name in `LOGICAL_AXES`,
     in that order (Flax gives earlier pairs precedence when two names want one mesh axis).
@@ -99,6 +113,8 @@ def logical_rules(*layouts: str, data: str = "data", tensor: str = "tensor", seq
         mapping.update(dict.fromkeys(TENSOR_AXES, tensor))
     if "sequence" in layouts:
         mapping["length"] = sequence
+    if "expert" in layouts:
+        mapping["experts"] = expert
     return tuple(mapping.items())
 
 
@@ -107,9 +123,11 @@ DATA_PARALLEL = logical_rules("data")
 FSDP = logical_rules("fsdp")
 """`batch` and the parameters' `embed` axis over `data`."""
 TENSOR_PARALLEL = logical_rules("tensor")
-"""Heads, MLP width, experts, vocabulary and fused projections over `tensor`."""
+"""Heads, MLP width, vocabulary and fused projections over `tensor`."""
 SEQUENCE_PARALLEL = logical_rules("sequence")
 """The token axis (`length`) over `sequence`."""
+EXPERT_PARALLEL = logical_rules("expert")
+"""The experts over `expert` (tokens to their experts by all-to-all)."""
 
 
 def partitioned(initializer, *names: str | None):
@@ -147,7 +165,7 @@ def check_mesh_axes(mesh: Any, rules: Rules) -> None:
         if missing:
             raise ValueError(f"the rules map the logical axis {logical!r} to the mesh axis {missing[0]!r}, which "
                              f"the mesh lacks (its axes: {', '.join(map(repr, axes))}); give the mesh that axis or "
-                             "name one of its axes in logical_rules(..., data=, tensor=, sequence=)")
+                             "name one of its axes in logical_rules(..., data=, tensor=, sequence=, expert=)")
 
 
 def logical_specs(model: nnx.Module) -> nnx.State:
