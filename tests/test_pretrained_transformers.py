@@ -1,4 +1,5 @@
-"""recurrax.nn.pretrained against Hugging Face `transformers` itself (Mamba-2 and its hybrids).
+"""recurrax.nn.pretrained against Hugging Face `transformers` itself (Mamba-2 and its hybrids,
+Qwen3-Next and Qwen3.5; their own checks are in test_pretrained_qwen3_next.py).
 
 The fixtures in tests/fixtures/transformers/<name>/ were made by `transformers` 5.25 in PyTorch
 (make_fixtures.py there): its config.json + model.safetensors, and its own float32 logits and

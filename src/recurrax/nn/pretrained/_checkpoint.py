@@ -44,6 +44,7 @@ from jax.experimental import multihost_utils
 from .._conv import CausalConv1d
 from .._model import CONFIG_MODEL_TYPE as LANGUAGE_MODEL_TYPE
 from .._model import LanguageModel
+from ._config import FAMILY_MODULES
 from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
@@ -143,8 +144,10 @@ def state_dict(model: CausalLM | LanguageModel) -> dict[str, np.ndarray]:
     if not isinstance(model, CausalLM):
         raise TypeError(f"save_pretrained and state_dict take a recurrax.nn.pretrained.CausalLM or a "
                         f"recurrax.nn.LanguageModel, got {type(model).__name__}")
-    return {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
-            for name, t in tensors(model).items() if t.saved}
+    weights = {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
+               for name, t in tensors(model).items() if t.saved}
+    family_module = FAMILY_MODULES.get(model.model_type)
+    return weights if family_module is None else family_module.saved_names(weights)
 
 
 def _host_value(value) -> np.ndarray:
@@ -156,7 +159,9 @@ def _host_value(value) -> np.ndarray:
 
 
 def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
-    """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`).
+    """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`);
+    a family module's checkpoint names are read as its `loaded_names` reads them (Qwen3-Next:
+    each expert's matrices, or the fused ones).
 
     Raises a `ValueError` listing missing and unexpected names, or naming a parameter whose
     shape differs (with both shapes) or that holds NaN or inf (unless `allow_nonfinite`), and
@@ -165,7 +170,8 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
     parameter is set.
     """
     expected = tensors(model)
-    given = dict(weights)
+    family_module = FAMILY_MODULES.get(getattr(model, "model_type", None))
+    given = dict(weights) if family_module is None else family_module.loaded_names(weights)
     if model.tie_word_embeddings:
         given.pop(TIED_HEAD, None)
     for name, tensor in expected.items():  # a shared tensor may come under its alias only
