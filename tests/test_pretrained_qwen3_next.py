@@ -9,7 +9,8 @@ step: a packed prefill then decoding equals the parallel forward (and `transform
 tokens through that cache equal `transformers`' own, and `save_pretrained` writes
 `transformers`' names and values. Without compiling the model: the routed experts
 equal every expert masked by the routing, the fused expert tensors of `transformers`' models
-load the same, older config spellings read the same, unsupported options are refused by name,
+load the same, the Hub's multimodal Qwen3.5 checkpoints load (and save) as their text model,
+older config spellings read the same, unsupported options are refused by name,
 and every parameter has logical axis names.
 
 Error metric: max |ours − reference| / max |reference|.
@@ -37,7 +38,7 @@ import recurrax.nn as rnn  # noqa: E402
 from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, state_dict  # noqa: E402
 from recurrax.nn.pretrained._qwen3_next import resolve  # noqa: E402
 
-QWEN = [name for name in NAMES if name.startswith("qwen3")]
+QWEN = [name for name in NAMES if name.startswith("qwen3") and "vlm" not in name]
 MAIN = "qwen3_next_moe_grouped"
 CAPACITY = 16
 """Cache positions: the longest prompt (9) plus the new tokens (6), rounded up."""
@@ -143,6 +144,23 @@ def test_fused_expert_tensors_and_mtp_weights_load_the_same(tmp_path):
     saved = state_dict(from_pretrained(folder))
     assert sorted(saved) == sorted(weights)
     assert all(np.array_equal(saved[k], weights[k]) for k in weights)
+
+
+def test_a_multimodal_checkpoint_loads_and_saves_as_its_text_model(tmp_path):
+    """The Hub's Qwen3.5 checkpoints (`Qwen3_5ForConditionalGeneration`): the text model from
+    `text_config` and `model.language_model.*`, the vision tower left out; saved as the
+    `Qwen3_5ForCausalLM` it is (`make_fixtures.py --check-saved` reads it with `transformers`)."""
+    name = "qwen3_5_vlm_text_untied"
+    weights = load_file(FIXTURES / name / "model.safetensors")
+    save_pretrained(from_pretrained(FIXTURES / name), tmp_path)
+    saved, config = load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
+    text = {k.replace("model.language_model.", "model."): v for k, v in weights.items()
+            if not k.startswith("model.visual.")}
+    assert any(k.startswith("model.visual.") for k in weights) and "lm_head.weight" in text
+    assert sorted(saved) == sorted(text) and all(np.array_equal(saved[k], text[k]) for k in text)
+    assert config == config_of(name)["text_config"] | {"tie_word_embeddings": False, "dtype": "float32",
+                                                      "architectures": ["Qwen3_5ForCausalLM"]}
+    assert config["model_type"] == "qwen3_5_text"
 
 
 @needs_fixture

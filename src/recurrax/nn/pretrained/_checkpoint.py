@@ -44,7 +44,7 @@ from jax.experimental import multihost_utils
 from .._conv import CausalConv1d
 from .._model import CONFIG_MODEL_TYPE as LANGUAGE_MODEL_TYPE
 from .._model import LanguageModel
-from ._config import FAMILY_MODULES
+from ._config import FAMILY_MODULES, text_model_config
 from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
@@ -250,7 +250,7 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
                     allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
     """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
-    into a `CausalLM`; one `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its
+    into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its
     `model_type` is `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is
     downloaded.
 
@@ -269,7 +269,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {path!r} (from_pretrained reads local directories only)")
-    config = _read_json(config_path)
+    try:
+        config = text_model_config(_read_json(config_path))
+    except ValueError as error:
+        raise type(error)(f"{config_path}: {error}") from error
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
         weights = load_file(single)

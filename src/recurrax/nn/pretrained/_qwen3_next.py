@@ -58,6 +58,9 @@ Checkpoints: `transformers` writes each expert's matrices on their own
 stacked `mlp.experts.{gate,up,down}_proj.weight [E, out, in]` here, and written as
 `transformers` writes them (`saved_names`). The multi-token-prediction weights of published
 checkpoints (`mtp.*`) are not part of the causal LM and are dropped, as `transformers` does.
+The Hub's Qwen3.5 checkpoints are multimodal (`qwen3_5`, `qwen3_5_moe`: `text_config`, the text
+model under `model.language_model.`, a vision tower under `model.visual.`): `from_pretrained`
+reads their text model (`text_model_config`) and saves it as the text model it is.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ from ._norm import ZeroCentredRMSNorm
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 BODY_NAME = "model"
+MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+              "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}
+"""The Hub's Qwen3.5 checkpoints (`...ForConditionalGeneration`): their text model's `model_type`
+and causal LM class."""
 
 _COMMON = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
                attention_bias=False, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
@@ -193,6 +200,18 @@ def resolve(config: dict) -> dict:
                            shared_width=c["shared_expert_intermediate_size"],
                            renormalize=family == "qwen3_5_moe_text" or bool(c["norm_topk_prob"]))
     return spec
+
+
+def text_model_config(config: dict) -> dict:
+    """The text model's config of a multimodal Qwen3.5 config.json: its `text_config` (with the
+    top-level `tie_word_embeddings`), as `Qwen3_5ForCausalLM` would save it. Its weights are read
+    from under `model.language_model.` (`loaded_names`); the vision tower is not loaded."""
+    model_type, architecture = MULTIMODAL[config["model_type"]]
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        _refuse("text_config", f"an object (the text model of a {config['model_type']} checkpoint)", text)
+    tied = {"tie_word_embeddings": config["tie_word_embeddings"]} if "tie_word_embeddings" in config else {}
+    return {**text, **tied, "model_type": model_type, "architectures": [architecture]}
 
 
 def _partial_rotary_factor(c: dict) -> float:
@@ -438,21 +457,27 @@ PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<pr
                         r"\.weight$")
 FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-DROPPED_PREFIXES = ("mtp.",)
-"""Published checkpoints' multi-token-prediction weights: not part of the causal LM."""
+DROPPED_PREFIXES = ("mtp.", "model.visual.")
+"""Published checkpoints' multi-token-prediction weights and Qwen3.5's vision tower: not part of
+the causal LM."""
+LANGUAGE_MODEL = "model.language_model."
+"""Where a multimodal Qwen3.5 checkpoint holds the text model's `model.`."""
 
 
 def loaded_names(weights: dict) -> dict:
     """A checkpoint's tensors under this module tree's names: each expert's matrices (as
     `transformers` saves them) or the fused ones (as its models hold them) stacked per
-    projection; `mtp.*` dropped. Experts numbered other than 0 … E−1 are left as they are
-    (the loader then names them)."""
+    projection; a multimodal checkpoint's `model.language_model.` read as `model.`; `mtp.*` and
+    `model.visual.*` dropped. Experts numbered other than 0 … E−1 are left as they are (the
+    loader then names them)."""
     out, experts = {}, {}
     for name, value in weights.items():
         if name.startswith(DROPPED_PREFIXES):
             continue
+        if name.startswith(LANGUAGE_MODEL):
+            name = "model." + name[len(LANGUAGE_MODEL):]
         if match := PER_EXPERT.match(name):
-            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = name
+            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = value
         elif match := FUSED.match(name):
             if match["proj"] == "gate_up_proj":  # [E, 2F, D]: gate rows, then up rows
                 gate, up = np.split(np.asarray(value), 2, axis=1)
@@ -461,11 +486,11 @@ def loaded_names(weights: dict) -> dict:
                 out[f"{match['experts']}.down_proj.weight"] = value
         else:
             out[name] = value
-    for (prefix, proj), names in experts.items():
-        if sorted(names) == list(range(len(names))):
-            out[f"{prefix}.{proj}.weight"] = np.stack([np.asarray(weights[names[e]]) for e in range(len(names))])
+    for (prefix, proj), values in experts.items():
+        if sorted(values) == list(range(len(values))):
+            out[f"{prefix}.{proj}.weight"] = np.stack([np.asarray(values[e]) for e in range(len(values))])
         else:
-            out.update({name: weights[name] for name in names.values()})
+            out.update({f"{prefix}.{e}.{proj}.weight": value for e, value in values.items()})
     return out
 
 
