@@ -202,6 +202,11 @@ def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
         CausalLM({**config_of(MAIN), **edit})
 
 
+def test_a_moe_text_model_without_experts_is_refused_by_name():
+    with pytest.raises(ValueError, match="'num_experts' must be a positive integer, got 0"):
+        CausalLM({**config_of("qwen3_5_moe_text"), "num_experts": 0})
+
+
 @pytest.mark.parametrize("name", QWEN)
 def test_every_parameter_has_logical_axis_names(name):
     model = nnx.eval_shape(lambda: CausalLM(config_of(name), rngs=nnx.Rngs(0)))

@@ -250,9 +250,9 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
                     allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
     """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
-    into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its
-    `model_type` is `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is
-    downloaded.
+    into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one
+    `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its `model_type` is
+    `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is downloaded.
 
     **Arguments:**
     - `path`: a local directory with `config.json` and `model.safetensors`, or sharded

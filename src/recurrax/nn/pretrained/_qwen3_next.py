@@ -137,8 +137,9 @@ def _check(c: dict) -> None:
         if c[heads_field] % c[groups_field]:
             _refuse(heads_field, f"a multiple of {groups_field} ({c[groups_field]})", c[heads_field])
     experts = c.get("num_experts", 0)
-    if not (_is_int(experts) and experts >= 0):
-        _refuse("num_experts", "an integer ≥ 0", experts)
+    if not (_is_int(experts) and experts >= (1 if c["model_type"] == "qwen3_5_moe_text" else 0)):
+        _refuse("num_experts", "a positive integer" if c["model_type"] == "qwen3_5_moe_text" else "an integer ≥ 0 "
+                "(0: a dense MLP in every layer)", experts)
     if experts and c["num_experts_per_tok"] > experts:
         _refuse("num_experts_per_tok", f"at most num_experts ({experts})", c["num_experts_per_tok"])
     only = c.get("mlp_only_layers", [])
@@ -428,7 +429,8 @@ class Body(nnx.Module):
         D = spec["hidden_size"]
         self.embed_tokens = nnx.Embed(spec["vocab_size"], D, dtype=dtype, param_dtype=dtype, rngs=rngs,
                                       embedding_init=partitioned(nnx.initializers.normal(0.02), "vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs) for mixer, ffn in spec["layers"]])
+        self.layers = nnx.List([DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
+                                for mixer, ffn in spec["layers"]])
         self.norm = ZeroCentredRMSNorm(D, eps=spec["eps"], dtype=dtype)
 
     @property
