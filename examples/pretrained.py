@@ -1,7 +1,8 @@
 """Load a local checkpoint (fla or transformers), generate, and report tokens per second.
 
 Reads every family `from_pretrained` reads: fla's models (`recurrax.nn.pretrained.SUPPORTED`,
-optionally hybrid with softmax attention) and transformers' Mamba-2 model and its hybrids.
+optionally hybrid with softmax attention), transformers' Mamba-2 model and its hybrids, Qwen3-Next
+and Qwen3.5.
 
     python examples/pretrained.py path/to/checkpoint          # a directory with config.json + *.safetensors
     python examples/pretrained.py                             # the tiny GLA fixture in tests/fixtures/fla

@@ -499,7 +499,9 @@ def test_a_concrete_gate_closed_over_by_jit_is_not_folded(gate):
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
 HF_FAMILY_FIXTURES = {"mamba2": "mamba2_groups_limit_tied_bias", "nemotron_h": "nemotron_h_pattern_moe",
                       "bamba": "bamba_basic", "granitemoehybrid": "granite_moe_multipliers",
-                      "falcon_h1": "falcon_h1_mup", "zamba2": "zamba2_shared_adapters_rope_tied"}
+                      "falcon_h1": "falcon_h1_mup", "zamba2": "zamba2_shared_adapters_rope_tied",
+                      "qwen3_next": "qwen3_next_moe_grouped", "qwen3_5_text": "qwen3_5_text_dense_tied",
+                      "qwen3_5_moe_text": "qwen3_5_moe_text"}
 """One `transformers` fixture per family."""
 FLA_TINY = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=2, hidden_ratio=2, expand_ratio=8)
 

@@ -1,4 +1,4 @@
-"""fla and `transformers` (Mamba-2 family) checkpoints in recurrax: models, loading, generation.
+"""fla and `transformers` (Mamba-2 family, Qwen3-Next, Qwen3.5) checkpoints in recurrax: models, loading, generation.
 
     model = from_pretrained("path/to/fla-checkpoint")          # config.json + model.safetensors
     logits = model(tokens)                                      # [B, T, vocab]
@@ -9,7 +9,8 @@
 
 Supported `model_type`s (`SUPPORTED`): fla's gla, retnet, hgrn2, linear_attn, lightnet, each
 optionally hybrid with fla's softmax attention (config `attn`), and `transformers`' mamba2,
-nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2. `CausalLM(config)` builds any of them
+nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2, qwen3_next, qwen3_5_text,
+qwen3_5_moe_text. `CausalLM(config)` builds any of them
 freshly initialised (to train from scratch); `from_pretrained` returns one. Needs `flax` and,
 for checkpoints, `safetensors`, for text `tokenizers` and `jinja2` (`pip install 'recurrax[pretrained]'`).
 """

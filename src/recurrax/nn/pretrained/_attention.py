@@ -91,8 +91,9 @@ class Attention(nnx.Module):
         """Like the recurrent layers: `y = attn(x)` or `y, cache = attn(x, cache, positions=...)`."""
         return self._attention(x, cache, cu_seqlens, positions, self._project)
 
-    def _attention(self, x, cache, cu_seqlens, positions, project):
-        """The call, with `project(x [B, T, ·], positions)` giving q, k, v (a subclass may pass its own)."""
+    def _attention(self, x, cache, cu_seqlens, positions, project, output=None):
+        """The call, with `project(x [B, T, ·], positions)` giving q, k, v and `output(o [B, T, H·D])`
+        the layer's output (default `o_proj`; a subclass may pass its own of either)."""
         x3 = x[None] if x.ndim == 2 else x
         B, T, _ = x3.shape
         if positions is None:
@@ -115,7 +116,7 @@ class Attention(nnx.Module):
                 o = self._attend(q, keys, values, positions, jnp.arange(keys.shape[1])[None], None, None)
             else:
                 o = self._attend_packed(q, k, v, keys, values, positions, seq, cu_seqlens)
-        y = self.o_proj(o.reshape(B, T, -1).astype(self.dtype))
+        y = (output or self.o_proj)(o.reshape(B, T, -1).astype(self.dtype))
         y = y[0] if x.ndim == 2 else y
         return y if cache is None else (y, new_cache)
 

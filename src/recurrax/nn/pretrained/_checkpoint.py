@@ -44,6 +44,7 @@ from jax.experimental import multihost_utils
 from .._conv import CausalConv1d
 from .._model import CONFIG_MODEL_TYPE as LANGUAGE_MODEL_TYPE
 from .._model import LanguageModel
+from ._config import FAMILY_MODULES, text_model_config
 from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
 from ._hf_config import is_hf_config
@@ -143,8 +144,10 @@ def state_dict(model: CausalLM | LanguageModel) -> dict[str, np.ndarray]:
     if not isinstance(model, CausalLM):
         raise TypeError(f"save_pretrained and state_dict take a recurrax.nn.pretrained.CausalLM or a "
                         f"recurrax.nn.LanguageModel, got {type(model).__name__}")
-    return {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
-            for name, t in tensors(model).items() if t.saved}
+    weights = {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
+               for name, t in tensors(model).items() if t.saved}
+    family_module = FAMILY_MODULES.get(model.model_type)
+    return weights if family_module is None else family_module.saved_names(weights)
 
 
 def _host_value(value) -> np.ndarray:
@@ -156,7 +159,9 @@ def _host_value(value) -> np.ndarray:
 
 
 def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
-    """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`).
+    """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`);
+    a family module's checkpoint names are read as its `loaded_names` reads them (Qwen3-Next:
+    each expert's matrices, or the fused ones).
 
     Raises a `ValueError` listing missing and unexpected names, or naming a parameter whose
     shape differs (with both shapes) or that holds NaN or inf (unless `allow_nonfinite`), and
@@ -165,7 +170,8 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
     parameter is set.
     """
     expected = tensors(model)
-    given = dict(weights)
+    family_module = FAMILY_MODULES.get(getattr(model, "model_type", None))
+    given = dict(weights) if family_module is None else family_module.loaded_names(weights)
     if model.tie_word_embeddings:
         given.pop(TIED_HEAD, None)
     for name, tensor in expected.items():  # a shared tensor may come under its alias only
@@ -244,9 +250,9 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
                     allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
     """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
-    into a `CausalLM`; one `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its
-    `model_type` is `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is
-    downloaded.
+    into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one
+    `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its `model_type` is
+    `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is downloaded.
 
     **Arguments:**
     - `path`: a local directory with `config.json` and `model.safetensors`, or sharded
@@ -263,7 +269,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {path!r} (from_pretrained reads local directories only)")
-    config = _read_json(config_path)
+    try:
+        config = text_model_config(_read_json(config_path))
+    except ValueError as error:
+        raise type(error)(f"{config_path}: {error}") from error
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
         weights = load_file(single)

@@ -8,6 +8,7 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 
 from __future__ import annotations
 
+from . import _qwen3_next
 from ._config_checks import check_config
 from ._gla import GatedLinearAttention
 from ._hf_config import HF_FAMILIES
@@ -42,9 +43,19 @@ ARCHITECTURES = {
     "linear_attn": "LinearAttentionForCausalLM",
     "lightnet": "LightNetForCausalLM",
 }
-SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES
+FAMILY_MODULES = {model_type: module for module in (_qwen3_next,) for model_type in module.MODEL_TYPES}
+"""`transformers` families that are one module each, by `model_type`. A family module defines
+`MODEL_TYPES`, `resolve(config)` (config.json → a spec with `vocab_size`, `hidden_size`,
+`tie_word_embeddings`, `max_position_embeddings`), `Body(spec, dtype=, rngs=)` (the embedding,
+layers and final norm, held as `BODY_NAME`), and `loaded_names(weights)` / `saved_names(weights)`
+(a checkpoint's tensor names to the module tree's and back, as `transformers` writes them);
+`MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
+MULTIMODAL = {model_type: module for module in (_qwen3_next,) for model_type in module.MULTIMODAL}
+"""Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""
+SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
 """Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families, then `transformers`' Mamba-2
-family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2)."""
+family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2), then the family modules
+(qwen3_next, qwen3_5_text, qwen3_5_moe_text)."""
 
 
 def resolve(config: dict) -> dict:
@@ -121,3 +132,10 @@ def intermediate_size(config: dict) -> int:
     width = int(config["hidden_size"] * ratio * 2 / 3)
     return 256 * ((width + 255) // 256)
 
+
+
+def text_model_config(config: dict) -> dict:
+    """`config`, or the text model's config of a multimodal config whose text model a family
+    module reads (Qwen3.5's `qwen3_5`, `qwen3_5_moe`)."""
+    module = MULTIMODAL.get(config.get("model_type")) if isinstance(config, dict) else None
+    return config if module is None else module.text_model_config(config)

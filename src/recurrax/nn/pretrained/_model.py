@@ -42,7 +42,7 @@ from .._sharding import RESIDUAL, constrain, param, partitioned
 from .._tokens import check_token_ids
 from .._tied import tied_logits
 from ._attention import Attention, KVCache
-from ._config import attention_spec, intermediate_size, native_mixer, resolve
+from ._config import FAMILY_MODULES, attention_spec, intermediate_size, native_mixer, resolve
 from ._config_checks import ConfigError, eos_token_ids
 from ._hf_config import is_hf_config, resolve_hf
 from ._hf_model import NAMES as HF_NAMES
@@ -138,7 +138,8 @@ class CausalLM(nnx.Module):
     config.json: fla's `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet;
     hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
     `BambaForCausalLM`, `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM`,
-    `Zamba2ForCausalLM`. Freshly initialised (to train from scratch), or filled by
+    `Zamba2ForCausalLM`, `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM` and the Qwen3.5 MoE
+    text model (`_qwen3_next`). Freshly initialised (to train from scratch), or filled by
     `from_pretrained`.
 
     **Arguments:**
@@ -154,7 +155,14 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
-        if is_hf_config(config):
+        family_module = FAMILY_MODULES.get(config.get("model_type")) if isinstance(config, dict) else None
+        if family_module is not None:
+            spec = family_module.resolve(config)
+            family, hidden_size = config["model_type"], spec["hidden_size"]
+            self.body_name = family_module.BODY_NAME
+            make_body = lambda: family_module.Body(spec, dtype=dtype, rngs=rngs)  # noqa: E731
+            self.logits_multiplier, self.tie_word_embeddings = 1.0, spec["tie_word_embeddings"]
+        elif is_hf_config(config):
             spec = resolve_hf(config)
             family, hidden_size = spec["family"], spec["hidden_size"]
             self.body_name, make_body = HF_NAMES[family][0], lambda: HFBackbone(spec, dtype=dtype, rngs=rngs)

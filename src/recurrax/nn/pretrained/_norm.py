@@ -6,6 +6,7 @@
 | ε      | `eps`                                    |
 
     RMSNorm(x)        = x / sqrt(mean(x²) + ε) ⊙ w                (w absent without affine)
+    ZeroCentredRMSNorm(x) = x / sqrt(mean(x²) + ε) ⊙ (1 + w)       (Gemma's, Qwen3-Next's; w starts at 0)
     GatedRMSNorm(x,g) = RMSNorm(x) ⊙ act(g),  act = swish or sigmoid
 
 Both compute in float32 and return the input's dtype, like fla's Triton kernels. The weight
@@ -101,3 +102,21 @@ class GroupedGatedRMSNorm(nnx.Module):
         if silu_gate is not None and self.norm_before_gate:
             y = y * silu_gate
         return y.astype(x.dtype)
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """RMS norm whose stored weight is the scale's offset from one: `x / rms(x) ⊙ (1 + w)`
+    (`transformers`' Gemma and Qwen3-Next norms), in float32, returning the input's dtype.
+    Initialised (and stored) as `w = 0`.
+
+    **Arguments:** `size`, `eps`, `axis`, `dtype`, as `RMSNorm`'s.
+    """
+
+    def __init__(self, size: int, *, eps: float = 1e-6, axis: str = "embed", dtype=jnp.float32):
+        self.size, self.eps = size, float(eps)
+        self.weight = param(jnp.zeros((size,), dtype), axis)
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
