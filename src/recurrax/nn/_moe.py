@@ -21,10 +21,11 @@ Routing (`route`), from router logits `l [n, E]`:
 
 The experts (`routed_experts`): every pair (t, e) is one row. Rows are sorted by expert;
 each expert's rows are padded to a multiple of B (never to a capacity: no token is dropped),
-so every block of B rows belongs to one expert. Each projection is then a grouped matmul
-(`grouped_matmul`): on the CPU, a batched matmul over blocks with each block's expert
-matrix gathered (`jax.lax.map` over chunks of blocks, so the gathered weights stay small);
-on GPU and TPU, `jax.lax.ragged_dot` over the unpadded sorted rows. The output is
+so every block of B rows belongs to one expert. On GPU and TPU each projection is then a
+grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot` over the sorted rows); on the CPU
+one scan over the blocks runs each block's rows through its expert's whole FFN, gathering
+the rows and the expert's matrices inside the step, with a hand-written VJP
+(`_expert_blocks.py`). The output is
 
     y_t = Σ_{e∈S_t} w_{t,e} · FFN_e(x_t)      FFN_e(x) = W_down,e (act(x W_gate,e) ⊙ x W_up,e)
 
@@ -45,6 +46,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..registry import current_backend
+from ._expert_blocks import block_ffn
 from ._expert_parallel import expert_axis, expert_parallel
 from ._sharding import param
 
@@ -240,12 +242,18 @@ def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transpo
     num_experts = weights.up.shape[0]
     block_size = block_size or default_block_size(method, routing.experts.size, num_experts)
     routed = dispatch(routing.experts, num_experts, block_size)
-    rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[routed.rows]  # [P, D]
-    options = dict(method=method, transposed=transposed, chunk=chunk)
-    hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed, **options))
-    if weights.gate is not None:
-        hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
-    out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
+    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row n: the padding rows' zeros
+    if method == "blocks":  # one pass, each block through its expert's whole FFN (_expert_blocks)
+        out = block_ffn(padded, routed.rows, routed.block_experts, weights.gate, weights.up, weights.down, act=act,
+                        transposed=transposed, chunk=chunk or default_chunk(block_size))
+    else:
+        rows = padded[routed.rows]  # [P, D]
+        options = dict(method=method, transposed=transposed, chunk=chunk)
+        hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed,
+                                    **options))
+        if weights.gate is not None:
+            hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
+        out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
     return jnp.einsum("nkd,nk->nd", out[routed.positions], routing.weights.astype(out.dtype))
 
 

@@ -1,0 +1,146 @@
+"""The routed experts' FFNs on the CPU: one pass over blocks of sorted rows, each block through
+its expert's whole FFN, with a hand-written VJP.
+
+| symbol | meaning                                                                  |
+|--------|--------------------------------------------------------------------------|
+| n, D   | tokens, model width (`x` carries one more row of zeros: the padding row) |
+| F, E   | an expert's hidden width, experts                                        |
+| B, c   | rows per block, blocks per step                                          |
+| P      | padded rows, `P = blocks · B` (`recurrax.nn.dispatch`)                   |
+| r_b    | the token of each row of block b (n for a padding row)                   |
+| e_b    | block b's expert                                                         |
+
+Forward, per block b (its rows gathered inside the step, so the `[P, D]` rows and the `[P, F]`
+activations of three separate grouped matmuls are never all live between passes):
+
+    X = x[r_b]                           [B, D]
+    G = X Wg_e,  U = X Wu_e              [B, F]     (ungated: G absent, H = act(U))
+    H = act(G) ⊙ U
+    O_b = H Wd_e                         [B, D]
+
+Backward, from Ō (the combine's cotangent of each row's output), per block, G and U saved:
+
+    H̄ = Ō_b Wd_eᵀ,   W̄d_e += Hᵀ Ō_b
+    Ū = H̄ ⊙ act(G),  Ḡ = act'(G)ᵀ (H̄ ⊙ U)     (ungated: Ū = act'(U)ᵀ H̄)
+    W̄u_e += Xᵀ Ū,    W̄g_e += Xᵀ Ḡ
+    x̄[r_b] += Ū Wu_eᵀ + Ḡ Wg_eᵀ
+
+The weight cotangents accumulate in float32 over the blocks (a scatter-add by expert: blocks
+of one step may share an expert) and are cast to the weights' dtype at the end. A padding row
+gathers zeros, so it contributes nothing either way. Weights in PyTorch's `[E, out, in]`
+layout (`transposed`) are used, and their cotangents built, in that layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], block_experts: Int[Array, " blocks"],
+              gate: Float[Array, "E D F"] | None, up: Float[Array, "E D F"], down: Float[Array, "E F D"], *,
+              act: Callable, transposed: bool, chunk: int) -> Float[Array, "P D"]:
+    """`O [P, D]`: row p of `x[rows]` through the FFN of its block's expert (module docstring).
+    `x` ends with a zero row that padding rows (`rows == n`) point to."""
+    return _block_ffn(act, transposed, chunk, x, rows, block_experts, gate, up, down)
+
+
+def _matrix(weights, experts, transposed: bool):
+    """The chosen experts' matrices `[c, in, out]` (from `[E, in, out]` or, transposed, `[E, out, in]`)."""
+    chosen = weights[experts]
+    return jnp.swapaxes(chosen, 1, 2) if transposed else chosen
+
+
+def _split(rows, block_experts, chunk: int, padding_row: int):
+    """Rows `[steps, c, B]` and experts `[steps, c]`, the last step filled with padding rows,
+    and how many rows were added."""
+    blocks = block_experts.shape[0]
+    block_size = rows.shape[0] // blocks
+    steps = -(-blocks // chunk)
+    extra = steps * chunk - blocks
+    rows = jnp.pad(rows, (0, extra * block_size), constant_values=padding_row).reshape(steps, chunk, block_size)
+    experts = jnp.pad(block_experts, (0, extra)).reshape(steps, chunk)
+    return rows, experts, extra * block_size
+
+
+def _forward_step(x, gate, up, down, act, transposed, rows, experts):
+    """One step's `(O, G, U)` for `c` blocks."""
+    X = x[rows]  # [c, B, D]
+    U = jnp.einsum("cbd,cdf->cbf", X, _matrix(up, experts, transposed).astype(X.dtype))
+    G = None if gate is None else jnp.einsum("cbd,cdf->cbf", X, _matrix(gate, experts, transposed).astype(X.dtype))
+    H = act(U) if gate is None else act(G) * U
+    O = jnp.einsum("cbf,cfd->cbd", H, _matrix(down, experts, transposed).astype(H.dtype))
+    return O, G, U
+
+
+def _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down):
+    steps_rows, steps_experts, extra = _split(rows, block_experts, chunk, x.shape[0] - 1)
+
+    def step(_, inputs):
+        O, G, U = _forward_step(x, gate, up, down, act, transposed, *inputs)
+        return None, (O, G, U)
+
+    _, (O, G, U) = jax.lax.scan(step, None, (steps_rows, steps_experts))
+    O = O.reshape(-1, x.shape[1])
+    return O[: O.shape[0] - extra], (G, U)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _block_ffn(act, transposed, chunk, x, rows, block_experts, gate, up, down):
+    return _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down)[0]
+
+
+def _block_ffn_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down):
+    O, (G, U) = _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down)
+    return O, (x, rows, block_experts, gate, up, down, G, U)
+
+
+def _accumulate(total, experts, product, transposed: bool):
+    """`total[e] += product` for each block's expert, `product [c, in, out]` turned to the layout."""
+    product = jnp.swapaxes(product, 1, 2) if transposed else product
+    return total.at[experts].add(product.astype(jnp.float32))
+
+
+def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
+    x, rows, block_experts, gate, up, down, G_all, U_all = residuals
+    steps_rows, steps_experts, extra = _split(rows, block_experts, chunk, x.shape[0] - 1)
+    B = steps_rows.shape[2]
+    O_bar = jnp.pad(O_bar, ((0, extra), (0, 0))).reshape(steps_rows.shape[0], chunk, B, -1)
+    zeros = lambda w: None if w is None else jnp.zeros(w.shape, jnp.float32)  # noqa: E731
+    carry = (jnp.zeros(x.shape, jnp.float32), zeros(gate), zeros(up), zeros(down))
+
+    def step(carry, inputs):
+        x_bar, gate_bar, up_bar, down_bar = carry
+        r, e, O_b, G, U = inputs
+        X = x[r]
+        Wd = _matrix(down, e, transposed).astype(O_b.dtype)
+        H_bar = jnp.einsum("cbd,cfd->cbf", O_b, Wd)
+        if gate is None:
+            H, act_vjp = jax.vjp(act, U)
+            U_bar = act_vjp(H_bar)[0]
+        else:
+            A, act_vjp = jax.vjp(act, G)
+            H = A * U
+            U_bar = H_bar * A
+            G_bar = act_vjp(H_bar * U)[0]
+        down_bar = _accumulate(down_bar, e, jnp.einsum("cbf,cbd->cfd", H, O_b), transposed)
+        up_bar = _accumulate(up_bar, e, jnp.einsum("cbd,cbf->cdf", X, U_bar), transposed)
+        X_bar = jnp.einsum("cbf,cdf->cbd", U_bar, _matrix(up, e, transposed).astype(U_bar.dtype))
+        if gate is not None:
+            gate_bar = _accumulate(gate_bar, e, jnp.einsum("cbd,cbf->cdf", X, G_bar), transposed)
+            X_bar = X_bar + jnp.einsum("cbf,cdf->cbd", G_bar, _matrix(gate, e, transposed).astype(G_bar.dtype))
+        x_bar = x_bar.at[r.reshape(-1)].add(X_bar.reshape(-1, X_bar.shape[-1]).astype(jnp.float32))
+        return (x_bar, gate_bar, up_bar, down_bar), None
+
+    G_steps = None if gate is None else G_all
+    (x_bar, gate_bar, up_bar, down_bar), _ = jax.lax.scan(
+        step, carry, (steps_rows, steps_experts, O_bar, G_steps, U_all))
+    cast = lambda bar, w: None if w is None else bar.astype(w.dtype)  # noqa: E731
+    return (x_bar.astype(x.dtype), None, None, cast(gate_bar, gate), cast(up_bar, up), cast(down_bar, down))
+
+
+_block_ffn.defvjp(_block_ffn_forward, _block_ffn_backward)
