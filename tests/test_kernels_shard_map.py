@@ -204,3 +204,30 @@ def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips():
     program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(5))), *args)
     text = program.executable.as_text()
     assert all(f"recurrax_tpu_chunk_{kind}" in text for kind in ("fwd", "states", "bwd"))
+
+
+@pytest.mark.compile
+def test_tpu_delta_kernel_compiles_under_shard_map_for_four_v5e_chips():
+    """The delta rule's TPU kernel (picked by dispatch for the target) and its gradient inside
+    `shard_map` with `check_vma=True` over a 4-chip v5e slice, rows split over the chips,
+    per-head and per-channel decays, compiled by libtpu without a TPU."""
+    from test_compile import need
+
+    import recurrax
+    from recurrax import targets
+
+    need("v5e:2x2")
+    mesh = targets.mesh_for("v5e:2x2")
+    B, T, H, K, V = 4, 256, 2, 128, 128
+    rows = jax.sharding.NamedSharding(mesh, P("x"))
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, T, H, K), (B, H, K, V)]
+    dtypes = [jnp.bfloat16] * 3 + [jnp.float32] * 4
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in zip(shapes, dtypes)]
+
+    def local(q, k, v, beta, g, gk, h0):
+        return recurrax.delta_rule(q, k, v, beta, g, gk, initial_state=h0, qk_l2norm=True)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=(P("x"), P("x")), check_vma=True)
+    loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in sharded(*a))  # noqa: E731
+    program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(7))), *args)
+    assert program.executable.as_text().count("recurrax_tpu_delta_fwd") >= 1

@@ -56,7 +56,7 @@ def unit_lower_inverse(M):
     """(I + M)⁻¹ of a strictly lower-triangular [C, C] M (C a power of two), float32."""
     C = M.shape[0]
     rows, cols = iota((C, C), 0), iota((C, C), 1)
-    X = jnp.where(rows == cols, 1.0, 0.0).astype(F32)
+    X = (rows == cols).astype(F32)
     apart = jnp.bitwise_xor(rows, cols)
     m = 1
     while m < C:
