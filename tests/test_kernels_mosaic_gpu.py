@@ -209,3 +209,18 @@ def test_non_finite_input_stays_causal(array):
     for name, grad in grads.items():
         if np.ndim(grad) and np.shape(grad)[0] == 2:  # per-row arrays: row 1 untouched
             np.testing.assert_array_equal(np.asarray(grad[1]), np.asarray(grads_clean[name][1]), err_msg=name)
+
+
+@pytest.mark.slow  # 40-70 s on a loaded 2-core CPU: two interpret-mode compiles
+def test_mosaic_gpu_interpret_is_a_public_name_of_recurrent():
+    """`implementation="mosaic_gpu_interpret"` runs these kernels in interpret mode on any backend
+    (a CPU here): the same output and state as the driver's entry point, near the reference."""
+    from recurrax.tools.cases import call
+
+    kwargs = make_inputs(Case(T=20, gates=("g_head",), **BF16))
+    by_name = call("mosaic_gpu_interpret", **kwargs)
+    for got, want in zip(by_name, call(MOSAIC, **kwargs)):
+        np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+    exact = {k: (v.astype(jnp.float64) if hasattr(v, "dtype") and v.dtype == jnp.bfloat16 else v) for k, v in kwargs.items()}
+    for got, want in zip(by_name, call("reference", **exact)):
+        assert max_rel_error(got, want) <= BF16_TOL

@@ -5,7 +5,8 @@ The driver makes a kernel's inputs vary over the same mesh axes (`kernels._drive
 whose transpose sums the gradient of a replicated input such as `g_gamma`) and every kernel
 declares its outputs with those axes (`output_type`). What each interpret mode allows:
 
-- TPU kernels (TPU interpret mode): run sharded, forward and backward.
+- TPU kernels (TPU interpret mode): run sharded, forward and backward; the delta rule's
+  forward kernel too, with its gradient from XLA `chunk`'s backward.
 - Mosaic GPU kernels (Mosaic GPU interpret mode, JAX ≥ 0.12): traced and lowered on the
   two-device mesh; run on a one-device mesh (its interpreter simulates the devices of a mesh
   as one multi-GPU launch and stops on two: "Barrier remains allocated", with or without
@@ -30,11 +31,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from recurrax.kernels.mosaic_gpu import has_interpret_mode, mosaic_gpu_interpret
-from recurrax.kernels.tpu import TpuTiles, tpu_interpret
+from recurrax.delta import canonicalize_delta, reference_delta
+from recurrax.kernels.tpu import TpuTiles, tpu_delta_interpret, tpu_interpret
 from recurrax.kernels.triton import triton_interpret
-from recurrax.tools.cases import call
+from recurrax.tools.cases import DeltaCase, call, make_delta_inputs
 
-TPU = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64))
+TILES = TpuTiles(chunk=16, sub=8, block_v=64)
+TPU = functools.partial(tpu_interpret, tiles=TILES)
 SMALL = dict(H=2, Hkv=2, K=16, V=16, dtype="float32")
 TOL = 1e-5
 """bfloat16 (the Mosaic GPU case, run on one device): sharded and unsharded round alike."""
@@ -204,3 +207,71 @@ def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips():
     program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(5))), *args)
     text = program.executable.as_text()
     assert all(f"recurrax_tpu_chunk_{kind}" in text for kind in ("fwd", "states", "bwd"))
+
+
+@pytest.mark.compile
+def test_tpu_delta_kernel_compiles_under_shard_map_for_four_v5e_chips():
+    """The delta rule's TPU kernel (picked by dispatch for the target) and its gradient inside
+    `shard_map` with `check_vma=True` over a 4-chip v5e slice, rows split over the chips,
+    per-head and per-channel decays, compiled by libtpu without a TPU."""
+    from test_compile import need
+
+    import recurrax
+    from recurrax import targets
+
+    need("v5e:2x2")
+    mesh = targets.mesh_for("v5e:2x2")
+    B, T, H, K, V = 4, 256, 2, 128, 128
+    rows = jax.sharding.NamedSharding(mesh, P("x"))
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, T, H, K), (B, H, K, V)]
+    dtypes = [jnp.bfloat16] * 3 + [jnp.float32] * 4
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in zip(shapes, dtypes)]
+
+    def local(q, k, v, beta, g, gk, h0):
+        return recurrax.delta_rule(q, k, v, beta, g, gk, initial_state=h0, qk_l2norm=True)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=(P("x"), P("x")), check_vma=True)
+    loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in sharded(*a))  # noqa: E731
+    program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(7))), *args)
+    assert program.executable.as_text().count("recurrax_tpu_delta_fwd") >= 1
+
+
+DELTA_CASE = DeltaCase(gates=("g", "gk"), B=2, T=20, Hqk=1, H=2, K=16, V=16, qk_l2norm=True)
+"""The delta rule: rows split over the mesh, query/key shared by two value heads."""
+
+
+def _delta_vjp(algorithm, arrays: dict, cotangents: tuple):
+    """(output, final state, gradients) of `algorithm` on the canonical form of `delta_rule`'s
+    `arrays` (`qk_l2norm`) under the given cotangents."""
+
+    def run(arrays):
+        names = ("query", "key", "value", "beta", "g", "gk")
+        problem, scale, _ = canonicalize_delta(*(arrays.get(n) for n in names), None, arrays.get("initial_state"),
+                                               None, True)
+        return algorithm(problem, scale=scale)
+
+    (o, state), pullback = jax.vjp(run, arrays)
+    return o, state, pullback(cotangents)[0]
+
+
+@pytest.mark.slow
+def test_tpu_delta_kernel_under_shard_map():
+    """The delta rule's TPU kernel (interpret mode, small tiles) and its gradient (XLA
+    `chunk`'s backward) inside `shard_map` with `check_vma=True` on two devices, against the
+    unsharded call; held to `floor_tolerance` of the unsharded call's error vs float64."""
+    inputs = make_delta_inputs(DELTA_CASE)
+    rng = np.random.default_rng(1)
+    cotangents = tuple(rng.standard_normal(inputs[name].shape) for name in ("value", "initial_state"))
+    cast = lambda tree, dtype: jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)  # noqa: E731
+    args = (cast(inputs, jnp.float32), cast(cotangents, jnp.float32))
+    exact = _delta_vjp(reference_delta, cast(inputs, jnp.float64), cast(cotangents, jnp.float64))
+    local = functools.partial(_delta_vjp, functools.partial(tpu_delta_interpret, tiles=TILES))
+    rows = {name: P("x") for name in inputs}
+    sharded = jax.shard_map(local, mesh=_mesh(2), in_specs=(rows, (P("x"), P("x"))),
+                            out_specs=(P("x"), P("x"), rows), check_vma=True)
+    found, single = (_run(jax.jit(fn), args) for fn in (sharded, local))
+    leaves = lambda result: dict(zip(["output", "final_state", *result[2]], [*result[:2], *result[2].values()]))  # noqa: E731
+    found, single, exact = leaves(found), leaves(single), leaves(exact)
+    for name in single:
+        tolerance = floor_tolerance(max_rel_error(single[name], exact[name]))
+        assert max_rel_error(found[name], single[name]) <= tolerance, name

@@ -297,3 +297,17 @@ def test_declared_support():
     assert tpu_kernels.SUPPORT.refusal(request(cu_seqlens=(0, 3, 8))) is None
     assert "gate kinds" in tpu_kernels.SUPPORT.refusal(request(gates=("gv",)))
     assert "qk_head_dim=16" in tpu_kernels.SUPPORT.refusal(request(K=16))
+
+
+@pytest.mark.slow  # 40-70 s on a loaded 2-core CPU: two interpret-mode compiles
+def test_pallas_tpu_interpret_is_a_public_name_of_recurrent():
+    """`implementation="pallas_tpu_interpret"` runs these kernels (declared tiles) in TPU
+    interpret mode on any backend (a CPU here): the same output and state as the driver's
+    entry point, near the float64 reference."""
+    kwargs = make_inputs(Case(T=20, gates=("g_channel",), **SMALL))
+    by_name = call("pallas_tpu_interpret", **kwargs)
+    for got, want in zip(by_name, call(tpu_interpret, **kwargs)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    exact = {k: (v.astype(jnp.float64) if k in DIFF_ARGS else v) for k, v in kwargs.items()}
+    for got, want in zip(by_name, call("reference", **exact)):
+        assert max_rel_error(got, want) <= F32_TOL

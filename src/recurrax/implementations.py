@@ -35,9 +35,14 @@ IMPLEMENTATIONS = (
     Row("scan",             Platform.XLA,    Backend.ANY,  10, scan.scan_recurrent,           scan.SUPPORT),
     Row("reference",        Platform.XLA,    Backend.ANY,   0, reference.reference_recurrent, reference.SUPPORT),
     Row("pallas_interpret", Platform.PALLAS, Backend.CPU, -10, triton.triton_interpret,       triton.SUPPORT),
+    Row("pallas_tpu_interpret", Platform.PALLAS, Backend.ANY, -10, tpu.tpu_interpret,     tpu.INTERPRET_SUPPORT, tpu.unavailable),
+    Row("mosaic_gpu_interpret", Platform.PALLAS, Backend.ANY, -10, mosaic_gpu.mosaic_gpu_interpret,
+        mosaic_gpu.INTERPRET_SUPPORT, mosaic_gpu.interpret_unavailable),
 )  # fmt: skip
-"""`pallas_interpret` runs the Triton kernels in Pallas interpret mode; its priority is below
-the reference's, so dispatch never picks it (tests force it by name)."""
+"""`pallas_interpret`, `pallas_tpu_interpret` and `mosaic_gpu_interpret` run the Triton, TPU and
+Mosaic GPU kernels in their Pallas interpret modes (on any backend, a CPU included, for the
+last two); their priority is below the reference's, so dispatch never picks them (force them
+by name to check a kernel on a laptop)."""
 
 for row in IMPLEMENTATIONS:
     reason = row.unavailable() if row.unavailable is not None else None

@@ -55,14 +55,17 @@ def delta_rule(
     - `qk_l2norm`: normalise query and key per head first, `x · rsqrt(Σ x² + 1e-6)` in float32.
     - `implementation`: a name registered in `recurrax.delta.kernel_registry`: `"chunk"`
       (chunkwise, a triangular solve per chunk), `"scan"` (the token loop in blocks, storing
-      one state per block) or `"reference"` (the plain token loop, the oracle); `None` takes the
-      best one for the call (`recurrax.delta.kernel_registry.select(...)` says which and why).
+      one state per block), `"reference"` (the plain token loop, the oracle), `"pallas_tpu"` (a
+      Pallas TPU forward kernel, TPU v5e/v6e) or `"pallas_tpu_interpret"` (that kernel in TPU
+      interpret mode, any backend); `None` takes the best one for the call (`recurrax.delta.kernel_registry.select(...)` says which and why).
     - `allow_positive_gates`: keep positive log decays. By default a concrete gate with a
       positive value, or a concrete `beta` outside [0, 2], raises `ValueError`; traced ones
       are checked under `recurrax.runtime_checks()`.
 
     Gradients for every input: `chunk` through a custom VJP that recomputes each chunk in
-    its backward (one stored state per chunk), `scan` and `reference` through JAX's autodiff.
+    its backward (one stored state per chunk), `pallas_tpu` through `chunk`'s backward
+    (recomputed from the inputs: no backward kernel yet), `scan` and `reference` through JAX's
+    autodiff.
     Non-finite inputs are not guarded: a NaN or infinity propagates (a log decay of −inf, a
     hard reset, is exact).
 

@@ -7,6 +7,7 @@ take it raises `ValueError` saying why; `kernel_registry.select(...)` explains t
 
 from __future__ import annotations
 
+from ..kernels import tpu
 from ..problem import Gate
 from ..registry import FLOAT_DTYPES, Backend, KernelRegistry, Platform, Request, Support
 from ._chunk import chunk_delta
@@ -19,10 +20,16 @@ SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=frozenset({Gate.HEAD, Gate.KEY}), v
 shared by groups of value heads as they are."""
 
 ROWS = (
-    ("chunk",     Platform.XLA, Backend.ANY, 20, chunk_delta),
-    ("scan",      Platform.XLA, Backend.ANY, 10, scan_delta),
-    ("reference", Platform.XLA, Backend.ANY,  0, reference_delta),
+    ("pallas_tpu",           Platform.PALLAS, Backend.TPU,  30, tpu.tpu_delta,           tpu.DELTA_SUPPORT,           tpu.unavailable),
+    ("chunk",                Platform.XLA,    Backend.ANY,  20, chunk_delta,             SUPPORT,                     None),
+    ("scan",                 Platform.XLA,    Backend.ANY,  10, scan_delta,              SUPPORT,                     None),
+    ("reference",            Platform.XLA,    Backend.ANY,   0, reference_delta,         SUPPORT,                     None),
+    ("pallas_tpu_interpret", Platform.PALLAS, Backend.ANY, -10, tpu.tpu_delta_interpret, tpu.DELTA_INTERPRET_SUPPORT, tpu.unavailable),
 )  # fmt: skip
+"""`pallas_tpu`: the Pallas TPU forward kernel (`recurrax.kernels.tpu`; gradients by `chunk`'s
+backward), on v5e and v6e. `pallas_tpu_interpret`: the same kernel in Pallas's TPU interpret
+mode on any backend; below the reference, so dispatch never picks it (force it by name).
+A row whose `unavailable()` gives a reason is not registered; forcing it says why."""
 
 _ARGUMENTS = ("query", "key", "value", "beta", "g", "gk", "softmax_scale", "initial_state", "cu_seqlens", "qk_l2norm")
 
@@ -36,8 +43,12 @@ def _describe(*arguments, **keyword_arguments) -> Request:
 
 
 kernel_registry = KernelRegistry("delta_rule", _describe)
-for _name, _platform, _backend, _priority, _function in ROWS:
-    kernel_registry.register(_name, _platform, _backend, priority=_priority, supports=SUPPORT)(_function)
+for _name, _platform, _backend, _priority, _function, _support, _unavailable in ROWS:
+    _reason = _unavailable() if _unavailable is not None else None
+    if _reason is not None:
+        kernel_registry.mark_unavailable(_name, _reason)
+        continue
+    kernel_registry.register(_name, _platform, _backend, priority=_priority, supports=_support)(_function)
 
 IMPLEMENTATIONS = {impl.name: impl.fn for impl in kernel_registry.implementations()}
 """The delta rule's algorithms by name, highest priority first."""

@@ -63,6 +63,8 @@ DELTA_CASES = {
 }
 DELTA_QUICK = ("Gated DeltaNet, l2norm", "varlen, an empty one")
 CASE_WIDTH = max(len(name) for name in (*CASES, *DELTA_CASES))
+NAME_WIDTH = 20
+"""The implementation column: the longest registered name (`pallas_tpu_interpret`)."""
 
 
 class Operation(NamedTuple):
@@ -170,7 +172,7 @@ def _refusal(name: str, case: Case) -> str | None:
 
 def _row(name: str, case_name: str, error: float, worst: str, seconds: float, ok: bool) -> str:
     status = "ok" if ok else "MISMATCH"
-    return f"{name:<18} {case_name:<{CASE_WIDTH}} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
+    return f"{name:<{NAME_WIDTH}} {case_name:<{CASE_WIDTH}} {error:>11.2e} {worst:<16} {seconds * 1e3:>9.1f}  {status}"
 
 
 def _eta(done: int, total: int, elapsed: float) -> str:
@@ -183,7 +185,7 @@ def _check_operation(operation: Operation, names: list[str], args, tolerance: fl
     """Print one row per (implementation, case) of `operation`; the counts."""
     cases = {name: case for name, case in operation.cases().items() if not args.quick or name in operation.quick()}
     print(f"{operation.name}:")
-    print(f"{'implementation':<18} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
+    print(f"{'implementation':<{NAME_WIDTH}} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
     counts = {"matched": 0, "mismatched": 0, "unsupported": 0}
     total, start = len(names) * len(cases), time.perf_counter()
     for name in names:
@@ -197,7 +199,7 @@ def _check_operation(operation: Operation, names: list[str], args, tolerance: fl
                 line = _row(name, case_name, errors[worst], worst, operation.seconds(name, case, args.dtype), ok)
             else:
                 counts["unsupported"] += 1
-                line = f"{name:<18} {case_name:<{CASE_WIDTH}} {'-':>11} declared unsupported: {refusal}"
+                line = f"{name:<{NAME_WIDTH}} {case_name:<{CASE_WIDTH}} {'-':>11} declared unsupported: {refusal}"
             done = sum(counts.values())
             print(f"{line}  {_eta(done, total, time.perf_counter() - start)}", flush=True)
     print(f"{operation.name}: {len(names)} implementations x {len(cases)} cases: {counts['matched']} matched, "

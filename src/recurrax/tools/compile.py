@@ -2,8 +2,8 @@
 this machine does not have, and print what each kernel needs (registers, spills, shared memory)
 and how long compiling took.
 
-A configuration is one call of `recurrax.recurrent` (gates, head dims, dtype, dense or packed)
-compiled as a forward program (output and final state) or a gradient program
+A configuration is one call of `recurrax.recurrent` or `recurrax.delta_rule` (gates, head dims,
+dtype, dense or packed) compiled as a forward program (output and final state) or a gradient program
 (`value_and_grad` of a scalar loss). `REPRESENTATIVE` is what CI compiles; `--full` the product.
 
 The report is one markdown table, a row as each configuration compiles; a configuration that
@@ -24,18 +24,22 @@ import jax.numpy as jnp
 
 import recurrax
 from recurrax import kernel_registry, targets
+from recurrax.delta import kernel_registry as delta_registry
 
-from .cases import Case, make_inputs, split_args
+from .cases import DELTA_DIFF_ARGS, Case, DeltaCase, delta_options, make_delta_inputs, make_inputs, split_args
 
 GATE_SETS = {"none": (), "head": ("g_head", "g_gamma"), "channel": ("g_channel",), "both": ("g_head", "gk")}
 """Every key-side gate kind: none, per head (g and g_gamma), per key channel, both."""
+DELTA_GATE_SETS = {"none": (), "head": ("g",), "channel": ("gk",), "both": ("g", "gk")}
+"""The same kinds for the delta rule: none, per-head `g`, per-key-channel `gk`, both."""
 CU_SEQLENS = (0, 50, 50, 200)  # an empty sequence, boundaries inside chunks
 T = 200
 
 
 @dataclasses.dataclass(frozen=True)
 class Configuration:
-    """One program to compile: a `recurrent` call and whether its gradient is taken."""
+    """One program to compile: a `recurrent` call (or a `delta_rule` call, `delta`) and whether
+    its gradient is taken."""
 
     gates: str
     K: int
@@ -44,19 +48,36 @@ class Configuration:
     packed: bool = False
     reverse: bool = False
     gradient: bool = True
+    delta: bool = False
 
     @property
     def label(self) -> str:
         flags = [self.dtype, "packed" if self.packed else "dense"] + (["reverse"] if self.reverse else [])
-        return f"{self.gates} K{self.K} V{self.V} {' '.join(flags)} {'gradient' if self.gradient else 'forward'}"
+        operation = "delta_rule " if self.delta else ""
+        return f"{operation}{self.gates} K{self.K} V{self.V} {' '.join(flags)} {'gradient' if self.gradient else 'forward'}"
 
     def case(self) -> Case:
         return Case(B=1 if self.packed else 2, T=T, H=2, Hkv=1, K=self.K, V=self.V, gates=GATE_SETS[self.gates],
                     dtype=self.dtype, reverse=self.reverse, cu_seqlens=CU_SEQLENS if self.packed else None)
 
+    def delta_case(self) -> DeltaCase:
+        """The delta rule's call: query/key shared by two value heads, `qk_l2norm`."""
+        return DeltaCase(gates=DELTA_GATE_SETS[self.gates], B=1 if self.packed else 2, T=T, Hqk=1, H=2, K=self.K,
+                         V=self.V, qk_l2norm=True, cu_seqlens=CU_SEQLENS if self.packed else None)
 
-def _product(gates, dims, dtypes, packed, reverse, gradient) -> list[Configuration]:
-    return [Configuration(g, K, V, d, p, r, grad)
+    def arguments(self) -> dict:
+        """The operation's arguments (arrays in `dtype`; for the delta rule β, gates and state
+        in float32)."""
+        if not self.delta:
+            return make_inputs(self.case())
+        case = self.delta_case()
+        arrays = {name: jnp.asarray(x, self.dtype if name in ("query", "key", "value") else jnp.float32)
+                  for name, x in make_delta_inputs(case).items()}
+        return {**arrays, **delta_options(case)}
+
+
+def _product(gates, dims, dtypes, packed, reverse, gradient, delta: bool = False) -> list[Configuration]:
+    return [Configuration(g, K, V, d, p, r, grad, delta)
             for g, (K, V), d, p, r, grad in itertools.product(gates, dims, dtypes, packed, reverse, gradient)]
 
 
@@ -67,26 +88,38 @@ REPRESENTATIVE = {
     "tpu": (_product(GATE_SETS, [(128, 128)], ["bfloat16", "float32", "float16"], [False], [False], [True])
             + _product(["head", "channel"], [(64, 64), (128, 256), (256, 128)], ["bfloat16"], [False], [False], [True])
             + [Configuration(g, 64, 128, "bfloat16", p, r) for g in GATE_SETS
-               for p, r in ((True, False), (False, True), (True, True))]),
+               for p, r in ((True, False), (False, True), (True, True))]
+            + _product(GATE_SETS, [(128, 128)], ["bfloat16"], [False], [False], [True], delta=True)
+            + [Configuration("both", 128, 128, "float32", True, delta=True),
+               Configuration("channel", 64, 256, "bfloat16", delta=True)]),
 }
 """What CI compiles. GPU: every gate kind × K = V ∈ {64, 128} × dense / packed × forward /
-gradient, bf16 (32 programs). TPU: the configurations `tests/test_kernels_tpu.py` exports."""
+gradient, bf16 (32 programs). TPU: the configurations `tests/test_kernels_tpu.py` exports, and
+the delta rule's kernel for every gate kind (gradient programs: its forward kernel and XLA
+`chunk`'s backward), packed float32, and K = 64, V = 256."""
 FULL = {
     "gpu": _product(GATE_SETS, [(64, 64), (64, 128), (128, 64), (128, 128)], ["bfloat16", "float16"],
                     [False, True], [False, True], [False, True]),
-    "tpu": _product(GATE_SETS, TPU_DIMS, ["bfloat16", "float32", "float16"], [False, True], [False, True], [True]),
+    "tpu": (_product(GATE_SETS, TPU_DIMS, ["bfloat16", "float32", "float16"], [False, True], [False, True], [True])
+            + _product(GATE_SETS, TPU_DIMS, ["bfloat16", "float32"], [False, True], [False], [True], delta=True)),
 }
 """The declared product (slow)."""
 
 
 def program(configuration: Configuration, implementation: str | None = None):
     """`(fn, args)`: the configuration's program and its inputs, for `targets.compile_for`."""
-    diff, rest = split_args(make_inputs(configuration.case()))
+    if configuration.delta:
+        given = configuration.arguments()
+        diff = {name: given.pop(name) for name in DELTA_DIFF_ARGS if name in given}
+        rest = given
+    else:
+        diff, rest = split_args(make_inputs(configuration.case()))
     arrays = {name: value for name, value in rest.items() if hasattr(value, "shape")}
     static = {name: value for name, value in rest.items() if not hasattr(value, "shape")}
+    operation = recurrax.delta_rule if configuration.delta else recurrax.recurrent
 
     def forward(diff, arrays):
-        return recurrax.recurrent(**diff, **arrays, **static, implementation=implementation)
+        return operation(**diff, **arrays, **static, implementation=implementation)
 
     def loss(diff, arrays):
         output, state = forward(diff, arrays)
@@ -98,9 +131,9 @@ def program(configuration: Configuration, implementation: str | None = None):
 
 def selection(target: str, configuration: Configuration, implementation: str | None = None):
     """Which implementation dispatch picks for the configuration on `target`, and why."""
-    kwargs = make_inputs(configuration.case())
+    registry = delta_registry if configuration.delta else kernel_registry
     with recurrax.target(target):
-        return kernel_registry.select(**kwargs, implementation=implementation)
+        return registry.select(**configuration.arguments(), implementation=implementation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,8 +46,8 @@ from ._backward import chunk_backward
 from ._forward import chunk_forward
 from ._tiles import CHUNK, has_interpret_mode
 
-__all__ = ["ARCHITECTURES", "BACKEND", "SUPPORT", "has_interpret_mode", "mosaic_gpu_interpret", "mosaic_gpu_recurrent",
-           "unavailable"]
+__all__ = ["ARCHITECTURES", "BACKEND", "INTERPRET_SUPPORT", "SUPPORT", "has_interpret_mode", "interpret_unavailable",
+           "mosaic_gpu_interpret", "mosaic_gpu_recurrent", "unavailable"]
 
 QK_HEAD_DIMS = (64, 128)
 
@@ -58,12 +58,16 @@ ARCHITECTURES = frozenset({9})
 there dispatch takes the Triton kernels or `chunk`."""
 
 
-def _shapes_and_device(request: Request) -> str | None:
+def _shapes(request: Request) -> str | None:
     if request.qk_head_dim not in QK_HEAD_DIMS:
         return f"qk_head_dim={request.qk_head_dim} is not one of {QK_HEAD_DIMS}"
     if request.v_head_dim % 64:
         return f"v_head_dim={request.v_head_dim} is not a multiple of 64"
-    return _compute_capability_refusal(request)
+    return None
+
+
+def _shapes_and_device(request: Request) -> str | None:
+    return _shapes(request) or _compute_capability_refusal(request)
 
 
 def _compute_capability_refusal(request: Request) -> str | None:
@@ -80,6 +84,8 @@ def _compute_capability_refusal(request: Request) -> str | None:
 
 
 SUPPORT = kernel_support({"bfloat16", "float16"}, _shapes_and_device)
+INTERPRET_SUPPORT = kernel_support({"bfloat16", "float16"}, _shapes)
+"""`mosaic_gpu_interpret`: the dtypes, gates and head dims of `SUPPORT` (the tiles are fixed), any device."""
 
 
 BACKEND = PallasBackend(chunk_forward, chunk_backward, chunk=CHUNK)
@@ -99,4 +105,12 @@ def unavailable() -> str | None:
 
         missing = [name for name in ("kernel", "wgmma", "copy_gmem_to_smem", "Barrier") if not hasattr(plgpu, name)]
         reason = f"this JAX's Mosaic GPU lacks {missing}" if missing else None
+    return reason
+
+
+def interpret_unavailable() -> str | None:
+    """Why this JAX cannot run these kernels in Mosaic GPU interpret mode, or None."""
+    reason = unavailable()
+    if reason is None and not has_interpret_mode():
+        reason = "this JAX's Mosaic GPU has no interpret mode (InterpretGPUParams, JAX >= 0.12)"
     return reason

@@ -6,6 +6,7 @@
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states               |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms          |
 | `_vmem`      | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
+| `_delta_forward` | the delta rule's forward kernel (its backward: XLA `chunk`'s, `kernels/_delta_driver.py`) |
 
 The array contract at the boundary is the driver's (`kernels/_driver.py`, token-major); the
 wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, h, value block, chunk) with the
@@ -21,6 +22,16 @@ BV = min(V, 128); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on
 `recurrax compile`); on other generations dispatch runs `chunk`. A chunk of 64 cannot be made legal (the transposed [K, C] blocks need C to
 be a multiple of 128) and is refused at trace time.
 
+**The delta rule** (`tpu_delta`, `DELTA_SUPPORT`): float32 and bfloat16 inputs, no decay, a
+per-head `g`, a per-key-channel `gk` and their sum, query/key heads shared by groups of value
+heads (repeated before the kernel), initial states, packed `cu_seqlens` (traced too), any T;
+K, V ∈ {64, 128, 256}; v5e and v6e; tiles C = 128, c = 16, BV = min(V, 128). Gradients come
+from XLA `chunk`'s backward recomputed from the inputs (no backward kernel yet).
+
+`pallas_tpu_interpret` (both operations) runs these kernels in Pallas's TPU interpret mode on
+any backend, a CPU included (`INTERPRET_SUPPORT`, `DELTA_INTERPRET_SUPPORT`: no head-dim or
+generation limits; interpret mode takes any tiles).
+
 Never run on a TPU from here: lowering to Mosaic on a CPU (`jax.export`) checks the
 Pallas-level rules (block shapes, a lowering for every primitive); compiling with libtpu for a
 deviceless v5e / v6e (`recurrax.targets`, `tests/test_compile.py`) also runs Mosaic's layout
@@ -29,13 +40,19 @@ passes and the VMEM check.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...registry import Request
+from ...registry import Support
+from .._delta_driver import delta_kernel
 from .._driver import PallasBackend, head_dims_refusal, kernel_support, missing_module
 from ._backward import chunk_backward
+from ._delta_forward import delta_forward
 from ._forward import chunk_forward
 from ._tiles import TpuTiles, mosaic_problems
 
-__all__ = ["BACKEND", "GENERATIONS", "HEAD_DIMS", "SUPPORT", "TILES", "TpuTiles", "mosaic_problems", "tpu_interpret",
+__all__ = ["BACKEND", "DELTA_INTERPRET_SUPPORT", "DELTA_SUPPORT", "GENERATIONS", "HEAD_DIMS", "INTERPRET_SUPPORT",
+           "SUPPORT", "TILES", "TpuTiles", "mosaic_problems", "tpu_delta", "tpu_delta_interpret", "tpu_interpret",
            "tpu_recurrent", "unavailable"]
 
 HEAD_DIMS = (64, 128, 256)
@@ -61,6 +78,13 @@ def _generation_refusal(request: Request) -> str | None:
 
 
 SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _head_dims_and_generation)
+INTERPRET_SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, None)
+"""`recurrent` in interpret mode: the dtypes and gates of `SUPPORT`, any head dims, any device."""
+
+_DELTA_DTYPES = frozenset({"float32", "bfloat16"})
+DELTA_SUPPORT = Support(dtypes=_DELTA_DTYPES, gates=SUPPORT.gates, varlen=True, check=_head_dims_and_generation,
+                        shared_query_key=True)
+DELTA_INTERPRET_SUPPORT = dataclasses.replace(DELTA_SUPPORT, check=None)
 
 
 def _declared_tiles(problem) -> TpuTiles:
@@ -72,6 +96,17 @@ BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tile
 
 tpu_recurrent = BACKEND.recurrent
 tpu_interpret = BACKEND.interpret
+
+
+def tpu_delta(problem, *, scale: float, tiles: TpuTiles = TILES):
+    """The delta rule through the forward kernel compiled by Mosaic TPU; `(output, final_state)`
+    like `recurrax.delta.chunk_delta` (gradients: `chunk`'s backward)."""
+    return delta_kernel(problem, scale=scale, forward=delta_forward, tiles=tiles)
+
+
+def tpu_delta_interpret(problem, *, scale: float, tiles: TpuTiles = TILES):
+    """`tpu_delta` in Pallas's TPU interpret mode, on any device (tests, laptops)."""
+    return delta_kernel(problem, scale=scale, forward=delta_forward, tiles=tiles, interpret=True)
 
 
 def unavailable() -> str | None:

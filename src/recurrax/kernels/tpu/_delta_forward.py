@@ -1,0 +1,195 @@
+"""Forward Pallas TPU kernel of the delta rule's chunk (WY/UT) algorithm: outputs, final states.
+
+| symbol  | meaning                                                                   |
+|---------|---------------------------------------------------------------------------|
+| C, c    | chunk length (one grid step, a power of two), sub-block length (per-channel decays) |
+| S       | [K, BV] float32 state entering the chunk, a VMEM scratch across steps     |
+| A_t     | chunk-local inclusive cumulative log decay Σ_{s ≤ t} a_s; A_L the last    |
+| β       | write strengths of the chunk's tokens, a [C, 1] column                    |
+| M       | strictly lower [C, C]: M_ts = β_t Σ_d k_td k_sd e^{A_td − A_sd} (s < t)   |
+| P       | lower [C, C]: P_ts = Σ_d q_td k_sd e^{A_td − A_sd} (s ≤ t)                |
+| X       | (I + M)⁻¹, unit lower-triangular                                          |
+| U       | [C, BV] the values the chunk's tokens actually write                      |
+
+One grid step is one chunk of one (row, head, value block); the chunk algorithm of
+`recurrax.delta._chunk` (its docstring derives it), with the solve folded into one product:
+
+    U   = X (β ⊙ (V − (K ⊙ e^{A}) S))
+    O   = scale · ((Q ⊙ e^{A}) S + P U)
+    S'  = e^{A_L} ⊙ S + (K ⊙ e^{A_L − A})ᵀ U
+
+Nothing in U depends on other value columns, so the value blocks are independent programs
+(each forms the same M and X). The scores P and M are those of the `recurrent` kernels
+(`_forward.py`): per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key
+channel, sub-blocks of c query rows anchored at the row before them, the keys inside the
+sub-block computed element-wise (`diagonal_scores`). Every evaluated exponential has a
+non-positive exponent for gates ≤ 0.
+
+**The inverse by masked doubling.** With X_m the inverse of the block-diagonal part of I + M
+in m-blocks (X_1 = I) and L_m the entries of M inside a 2m-block but outside the m-blocks
+(row t, column s: t XOR s ∈ [m, 2m)), L_m X_m L_m = 0, so
+
+    X_{2m} = X_m − X_m (L_m X_m)
+
+`_unit_lower.py`'s recursion on whole [C, C] tiles: log₂ C levels of two matmuls, no slice.
+It and the products with U run with float32 operands; the scores and the outputs' products
+use the inputs' MXU type (bf16 for bf16 inputs), as the `recurrent` kernels do.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...problem import Gate
+from .._driver import KernelConfig, output_type
+from . import _tiles as tiles
+from ._forward import diagonal_scores
+from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
+
+
+def unit_lower_inverse(M):
+    """(I + M)⁻¹ of a strictly lower-triangular [C, C] M (C a power of two), float32."""
+    C = M.shape[0]
+    rows, cols = iota((C, C), 0), iota((C, C), 1)
+    X = (rows == cols).astype(F32)
+    apart = jnp.bitwise_xor(rows, cols)
+    m = 1
+    while m < C:
+        L = jnp.where((apart >= m) & (apart < 2 * m), M, 0.0)
+        X = X - mm(X, mm(L, X, F32), F32)
+        m *= 2
+    return X
+
+
+def channel_scores(x, k, a, c: int, dtype):
+    """Σ_d x_td k_sd e^{A_td − A_sd} for s ≤ t (0 above the diagonal), [C, C] float32, built
+    from sub-blocks of c rows anchored at the row before each (per-channel decay `a` [C, K])."""
+    C, K = k.shape
+    blocks = []
+    for p in range(0, C, c):
+        x_s, a_s = x[p : p + c], a[p : p + c]
+        scores = jnp.zeros((c, C), F32)
+        if p > 0:  # keys s < p, anchored at r = p − 1
+            a_r = pick_row(a, p - 1)  # [1, K]
+            k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for s ≥ p
+            scores = mm_nt(x_s * jnp.exp(a_s - a_r), k_anchor, dtype)
+        blocks.append(diagonal_scores(x_s, k[p : p + c], a_s, scores, p))
+    return jnp.concatenate(blocks, axis=0)
+
+
+def chunk_scores(x, k, decay, gate: Gate | None, c: int, dtype):
+    """The lower-triangular (s ≤ t) decayed scores of rows `x` against keys `k`, [C, C]."""
+    C = k.shape[0]
+    lower = iota((C, C), 0) >= iota((C, C), 1)
+    if gate is Gate.KEY:
+        return channel_scores(x, k, decay[0], c, dtype)
+    if gate is Gate.HEAD:
+        a_col, a_row = decay
+        return mm_nt(x, k, dtype) * exp_where(lower, a_col - a_row)
+    return jnp.where(lower, mm_nt(x, k, dtype), 0.0)
+
+
+def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale: float, dtype):
+    """One chunk from its entry state S [K, BV]: (o [C, BV], S' [K, BV]), float32.
+
+    `decay`: per head (a [C, 1], a [1, C]); per key channel (a [C, K], aᵀ [K, C]); None."""
+    C = k.shape[0]
+    strictly_lower = iota((C, C), 0) > iota((C, C), 1)
+    if gate is None:
+        from_start, state_decay, kT_to_end = 1.0, 1.0, kT
+    else:
+        rows, cols = decay  # [C, ·] and [·, C] copies of A
+        last = pick_col(cols, C - 1)  # e^{A_L}: [1, 1] per head, [K, 1] per channel
+        from_start, state_decay, kT_to_end = jnp.exp(rows), jnp.exp(last), kT * jnp.exp(last - cols)
+    M = beta * jnp.where(strictly_lower, chunk_scores(k, k, decay, gate, c, dtype), 0.0)
+    X = unit_lower_inverse(M)
+    U = mm(X, beta * (v - mm(k * from_start, S, F32)), F32)  # [C, BV]
+    P = chunk_scores(q, k, decay, gate, c, dtype)
+    o = scale * (mm(q * from_start, S, dtype) + mm(P, U, dtype))
+    return o, state_decay * S + mm(kT_to_end, U, F32)
+
+
+def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
+    refs = list(refs)
+    meta_ref = refs.pop(0) if specs.varlen else None
+    q_ref, k_ref, kT_ref, v_ref, beta_ref = refs[:5]
+    del refs[:5]
+    decay_refs = [refs.pop(0) for _ in range(2)] if static.gate is not None else None
+    h0_ref, o_ref, hT_ref, S_ref = refs
+
+    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+
+    @pl.when(step0)
+    def _():  # packed input: chunks owned by no sequence start from zeros, not garbage
+        S_ref[...] = jnp.zeros(S_ref.shape, F32)
+
+    @pl.when(first)
+    def _():
+        S_ref[...] = h0_ref[...].astype(F32)
+
+    decay = None if decay_refs is None else tuple(tiles.f32(r) for r in decay_refs)
+    q, k, kT, v, beta = (tiles.f32(r) for r in (q_ref, k_ref, kT_ref, v_ref, beta_ref))
+    o, S_next = delta_chunk(q, k, kT, v, beta, decay, S_ref[...], gate=static.gate, c=static.tiles.sub,
+                            scale=static.scale, dtype=tiles.matmul_dtype(k_ref.dtype))
+    o_ref[...] = o.astype(o_ref.dtype)
+    S_ref[...] = S_next
+
+    @pl.when(last)
+    def _():
+        hT_ref[...] = S_next.astype(hT_ref.dtype)
+
+
+def check_delta_tiles(s: tiles.Shapes, static: KernelConfig, dtype) -> None:
+    """Refuse, at trace time, tiles Mosaic would refuse or a chunk that is not a power of two
+    (the inverse's doubling); interpret mode takes any power of two."""
+    problems = [] if static.interpret else tiles.mosaic_problems(s, dtype)
+    if s.C & (s.C - 1):
+        problems.append(f"chunk={s.C} must be a power of two")
+    if s.C % s.c:
+        problems.append(f"sub={s.c} must divide chunk={s.C}")
+    if problems:
+        raise ValueError("TPU delta-rule kernel: " + "; ".join(problems))
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig):
+    """Launch the forward kernel: `(o [B, Tp, H, V] in q's dtype, h_T [R, H, K, V] float32)`.
+
+    **Arguments:** token-major q, k [B, Tp, H, K] (heads expanded), v [B, Tp, H, V], β
+    [B, Tp, H], `a` the chunk-local cumulative log decay (float32 [B, Tp, H] per head,
+    [B, Tp, H, K] per channel, None), h0 [R, H, K, V] float32, `meta` the packed input's
+    [3, N] owners table (`varlen.ChunkOwners.table()`) or None; Tp a multiple of the chunk.
+    h_T is written only for sequences that own a chunk.
+    """
+    out_dtype = q.dtype
+    kdt = tiles.kernel_dtype(q.dtype)
+    q, k, v = (x.astype(kdt) for x in (q, k, v))
+    s = tiles.shapes_of(q, v, static)
+    check_delta_tiles(s, static, kdt)
+    specs = tiles.Specs(s, backward=False, varlen=meta is not None)
+    R = h0.shape[0]
+
+    beta_col = jnp.transpose(beta.astype(F32), (0, 2, 1))[..., None]  # [B, H, Tp, 1]
+    inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v), beta_col]
+    in_specs = [specs.rows(s.K), specs.rows(s.K), specs.cols(s.K), specs.rows_v(), specs.rows(1)]
+    inputs += tiles.decay_layouts(a, static.gate)
+    in_specs += specs.decay(static.gate)
+    inputs.append(h0.astype(F32))
+    in_specs.append(specs.state())
+    out_specs = [specs.rows_v(), specs.state()]
+    out_shape = [output_type((s.B, s.H, s.Tp, s.V), kdt, k), output_type((R, s.H, s.K, s.V), F32, k)]
+
+    o, h_T = pl.pallas_call(
+        functools.partial(_delta_forward_kernel, static=static, specs=specs),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        out_shape=out_shape,
+        compiler_params=tiles.compiler_params(static),
+        interpret=tiles.interpret_mode(static),
+        name="recurrax_tpu_delta_fwd",
+    )(*(([meta] if meta is not None else []) + inputs))
+    return tiles.token_major(o).astype(out_dtype), h_T
