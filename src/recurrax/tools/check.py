@@ -136,13 +136,18 @@ def _machine_implementations(registry: KernelRegistry = kernel_registry) -> list
     ]
 
 
+NAMED_ONLY = ("pallas_tpu_interpret", "mosaic_gpu_interpret")
+"""Checked only when named: JAX's interpreters of the TPU and Mosaic GPU kernels take minutes
+per case on a CPU (`--quick` went from 43 s to 811 s with them)."""
+
+
 def chosen_implementations(requested: list[str] | None, registry: KernelRegistry = kernel_registry) -> list[str]:
     """The implementations to check, in registry order: `requested` (None: every one this
-    machine runs) less those for another backend. `ValueError` for an unregistered name or an
-    empty selection, naming `--implementations` and the valid names."""
+    machine runs but `NAMED_ONLY`) less those for another backend. `ValueError` for an
+    unregistered name or an empty selection, naming `--implementations` and the valid names."""
     runnable = _machine_implementations(registry)
     if requested is None:
-        return runnable
+        return [name for name in runnable if name not in NAMED_ONLY]
     registered = registry.names()
     unknown = [name for name in requested if name not in registered]
     if unknown:
@@ -211,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="recurrax check", description=__doc__)
     parser.add_argument("--operation", choices=[*OPERATIONS, "all"], default="all",
                         help="which operation to check (default: all of them)")
-    parser.add_argument("--implementations", nargs="*", help="names to check (default: all this machine runs)")
+    parser.add_argument("--implementations", nargs="*",
+                        help="names to check (default: all this machine runs but the TPU and Mosaic GPU "
+                             "interpreters, " + ", ".join(NAMED_ONLY) + ", which take minutes: name them)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--tolerance", type=positive_float, help="max relative error, > 0 (default by dtype)")
     parser.add_argument("--quick", action="store_true",
