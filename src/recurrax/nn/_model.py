@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 from ._gated_deltanet import GatedDeltaNet
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
+from ._remat import call_block, check_remat
 from ._sharding import RESIDUAL, constrain, partitioned
 from ._tokens import check_token_ids
 from ._tied import tied_logits
@@ -114,6 +115,10 @@ class LanguageModel(nnx.Module):
       (None: the best one on this backend; `recurrax.kernel_registry.select` tells which;
       for `"gated_deltanet"` a name of `recurrax.delta.IMPLEMENTATIONS`).
     - `dtype`, `param_dtype`: computation and parameter dtypes.
+    - `remat`: what a training step keeps of each block for the backward: None (everything
+      autodiff saves), `"block"` (the block's input; the block is recomputed) or `"dots"`
+      (its projections' and MLP's matmul outputs); gradients are the same up to rounding.
+      A plain attribute, not part of `config`: set `model.remat` to change it.
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
 
     `recurrax.nn.pretrained.save_pretrained` writes it (config.json from `config`, the
@@ -122,8 +127,8 @@ class LanguageModel(nnx.Module):
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
                  mlp_ratio: int = 4, mixer_options: dict | None = None, implementation: str | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.vocab_size, self.mixer_name = vocab_size, mixer
+                 dtype=jnp.float32, param_dtype=jnp.float32, remat: str | None = None, rngs: nnx.Rngs):
+        self.vocab_size, self.mixer_name, self.remat = vocab_size, mixer, check_remat(remat)
         self.arguments_json = _arguments_json(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
                                               num_heads=num_heads, mixer=mixer, mlp_ratio=mlp_ratio,
                                               mixer_options=mixer_options or {}, implementation=implementation)
@@ -141,7 +146,7 @@ class LanguageModel(nnx.Module):
 
     @property
     def config(self) -> dict:
-        """The constructor's arguments (all but dtypes and `rngs`) as a config.json dict, with
+        """The constructor's arguments (all but dtypes, `remat` and `rngs`) as a config.json dict, with
         `model_type` `"recurrax_language_model"`: what `recurrax.nn.pretrained.save_pretrained`
         writes and `from_pretrained` builds the model back from. A `ValueError` when
         `mixer_options` hold something JSON cannot write."""
@@ -177,7 +182,7 @@ class LanguageModel(nnx.Module):
             raise ValueError(f"cache must hold one state per block ({len(self.blocks)}), got {len(caches)}")
         new_caches = []
         for block, block_cache in zip(self.blocks, caches):
-            x, new_cache = block(x, block_cache, cu_seqlens=cu_seqlens)
+            x, new_cache = call_block(block, self.remat, x, block_cache, cu_seqlens=cu_seqlens)
             x = constrain(x, *RESIDUAL)
             new_caches.append(new_cache)
         logits = constrain(tied_logits(self.embed, self.norm(x)), "batch", "length", "vocab")

@@ -209,13 +209,15 @@ def _language_model_params(model: LanguageModel) -> dict[str, nnx.Variable]:
     return {".".join(map(str, path)): variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def _build_language_model(config: dict, dtype) -> tuple[LanguageModel, dict[str, nnx.Variable]]:
+def _build_language_model(config: dict, dtype, remat: str | None = None
+                          ) -> tuple[LanguageModel, dict[str, nnx.Variable]]:
     """An abstract `LanguageModel` built from its config.json (`LanguageModel.config`), and its parameters."""
     arguments = {k: v for k, v in config.items() if k in LANGUAGE_MODEL_ARGUMENTS}
     missing = [k for k in LANGUAGE_MODEL_ARGUMENTS if k not in arguments]
     if missing:
         raise ConfigError(f"a {LANGUAGE_MODEL_TYPE} config needs the fields {', '.join(missing)}")
-    model = nnx.eval_shape(lambda: LanguageModel(**arguments, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: LanguageModel(**arguments, dtype=dtype, param_dtype=dtype, remat=remat,
+                                                 rngs=nnx.Rngs(0)))
     return model, _language_model_params(model)
 
 
@@ -247,8 +249,8 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
                              "allow_nonfinite=True to load it anyway")
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
-                    allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfinite: bool = False,
+                    remat: str | None = None) -> CausalLM | LanguageModel:
     """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
     into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one
     `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its `model_type` is
@@ -259,6 +261,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
       `model.safetensors.index.json` + its shards.
     - `dtype`: parameter and computation dtype of the model (weights are cast to it).
     - `allow_nonfinite`: load weights holding NaN or inf (refused by default).
+    - `remat`: what a training step keeps of each block for the backward: None (everything),
+      `"block"` (its input) or `"dots"` (its projections' outputs); see `CausalLM`.
 
     Errors name the file: a config.json or index that is not valid JSON, not an object, or
     holds a bad value (`ValueError`, naming the field and what it accepts); a tensor in two
@@ -282,13 +286,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32,
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
     if config.get("model_type") == LANGUAGE_MODEL_TYPE:
         try:
-            model, params = _build_language_model(config, dtype)
+            model, params = _build_language_model(config, dtype, remat)
         except (ValueError, TypeError) as error:
             raise type(error)(f"{config_path}: {error}") from error
         return _fill_language_model(model, params, weights, allow_nonfinite)
     try:
         hf_config = is_hf_config(config)
-        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))  # shapes only, no init
+        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, remat=remat, rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
     if hf_config:

@@ -38,6 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from ...problem import runtime_checks_enabled
 from ...varlen import segments
+from .._remat import call_block, check_remat
 from .._sharding import RESIDUAL, constrain, param, partitioned
 from .._tokens import check_token_ids
 from .._tied import tied_logits
@@ -146,6 +147,10 @@ class CausalLM(nnx.Module):
     - `config`: the config.json as a dict (its `model_type` chooses the family; a bad value is
       a `ValueError` naming the field).
     - `dtype`: parameter and computation dtype (default float32).
+    - `remat`: what a training step keeps of each layer for the backward: None (everything
+      autodiff saves), `"block"` (the layer's input; the layer is recomputed) or `"dots"` (its
+      projections' matmul outputs); gradients are the same up to rounding. A plain attribute:
+      set `model.remat` to change it.
     - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
 
     The body (embedding, layers, final norm) is `model.body`, under the name the family's
@@ -153,8 +158,9 @@ class CausalLM(nnx.Module):
     `eos_token_id`, an id or a list) are `generate`'s default stop tokens.
     """
 
-    def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: dict, *, dtype=jnp.float32, remat: str | None = None, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.remat = check_remat(remat)
         family_module = FAMILY_MODULES.get(config.get("model_type")) if isinstance(config, dict) else None
         if family_module is not None:
             spec = family_module.resolve(config)
@@ -240,7 +246,8 @@ class CausalLM(nnx.Module):
             raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(layer_caches)}")
         new_caches = []
         for block, layer_cache, context in zip(layers, layer_caches, self.body.layer_context(h)):
-            h, new_cache = block(h, layer_cache, cu_seqlens=cu_seqlens, positions=positions, **context)
+            h, new_cache = call_block(block, self.remat, h, layer_cache, cu_seqlens=cu_seqlens, positions=positions,
+                                      **context)
             h = constrain(h, *RESIDUAL)
             new_caches.append(new_cache)
         if logits_to_keep is not None:
