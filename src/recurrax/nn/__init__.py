@@ -27,6 +27,7 @@ from ._mixers import (  # noqa: E402
 )
 from ._conv import ShortConvolution  # noqa: E402
 from ._gated_deltanet import GatedDeltaNet, GatedRMSNorm  # noqa: E402
+from ._cross_entropy import chunked_cross_entropy  # noqa: E402
 from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
 from ._moe import (  # noqa: E402
     Dispatch,
@@ -41,6 +42,7 @@ from ._moe import (  # noqa: E402
     route,
     routed_experts,
 )
+from ._remat import REMAT_POLICIES  # noqa: E402
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
     EXPERT_PARALLEL,
@@ -76,6 +78,7 @@ __all__ = [
     "LinearAttention",
     "MixerCache",
     "MultiScaleRetention",
+    "REMAT_POLICIES",
     "RecurrentMixer",
     "Routing",
     "SEQUENCE_PARALLEL",
@@ -83,6 +86,7 @@ __all__ = [
     "TENSOR_PARALLEL",
     "alibi_slopes",
     "all_experts",
+    "chunked_cross_entropy",
     "constrain",
     "default_block_size",
     "dispatch",

@@ -17,8 +17,9 @@ import json
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from ._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from ._gated_deltanet import GatedDeltaNet
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
@@ -174,6 +175,39 @@ class LanguageModel(nnx.Module):
 
         **Returns:** `logits` `[..., vocab_size]`, or `(logits, new_cache)` with `cache`.
         """
+        h, new_caches = self._head_input(tokens, cache, cu_seqlens)
+        logits = constrain(tied_logits(self.embed, h), "batch", "length", "vocab")
+        return logits if cache is None else (logits, new_caches)
+
+    def token_losses(
+        self,
+        tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
+        targets: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
+        *,
+        where: Bool[Array, "batch seq_len"] | Bool[Array, " total_tokens"] | None = None,
+        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        with_predictions: bool = False,
+    ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Int[Array, "..."]]:
+        """The cross entropy of each position's logits against `targets`, without the logits:
+        `recurrax.nn.chunked_cross_entropy` over the final hidden states and the tied head.
+
+        **Arguments:**
+        - `tokens`, `cu_seqlens`: as for a call without a cache.
+        - `targets`: the ids to predict, shaped like `tokens` (outside `[0, vocab_size)`: ignored).
+        - `where`: booleans shaped like `tokens`, False to ignore a position.
+        - `chunk_size`, `with_predictions`: as for `chunked_cross_entropy`.
+
+        **Returns:** float32 losses shaped like `tokens` (0 where ignored), and with
+        `with_predictions` the argmax ids too.
+        """
+        h, _ = self._head_input(tokens, None, cu_seqlens)
+        table = self.embed.embedding[...]
+        return chunked_cross_entropy(h, table.astype(self.embed.dtype or table.dtype), targets, where=where, tied=True,
+                                     chunk_size=chunk_size, with_predictions=with_predictions)
+
+    def _head_input(self, tokens, cache, cu_seqlens):
+        """The final norm's output `[..., d_model]`, and the new caches (None without `cache`)."""
         _check_tokens(tokens, cu_seqlens)
         check_token_ids(tokens, self.vocab_size)
         x = constrain(self.embed(tokens), *RESIDUAL)
@@ -185,8 +219,7 @@ class LanguageModel(nnx.Module):
             x, new_cache = call_block(block, self.remat, x, block_cache, cu_seqlens=cu_seqlens)
             x = constrain(x, *RESIDUAL)
             new_caches.append(new_cache)
-        logits = constrain(tied_logits(self.embed, self.norm(x)), "batch", "length", "vocab")
-        return logits if cache is None else (logits, tuple(new_caches))
+        return self.norm(x), None if cache is None else tuple(new_caches)
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:
         """An empty decode cache: one zero state per block for `batch_size` sequences.

@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from ...problem import runtime_checks_enabled
 from ...varlen import segments
+from .._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from .._remat import call_block, check_remat
 from .._sharding import RESIDUAL, constrain, param, partitioned
 from .._tokens import check_token_ids
@@ -225,6 +226,60 @@ class CausalLM(nnx.Module):
         `(logits, new_cache)`.
         """
         packed = cu_seqlens is not None
+        h, positions, new_caches = self._hidden_states(tokens, cache, cu_seqlens)
+        if logits_to_keep is not None and (packed or not 1 <= logits_to_keep <= tokens.shape[1]):
+            raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, "
+                             f"got {logits_to_keep}" + (" with cu_seqlens" if packed else ""))
+        if logits_to_keep is not None:
+            h, positions = h[:, -logits_to_keep:], positions[:, -logits_to_keep:]
+        logits = constrain(self._head(h), "batch", "length", "vocab")
+        capacity = None if cache is None else _capacity(cache)
+        if capacity is not None:  # traced positions: the tokens past it get NaN logits
+            logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
+        logits = logits[0] if packed else logits
+        if cache is None:
+            return logits
+        seen = tokens.shape[1] if not packed else cu_seqlens[1:] - cu_seqlens[:-1]
+        return logits, ModelCache(tuple(new_caches), cache.positions + seen)
+
+    def token_losses(
+        self,
+        tokens: Int[Array, "B T"] | Int[Array, " N"],
+        targets: Int[Array, "B T"] | Int[Array, " N"],
+        *,
+        where: Bool[Array, "B T"] | Bool[Array, " N"] | None = None,
+        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        with_predictions: bool = False,
+    ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Int[Array, "..."]]:
+        """The cross entropy of each token's logits against `targets`, without the logits:
+        `recurrax.nn.chunked_cross_entropy` over the head's input and the head (times the
+        family's logits multiplier).
+
+        **Arguments:**
+        - `tokens`, `cu_seqlens`: as for a call without a cache.
+        - `targets`: the ids to predict, shaped like `tokens` (outside `[0, vocab_size)`: ignored).
+        - `where`: booleans shaped like `tokens`, False to ignore a token.
+        - `chunk_size`, `with_predictions`: as for `chunked_cross_entropy`.
+
+        **Returns:** float32 losses shaped like `tokens` (0 where ignored), and with
+        `with_predictions` the argmax ids too.
+        """
+        h, _, _ = self._hidden_states(tokens, None, cu_seqlens)
+        h = self.body.head_input(h)
+        h = h[0] if cu_seqlens is not None else h
+        if self.lm_head is not None:
+            head, tied, dtype = self.lm_head.kernel[...], False, self.lm_head.dtype
+        else:
+            head, tied, dtype = self.body.embedding.embedding[...], True, self.body.embedding.dtype
+        return chunked_cross_entropy(h, head.astype(dtype or head.dtype), targets, where=where, tied=tied,
+                                     logits_scale=self.logits_multiplier, chunk_size=chunk_size,
+                                     with_predictions=with_predictions)
+
+    def _hidden_states(self, tokens, cache, cu_seqlens):
+        """The last layer's output `[B, T, D]` (packed: `[1, N, D]`), every token's position,
+        and the new layer caches."""
+        packed = cu_seqlens is not None
         if packed and tokens.ndim != 1:
             raise ValueError(f"packed tokens must be [total_tokens], got shape {tokens.shape}")
         if not packed and tokens.ndim != 2:
@@ -232,9 +287,6 @@ class CausalLM(nnx.Module):
                              f"got shape {tokens.shape}")
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
-        if logits_to_keep is not None and (packed or not 1 <= logits_to_keep <= tokens.shape[1]):
-            raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, "
-                             f"got {logits_to_keep}" + (" with cu_seqlens" if packed else ""))
         check_token_ids(tokens, self.vocab_size)
         h = constrain(self.body.embed(tokens[None] if packed else tokens), *RESIDUAL)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
@@ -250,16 +302,7 @@ class CausalLM(nnx.Module):
                                       **context)
             h = constrain(h, *RESIDUAL)
             new_caches.append(new_cache)
-        if logits_to_keep is not None:
-            h, positions = h[:, -logits_to_keep:], positions[:, -logits_to_keep:]
-        logits = constrain(self._head(h), "batch", "length", "vocab")
-        if capacity is not None:  # traced positions: the tokens past it get NaN logits
-            logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
-        logits = logits[0] if packed else logits
-        if cache is None:
-            return logits
-        seen = tokens.shape[1] if not packed else cu_seqlens[1:] - cu_seqlens[:-1]
-        return logits, ModelCache(tuple(new_caches), cache.positions + seen)
+        return h, positions, new_caches
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
         """An empty cache for `rows` sequences; softmax-attention layers hold `capacity` tokens
