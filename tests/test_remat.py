@@ -1,0 +1,140 @@
+"""`remat=` (recurrax.nn._remat) on `LanguageModel` and `CausalLM`: the gradients of a training
+loss under `"block"` and `"dots"` equal the plain model's, and the saved residuals shrink.
+
+Error metric: per parameter, max |remat − plain| / max |plain| (float32 both), held to
+`floor_tolerance` of the plain float32 gradients' error against the float64 model's (same
+parameters cast up). The default tier checks a one-block GLA `LanguageModel`'s gradients
+(its mixer on the `scan` algorithm), and the
+saved residuals of it and of a Zamba2 `CausalLM` (shared attention blocks fed the
+embeddings, Mamba-2 layers); `-m slow` checks the gradients of Zamba2, the gated delta
+rule, fla's GLA/attention hybrid and Bamba.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", reason="recurrax.nn needs flax")
+pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip install 'recurrax[pretrained]')")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from _cases import compile_once_quickly, float64, floor_tolerance, max_rel_error  # noqa: E402
+
+from recurrax.nn import REMAT_POLICIES, LanguageModel  # noqa: E402
+from recurrax.nn.pretrained import from_pretrained, save_pretrained  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CHECKPOINTS = {"zamba2": FIXTURES / "transformers" / "zamba2_shared_adapters_rope_tied",
+               "bamba": FIXTURES / "transformers" / "bamba_basic",
+               "gla_hybrid": FIXTURES / "fla" / "gla_hybrid_attn"}
+SEQ_LEN = 12
+
+
+def language_model(mixer: str, dtype=jnp.float32, remat=None, **options) -> LanguageModel:
+    options = dict(dict(num_layers=2), **options)
+    return LanguageModel(23, 16, num_heads=2, mixer=mixer, mixer_options={"conv_size": 2} if mixer == "gla" else None,
+                         dtype=dtype, param_dtype=dtype, remat=remat, rngs=nnx.Rngs(0), **options)
+
+
+LANGUAGE_MODELS = {  # name: (mixer, options); "gla_scan" compiles in a third of "gla"'s time
+    "gla_scan": ("gla", dict(num_layers=1, implementation="scan")),
+    "gla": ("gla", {}),
+    "gated_deltanet": ("gated_deltanet", {}),
+}
+
+
+def build(name: str, dtype=jnp.float32, remat=None):
+    """The model called `name`: a LanguageModel's mixer, or a key of CHECKPOINTS."""
+    if name in CHECKPOINTS:
+        return from_pretrained(CHECKPOINTS[name], dtype=dtype, remat=remat)
+    mixer, options = LANGUAGE_MODELS[name]
+    return language_model(mixer, dtype, remat, **options)
+
+
+def loss_gradients(model, params, tokens, quickly: bool = False):
+    """The gradients of the mean next-token loss (through the logits) at `params`; `quickly`
+    compiles at XLA's level 0 (for the float64 floor)."""
+    graphdef = nnx.split(model)[0]
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1]).astype(jnp.float32)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1).mean()
+
+    gradients = jax.jit(jax.grad(loss))
+    return (compile_once_quickly(gradients, params) if quickly else gradients)(params)
+
+
+def gradient_error(got, want) -> float:
+    return max(max_rel_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+CASES = [pytest.param("gla_scan"), pytest.param("gla", marks=pytest.mark.slow), pytest.param("zamba2", marks=pytest.mark.slow),
+         pytest.param("gated_deltanet", marks=pytest.mark.slow),
+         pytest.param("gla_hybrid", marks=pytest.mark.slow), pytest.param("bamba", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_remat_gradients_equal_plain(name):
+    model = build(name)
+    params = nnx.split(model)[1]
+    tokens = jax.random.randint(jax.random.key(1), (2, SEQ_LEN + 1), 0, model.vocab_size)
+    plain = loss_gradients(model, params, tokens)
+    exact = loss_gradients(build(name, jnp.float64), float64(params), tokens, quickly=True)
+    tolerance = floor_tolerance(gradient_error(plain, exact))
+    for remat in REMAT_POLICIES:
+        model.remat = remat
+        error = gradient_error(loss_gradients(model, params, tokens), plain)
+        assert error <= tolerance, f"{name} remat={remat!r}: gradient error {error:.3g} > {tolerance:.3g}"
+
+
+def saved_elements(model, tokens, capsys) -> int:
+    """Numbers the backward of the model's loss keeps, per `jax.ad_checkpoint.print_saved_residuals`."""
+    graphdef, params = nnx.split(model)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(lambda p: nnx.merge(graphdef, p)(tokens).sum(), params)
+    shapes = re.findall(r"^\w+\[([\d,]*)\]", capsys.readouterr().out, flags=re.MULTILINE)
+    return sum(int(np.prod([int(d) for d in shape.split(",") if d])) for shape in shapes)
+
+
+@pytest.mark.parametrize("name", ["gla", "zamba2"])
+def test_remat_saves_less(name, capsys):
+    """Block keeps the fewest numbers, dots more (the projections), none the most."""
+    import jax.ad_checkpoint  # noqa: F401  (print_saved_residuals)
+
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    model = build(name)
+    saved = {}
+    for remat in (None, "dots", "block"):
+        model.remat = remat
+        saved[remat] = saved_elements(model, tokens, capsys)
+    assert saved["block"] < saved["dots"] < saved[None], saved
+
+
+def test_remat_reaches_every_entry_point(tmp_path):
+    model = language_model("gla", remat="block")
+    assert model.remat == "block" and "remat" not in model.config
+    save_pretrained(model, tmp_path)
+    assert from_pretrained(tmp_path, remat="dots").remat == "dots"
+    assert from_pretrained(CHECKPOINTS["zamba2"], remat="block").remat == "block"
+    with pytest.raises(ValueError, match="remat must be None, 'block' or 'dots', got 'all'"):
+        language_model("gla", remat="all")
+    with pytest.raises(ValueError, match="remat must be"):
+        from_pretrained(CHECKPOINTS["zamba2"], remat="full")
+
+
+def test_cached_call_ignores_remat():
+    """Decoding runs the plain blocks: the same logits and caches with remat set."""
+    model = build("gla_scan")
+    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, 23)
+    plain, plain_cache = model(tokens, model.init_cache(2))
+    model.remat = "dots"
+    logits, cache = model(tokens, model.init_cache(2))
+    np.testing.assert_array_equal(logits, plain)
+    jax.tree.map(np.testing.assert_array_equal, cache, plain_cache)
