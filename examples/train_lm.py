@@ -48,17 +48,19 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--log-every", type=int, default=20, help="print the loss every this many steps")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--remat", choices=("none", "block", "dots"), default="none",
+                        help="what the backward keeps of each block: everything, its input, or its matmul outputs")
     args = parser.parse_args(argv)
 
     model = LanguageModel(args.vocab_size, args.d_model, args.num_layers, args.num_heads, mixer=args.mixer,
-                          mixer_options=dict(conv_size=2), rngs=nnx.Rngs(args.seed))
+                          mixer_options=dict(conv_size=2), remat=None if args.remat == "none" else args.remat,
+                          rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)          # a pure function of `params` from here on
     optimizer = optax.adamw(args.learning_rate, weight_decay=0.01)
     opt_state = optimizer.init(params)
 
-    def loss_fn(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])            # [B, T, vocab]
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    def loss_fn(params, tokens):  # the cross entropy chunk by chunk: no [B, T, vocab] logits in memory
+        losses = nnx.merge(graphdef, params).token_losses(tokens[:, :-1], tokens[:, 1:])   # [B, T]
         return losses[:, 2:].mean()                                      # the first two are guesses
 
     @jax.jit

@@ -48,6 +48,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mesh", default="data=2,tensor=2,sequence=2",
                         help="mesh axis sizes, AXIS=SIZE,... over data, tensor, sequence (missing axes: 1)")
     parser.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over data too")
+    parser.add_argument("--remat", choices=("none", "block", "dots"), default="none",
+                        help="what the backward keeps of each layer: everything, its input, or its matmul outputs")
     parser.add_argument("--steps", type=int, default=10, help="training steps")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (divisible by data)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (divisible by sequence)")
@@ -92,13 +94,12 @@ def make_batch(seed: int, step: int, batch_size: int, seq_len: int, vocab_size: 
 
 
 def loss_fn(graphdef):
-    """Mean next-token cross entropy of the model `graphdef` with parameters `params`."""
-    import optax
+    """Mean next-token cross entropy of the model `graphdef` with parameters `params`, chunk by
+    chunk (`token_losses`: the `[B, T, vocab]` logits are never held whole)."""
     from flax import nnx
 
     def loss(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return nnx.merge(graphdef, params).token_losses(inputs, targets).mean()
 
     return loss
 
@@ -245,7 +246,7 @@ def run_process(args: argparse.Namespace, sizes: dict[str, int]) -> int:
     mesh = make_mesh(sizes)
     if mesh.size != jax.device_count():
         raise SystemExit(f"--mesh {sizes} has {mesh.size} devices; the job has {jax.device_count()}")
-    model = from_pretrained(args.model)
+    model = from_pretrained(args.model, remat=None if args.remat == "none" else args.remat)
     graphdef, host_params = nnx.split(model)
     optimizer = optax.adamw(args.learning_rate)
     params_sharding, opt_sharding = state_shardings(model, optimizer, mesh, args.fsdp)

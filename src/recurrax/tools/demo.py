@@ -116,10 +116,13 @@ def make_functions(model, config: TrainConfig):
         end_value=config.learning_rate * 0.05,
     )
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=config.weight_decay))
-    forward = lambda params, tokens: nnx.merge(graphdef, params)(tokens)  # noqa: E731
 
-    def loss_fn(params, batch):
-        return masked_loss_and_accuracy(forward(params, batch.tokens), batch)
+    def loss_fn(params, batch):  # the chunked loss: the [B, T, vocab] logits are never held whole
+        losses, predictions = nnx.merge(graphdef, params).token_losses(batch.tokens, batch.targets, where=batch.mask,
+                                                                       with_predictions=True)
+        weights = batch.mask.astype(jnp.float32)
+        count = jnp.maximum(weights.sum(), 1.0)
+        return losses.sum() / count, ((predictions == batch.targets) * weights).sum() / count
 
     @jax.jit
     def train_step(params, opt_state, key: PRNGKeyArray):
