@@ -92,7 +92,8 @@ def table(args, rows: list[dict]) -> str:
     lines = [f"# Training-step memory: {args.mixer} LanguageModel, d_model {args.d_model}, {args.num_layers} blocks, "
              f"vocab {args.vocab}, {args.batch_size} × {args.seq_len} tokens", "",
              f"XLA temporaries of one `value_and_grad` step on this CPU ({jax.devices()[0].device_kind}); "
-             "`python benchmarks/training_memory.py`.", "",
+             "`python benchmarks/training_memory.py`." + (f" Step time: the median of {args.time} runs "
+                                                          "(as quiet as the machine was)." if args.time else ""), "",
              "| remat | loss | temporaries (MiB) | vs none + full |" + (" step (s) |" if timed else ""),
              "|---|---|---:|---:|" + ("---:|" if timed else "")]
     for r in rows:
