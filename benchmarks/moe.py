@@ -187,7 +187,8 @@ def write_markdown(out: Path, run: dict) -> None:
         "| method | seconds | GFLOP/s (useful) |", "|---|---:|---:|",
     ]
     lines += [f"| {name} | {s:.3f} | {rate:.1f} |" for name, (s, rate) in run["choices"].items()]
-    lines += ["", "The routed layer uses the block-padded matmul (`method=\"blocks\"`; block size "
+    lines += ["", "The routed layer (`method=\"blocks\"`) runs each block of the sorted rows through its expert's "
+              "whole FFN in one scan, with a hand-written VJP (block size "
               f"{default_block_size('blocks', tokens * 8, 64)} at 64 experts top-8, "
               f"{default_block_size('blocks', tokens * 10, 512)} at 512 top-10 by `default_block_size`).", "",
               "## One layer", "", "| experts, top-k | pass | routed (s) | all experts (s) | speed-up |",
