@@ -29,6 +29,7 @@ from ._conv import ShortConvolution  # noqa: E402
 from ._gated_deltanet import GatedDeltaNet, GatedRMSNorm  # noqa: E402
 from ._cross_entropy import chunked_cross_entropy  # noqa: E402
 from ._model import MIXERS, MLP, Block, LanguageModel, make_mixer  # noqa: E402
+from ._packing import PackedBatches, pack_documents  # noqa: E402
 from ._moe import (  # noqa: E402
     Dispatch,
     ExpertWeights,
@@ -69,6 +70,7 @@ __all__ = [
     "MIXERS",
     "MLP",
     "MixtureOfExperts",
+    "PackedBatches",
     "Block",
     "GatedDeltaNet",
     "GatedLinearAttention",
@@ -95,6 +97,7 @@ __all__ = [
     "logical_rules",
     "logical_specs",
     "make_mixer",
+    "pack_documents",
     "padded_rows",
     "parameter_shardings",
     "retention_log_decays",

@@ -29,10 +29,12 @@ from ._mixer import RecurrentCache
 from ._model import CausalLM, ModelCache
 from ._norm import RMSNorm
 from ._retnet import MultiScaleRetention
+from ._sizes import SIZES, from_size, model_from_config, size_config
 from ._text import IncrementalDecoder, TextStream, generate_text, stream_text
 from ._tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "SIZES",
     "SUPPORTED",
     "Attention",
     "CachedLanguageModel",
@@ -51,13 +53,16 @@ __all__ = [
     "TextStream",
     "Tokenizer",
     "from_pretrained",
+    "from_size",
     "generate",
     "generate_text",
     "generate_tokens",
     "load_tokenizer",
     "load_weights",
+    "model_from_config",
     "render_chat",
     "save_pretrained",
+    "size_config",
     "state_dict",
     "stream_text",
 ]

@@ -51,10 +51,8 @@ from ._hf_config import is_hf_config
 from ._linear_attn import LinearAttention
 from ._model import Backbone, CausalLM
 from ._norm import RMSNorm
+from ._sizes import model_from_config
 
-LANGUAGE_MODEL_ARGUMENTS = ("vocab_size", "d_model", "num_layers", "num_heads", "mixer", "mlp_ratio", "mixer_options",
-                            "implementation")
-"""The fields of a `recurrax.nn.LanguageModel`'s config.json: its constructor's arguments."""
 INSTALL_HINT = "reading and writing fla checkpoints needs safetensors: pip install 'recurrax[pretrained]'"
 TIED_HEAD = "lm_head.weight"
 
@@ -212,12 +210,7 @@ def _language_model_params(model: LanguageModel) -> dict[str, nnx.Variable]:
 def _build_language_model(config: dict, dtype, remat: str | None = None
                           ) -> tuple[LanguageModel, dict[str, nnx.Variable]]:
     """An abstract `LanguageModel` built from its config.json (`LanguageModel.config`), and its parameters."""
-    arguments = {k: v for k, v in config.items() if k in LANGUAGE_MODEL_ARGUMENTS}
-    missing = [k for k in LANGUAGE_MODEL_ARGUMENTS if k not in arguments]
-    if missing:
-        raise ConfigError(f"a {LANGUAGE_MODEL_TYPE} config needs the fields {', '.join(missing)}")
-    model = nnx.eval_shape(lambda: LanguageModel(**arguments, dtype=dtype, param_dtype=dtype, remat=remat,
-                                                 rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_from_config(config, dtype=dtype, remat=remat, rngs=nnx.Rngs(0)))
     return model, _language_model_params(model)
 
 
