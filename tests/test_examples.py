@@ -216,3 +216,36 @@ def _all_leaves(check, *trees) -> bool:
     import numpy as np
 
     return all(check(*(np.asarray(leaf) for leaf in leaves)) for leaves in zip(*(jax.tree.leaves(t) for t in trees)))
+
+
+@NEEDS_SCRIPTS
+@NEEDS_FLAX
+@NEEDS_OPTAX
+@pytest.mark.slow
+def test_train_text(tmp_path):
+    """A few KB of text made here: the validation loss falls, and `recurrax generate` reads the
+    saved directory (model and tokenizer)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("tqdm")
+    import random
+
+    chooser = random.Random(0)
+    words = "the cat dog sat on a mat ran to big red ball and then slept in sun".split()
+    paragraphs = [" ".join(chooser.choice(words) for _ in range(chooser.randint(5, 30))) + "." for _ in range(200)]
+    (tmp_path / "text.txt").write_text("\n\n".join(paragraphs))
+    output = run_example("train_text.py", str(tmp_path / "text.txt"), "--output", str(tmp_path / "model"),
+                         "--steps", "30", "--eval-every", "10", "--batch-tokens", "256", "--vocab-size", "300",
+                         "--prompt", "the cat", "--sample-tokens", "8", "--no-progress")
+    assert "180 training documents" in output and "20 validation documents" in output
+    validation = [float(x) for x in re.findall(r"^validation loss ([-+.\deE]+) at step \d+$", output, re.M)]
+    assert len(validation) == 4, output[-3000:]
+    assert validation[0] > 5.0                    # about log(300) = 5.7 before training
+    assert validation[-1] < validation[0] - 1.0   # and it learns
+    assert re.search(r"^sample: the cat", output, re.M)
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(EXAMPLES.parent / "src"),
+                                                                 env.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "recurrax.tools.cli", "generate", str(tmp_path / "model"), "--prompt",
+                          "the dog", "--max-new-tokens", "8"], capture_output=True, text=True, env=env, timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert "loaded" in run.stderr and "tokens/s" in run.stderr
