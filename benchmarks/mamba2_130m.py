@@ -48,19 +48,14 @@ import numpy as np
 from flax import nnx
 
 from recurrax.chunk import default_tiling
-from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained
+from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, size_config
 from recurrax.tools.bench.machine import machine_description
 
 from _floors import matmul_gflops, read_gbps
 from _mamba2_parts import PARTS, part_seconds, repeated_ssd_seconds
 from _timing import timed
 
-MAMBA2_130M = dict(
-    model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=768, num_hidden_layers=24, num_heads=24,
-    head_dim=64, expand=2, state_size=128, n_groups=1, conv_kernel=4, chunk_size=256, vocab_size=50280,
-    tie_word_embeddings=True, use_bias=False, use_conv_bias=True, residual_in_fp32=True, layer_norm_epsilon=1e-5,
-    time_step_limit=[0.0, math.inf],
-)
+MAMBA2_130M = size_config("mamba2-130m")
 """state-spaces/mamba2-130m's shape in `transformers`' Mamba2Config."""
 TINY = {**MAMBA2_130M, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "state_size": 16,
         "vocab_size": 256}

@@ -32,16 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained
+from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, size_config
 from recurrax.tools.bench.machine import machine_description
 
 from _timing import timed
 
-GLA_340M = dict(
-    model_type="gla", hidden_size=1024, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1,
-    hidden_ratio=4, intermediate_size=None, vocab_size=32000, tie_word_embeddings=True, use_short_conv=False,
-    use_output_gate=True, norm_eps=1e-6, max_position_embeddings=2048, attn=None,
-)
+GLA_340M = size_config("gla-340m")
 """fla's GLA 340M configuration (the `gla_340M` config of fla's training recipes)."""
 TINY = {**GLA_340M, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}
 RESULTS = Path(__file__).resolve().parent / "results" / "pretrained_340m.md"
