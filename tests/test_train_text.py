@@ -107,7 +107,8 @@ def test_named_sizes_have_the_sizes_they_are_named_for():
 def test_a_language_model_of_every_mixer_round_trips(tmp_path, mixer):
     """config.json + model.safetensors read back into the same LanguageModel: same config,
     every parameter equal, equal logits."""
-    model = from_size("tiny", vocab_size=24, d_model=16, num_layers=1, mixer=mixer, rngs=nnx.Rngs(3))
+    fast = {"implementation": "scan"} if mixer == "gated_deltanet" else {}     # the chunk form compiles slowly
+    model = from_size("tiny", vocab_size=24, d_model=16, num_layers=1, mixer=mixer, rngs=nnx.Rngs(3), **fast)
     save_pretrained(model, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "recurrax_language_model" and saved["mixer"] == mixer
