@@ -29,7 +29,6 @@ import shutil
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -108,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", default="", help="text the sample continues")
     parser.add_argument("--sample-tokens", type=int, default=100, help="tokens sampled at the end (0: none)")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    parser.add_argument("--remat", choices=("none", "block", "dots"), default="none",
+                        help="what the backward keeps of each block (recurrax.nn.LanguageModel's remat)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (split, batch order, initialisation)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"({int(validation_batches.weights.sum())} tokens); vocabulary {tokenizer.vocab_size}", flush=True)
 
     overrides = {} if args.mixer is None else {"mixer": args.mixer}
-    model = from_size(args.size, vocab_size=tokenizer.vocab_size, rngs=nnx.Rngs(args.seed), **overrides)
+    model = from_size(args.size, vocab_size=tokenizer.vocab_size, remat=None if args.remat == "none" else args.remat,
+                      rngs=nnx.Rngs(args.seed), **overrides)
     graphdef, params = nnx.split(model)          # a pure function of `params` from here on
     warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, warmup, max(args.steps, warmup + 1),
@@ -158,9 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
     opt_state = optimizer.init(params)
 
     def summed_loss(params, batch):
-        """Σ weight · cross entropy over a packed batch, and Σ weight (the tokens it counts)."""
-        logits = nnx.merge(graphdef, params)(batch.inputs, cu_seqlens=batch.cu_seqlens)      # [N, vocab]
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch.targets)
+        """Σ weight · cross entropy over a packed batch, and Σ weight (the tokens it counts);
+        `token_losses` never holds the [N, vocab] logits."""
+        losses = nnx.merge(graphdef, params).token_losses(batch.inputs, batch.targets, where=batch.weights > 0,
+                                                          cu_seqlens=batch.cu_seqlens)          # [N]
         return (losses * batch.weights).sum(), batch.weights.sum()
 
     @jax.jit
