@@ -263,7 +263,7 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
         return prompts, (event for event in ())  # a generator: it has close()
     P = num_slots or min(len(prompts), 8)
     longest = max(map(len, prompts))
-    capacity = _capacity(model, longest + max_new_tokens)
+    capacity = cache_capacity(model, longest + max_new_tokens)
     if runtime_checks_enabled() and capacity > 1:  # the checks see the padding sequence's positions too
         capacity = max(capacity, bucket(P * longest, 64))
     _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
@@ -514,9 +514,10 @@ def bucket(n: int, smallest: int) -> int:
     return -(-n // step) * step
 
 
-def _capacity(model, needed: int) -> int:
-    """Attention-cache capacity: `needed` bucketed (fewer recompilations), or 1 for models
-    whose cache shapes do not depend on it (no softmax-attention layer)."""
+def cache_capacity(model, needed: int) -> int:
+    """The attention-cache capacity (a `DecodePool`'s `capacity`) for sequences of up to
+    `needed` tokens (prompt and output): `needed` bucketed (fewer recompilations), or 1 for
+    models whose cache shapes do not depend on it (no softmax-attention layer)."""
     shapes = [jax.tree.map(lambda x: x.shape, jax.eval_shape(lambda: model.generation_cache(1, c))) for c in (16, 32)]
     if shapes[0] == shapes[1]:
         return 1
