@@ -11,7 +11,9 @@ running requests finish for `--shutdown-timeout` seconds, cancels the rest, and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 
@@ -66,10 +68,28 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(engine, model_name=name, max_model_len=args.max_model_len)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    server = _server_exiting_cleanly(uvicorn)(config)
     _announce_when_ready(server, args.host)
     server.run()
     return 0
+
+
+def _server_exiting_cleanly(uvicorn):
+    """`uvicorn.Server` whose SIGINT/SIGTERM shut it down gracefully (a second SIGINT: at once)
+    and end the command with status 0 (uvicorn's own handling raises the signal again after
+    the shutdown, so the process would end killed by it)."""
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _announce_when_ready(server, host: str) -> None:
