@@ -50,10 +50,13 @@ class Server:
                     ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(600):
+        self.ready = ready
+        self.model = os.path.basename(directory)
+
+    def wait_ready(self) -> None:
+        if not self.ready.wait(600):
             self.process.kill()
             raise RuntimeError("the server did not start:\n" + "".join(self.log))
-        self.model = os.path.basename(directory)
 
     def client(self, asynchronous: bool = False):
         kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
@@ -75,7 +78,8 @@ def directory(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(directory):
+def launched(directory):
+    """The server process, starting (it compiles while `offline` compiles here)."""
     server = Server(directory)
     yield server
     if server.process.poll() is None:
@@ -84,10 +88,17 @@ def server(directory):
 
 
 @pytest.fixture(scope="module")
-def offline(directory):
+def offline(directory, launched):
     """`offline(prompt, max_tokens, **options)`: the Python API's text for a prompt string or ids."""
     model, tokenizer = from_pretrained(directory), load_tokenizer(directory)
+    generate_text(model, tokenizer, "x", 2)  # compiled while the server starts
     return lambda prompt, max_tokens, **options: generate_text(model, tokenizer, prompt, max_tokens, **options)
+
+
+@pytest.fixture(scope="module")
+def server(launched, offline):
+    launched.wait_ready()
+    return launched
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +162,9 @@ def test_seeded_sampling_equals_offline(server, offline):
                                              seed=11)
 
 
-def mixed_requests(count: int) -> list[tuple[str, int]]:
-    """`count` prompts of mixed lengths with mixed max_tokens (1 to 40)."""
-    return [(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + i % 5)), 1 + (i * 7) % 40)
+def mixed_requests(count: int, phrases: int) -> list[tuple[str, int]]:
+    """`count` prompts of 1 to `phrases` phrases with mixed max_tokens (1 to 40)."""
+    return [(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + i % phrases)), 1 + (i * 7) % 40)
             for i in range(count)]
 
 
@@ -175,9 +186,9 @@ async def stream_all(server, requests):
         await client.close()
 
 
-def check_concurrent(server, offline, count):
+def check_concurrent(server, offline, count, phrases):
     """`count` concurrent greedy streams; each text equals the offline one."""
-    requests = mixed_requests(count)
+    requests = mixed_requests(count, phrases)
     answers = asyncio.run(stream_all(server, requests))
     assert len(answers) == count
     for (prompt, max_tokens), (text, usage) in zip(requests, answers):
@@ -187,7 +198,8 @@ def check_concurrent(server, offline, count):
 
 
 def test_concurrent_streams_are_neither_lost_nor_mixed_up(server, offline):
-    check_concurrent(server, offline, SLOTS + 4)
+    """More streams than slots (some wait), short prompts (few prefill lengths to compile)."""
+    check_concurrent(server, offline, SLOTS + 4, phrases=2)
 
 
 @pytest.mark.slow
@@ -197,9 +209,9 @@ def test_64_concurrent_streams_in_bounded_memory(server, offline):
     round compiles nothing; its growth is bounded by 32 MiB, well under what keeping each
     request's compiled prefill or a copy of the pool per request would take, and above the
     allocator's noise."""
-    check_concurrent(server, offline, SLOTS + MAX_QUEUE)
+    check_concurrent(server, offline, SLOTS + MAX_QUEUE, phrases=5)
     before = server.rss_bytes()
-    check_concurrent(server, offline, SLOTS + MAX_QUEUE)
+    check_concurrent(server, offline, SLOTS + MAX_QUEUE, phrases=5)
     assert server.rss_bytes() - before < 32 * 2**20
 
 

@@ -475,8 +475,15 @@ def _throwing(checked):
 
 
 def _empty_pool(model, slots: int, capacity: int):
-    """`model.generation_cache(slots, capacity)`, laid out by `constrain_cache`."""
-    return jax.jit(lambda: constrain_cache(model.generation_cache(slots, capacity)))()
+    """`model.generation_cache(slots, capacity)`, laid out by `constrain_cache` (compiled once
+    per model structure, slots and capacity, as `_admit` and `_step`)."""
+    graphdef, params = nnx.split(model)
+    return _empty_pool_compiled(params, graphdef=graphdef, slots=slots, capacity=capacity)
+
+
+@partial(jax.jit, static_argnames=STATIC)
+def _empty_pool_compiled(params, *, graphdef, slots, capacity):
+    return constrain_cache(nnx.merge(graphdef, params).generation_cache(slots, capacity))
 
 
 CACHE_AXES = {
