@@ -37,7 +37,8 @@ class Server:
                    JAX_PLATFORMS="cpu")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "recurrax.tools.cli", "serve", directory, "--port", "0", "--slots", str(SLOTS),
-             "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout", "60"],
+             "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN), "--prefill-tokens", "64",
+             "--shutdown-timeout", "60"],
             stderr=subprocess.PIPE, text=True, env=env)
         self.log: list[str] = []
         ready = threading.Event()

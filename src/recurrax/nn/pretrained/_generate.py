@@ -348,16 +348,18 @@ class DecodePool:
         """The free slots, lowest first."""
         return [int(s) for s in np.flatnonzero(~self.occupied)]
 
-    def admit(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling]) -> list[tuple[int, int]]:
+    def admit(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], *,
+              packed_length: int | None = None) -> list[tuple[int, int]]:
         """Prefill `prompts` (checked token ids, at most as many as free slots) into the lowest
-        free slots; returns `(slot, first token)` for each, in order."""
+        free slots; returns `(slot, first token)` for each, in order. The packed prefill has
+        `packed_length` tokens (default: their total, bucketed; each length compiles once)."""
         targets = self.free_slots()[: len(prompts)]
         if len(targets) < len(prompts):
             raise ValueError(f"{len(prompts)} prompts for {len(targets)} free slots")
         for slot, options in zip(targets, sampling):
             self._settings.set(slot, options, self.vocab_size)
             self.occupied[slot], self._counts[slot] = True, 1
-        tokens, cu_seqlens, target = _pack([list(p) for p in prompts], targets, self.slots)
+        tokens, cu_seqlens, target = _pack([list(p) for p in prompts], targets, self.slots, packed_length)
         first, self._pool, self._penalty = self._admit(self._params, self._pool, tokens, cu_seqlens, target,
                                                        self._settings.arrays(), self._penalty, **self._static)
         first = np.asarray(first)[: len(targets)]
@@ -608,12 +610,14 @@ def _checked_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return checked
 
 
-def _pack(prompts: list[list[int]], slots: list[int], P: int):
-    """Packed tokens `[N]` (N bucketed, ≥ 64), `cu_seqlens [P + 2]` (prompts, empty
-    sequences, one padding sequence) and target slots `[P]` (P = dropped)."""
+def _pack(prompts: list[list[int]], slots: list[int], P: int, length: int | None = None):
+    """Packed tokens `[N]` (N = `length`, or the total bucketed, ≥ 64), `cu_seqlens [P + 2]`
+    (prompts, empty sequences, one padding sequence) and target slots `[P]` (P = dropped)."""
     lengths = [len(p) for p in prompts] + [0] * (P - len(prompts))
     total = sum(lengths)
-    N = bucket(total, 64)
+    N = bucket(total, 64) if length is None else length
+    if N < total:
+        raise ValueError(f"packed_length {N} is less than the prompts' {total} tokens")
     tokens = np.zeros(N, np.int32)
     tokens[:total] = np.concatenate([np.asarray(p, np.int32) for p in prompts])
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths), [N]]).astype(np.int32)

@@ -35,6 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="requests that may wait for a slot; more are refused with 429 (default 256)")
     parser.add_argument("--max-model-len", type=positive_int, default=4096,
                         help="most tokens of a prompt and its completion (default 4096)")
+    parser.add_argument("--prefill-tokens", type=positive_int, default=512,
+                        help="prompt tokens prefilled together in one step, at most (a longer prompt goes alone); "
+                             "the packed lengths up to it compile at start-up (default 512)")
     parser.add_argument("--shutdown-timeout", type=positive_float, default=30.0,
                         help="seconds running requests get to finish at SIGINT/SIGTERM (default 30)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recurrax serve: {error}", file=sys.stderr)
         return 1
     engine = Engine(model, tokenizer, slots=args.slots, capacity=cache_capacity(model, args.max_model_len),
-                    max_queue=args.max_queue)
+                    max_queue=args.max_queue, prefill_tokens=args.prefill_tokens)
     engine.warm_up()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     print(f"loaded and compiled {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)

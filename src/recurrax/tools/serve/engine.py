@@ -9,8 +9,10 @@ queue and join the pool between decode steps.
 
     loop:
       release the slots of cancelled requests (a client went away)
-      admit: as many waiting requests as there are free slots → one packed prefill; each
-             gets its first token
+      admit: waiting requests, in order, while there are free slots and their prompts fit
+             `--prefill-tokens` together (the first always) → one packed prefill of 64, 128,
+             256, … tokens (compiled at start-up up to `--prefill-tokens`); each gets its
+             first token
       step:  every running request advances one token in one compiled call
       each token → its request's text (stop ids, stop strings, max_tokens); a finished
              request frees its slot at once
@@ -67,9 +69,9 @@ class Engine:
     pool's attention capacity), `max_queue`.
     """
 
-    def __init__(self, model, tokenizer, *, slots: int, capacity: int, max_queue: int):
+    def __init__(self, model, tokenizer, *, slots: int, capacity: int, max_queue: int, prefill_tokens: int = 512):
         self.tokenizer = tokenizer
-        self.slots, self.max_queue = slots, max_queue
+        self.slots, self.max_queue, self.prefill_tokens = slots, max_queue, prefill_tokens
         self.stop_tokens = end_of_sequence_ids(model, tokenizer)
         self._pool = DecodePool(model, slots, capacity)
         self._waiting: deque[Request] = deque()
@@ -79,10 +81,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="recurrax-serve-engine", daemon=True)
 
     def warm_up(self) -> None:
-        """Compile the prefill of one short prompt and the decode step (before serving)."""
-        (slot, _), = self._pool.admit([[0]], [Sampling()])
-        self._pool.step()
-        self._pool.release(slot)
+        """Compile the decode step and every packed prefill length up to `prefill_tokens`
+        (before serving: no request waits for a compilation unless its prompt is longer)."""
+        for length in packed_lengths(self.prefill_tokens):
+            (slot, _), = self._pool.admit([[0]], [Sampling()], packed_length=length)
+            self._pool.step()
+            self._pool.release(slot)
 
     def start(self) -> None:
         self._thread.start()
@@ -129,9 +133,7 @@ class Engine:
                     self._free(slot)
                 while self._waiting and self._waiting[0].cancelled:
                     self._waiting.popleft()
-                free = self._pool.free_slots()
-                admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-                admitted = [r for r in admitted if not r.cancelled]
+                admitted = self._next_admitted(len(self._pool.free_slots()))
             try:
                 self._advance(admitted)
             except Exception as error:  # a failed compiled call: those requests end, the loop goes on
@@ -147,12 +149,28 @@ class Engine:
         for request in ending:
             request.deliver(Update("", "abort", request.tokens))
 
+    def _next_admitted(self, free: int) -> list[Request]:
+        """The waiting requests (the lock is held) that fit `free` slots and, together, the
+        prefill budget (the first always fits)."""
+        admitted, total = [], 0
+        while self._waiting and len(admitted) < free:
+            request = self._waiting[0]
+            if not request.cancelled:
+                if admitted and total + len(request.job.prompt_ids) > self.prefill_tokens:
+                    break
+                admitted.append(request)
+                total += len(request.job.prompt_ids)
+            self._waiting.popleft()
+        return admitted
+
     def _advance(self, admitted: list[Request]) -> None:
         """Admit `admitted`, then one decode step; every token reaches its request."""
         if admitted:
             for request in admitted:
                 request.text = TextPieces(self.tokenizer, request.job.prompt_ids, self.stop_tokens, request.job.stop)
-            first = self._pool.admit([r.job.prompt_ids for r in admitted], [r.job.sampling for r in admitted])
+            total = sum(len(r.job.prompt_ids) for r in admitted)
+            first = self._pool.admit([r.job.prompt_ids for r in admitted], [r.job.sampling for r in admitted],
+                                     packed_length=next(n for n in packed_lengths(max(total, 64)) if n >= total))
             with self._changed:
                 for request, (slot, _) in zip(admitted, first):
                     request.slot = slot
@@ -182,3 +200,12 @@ class Engine:
         """Release `slot` (the lock is held)."""
         self._running.pop(slot, None)
         self._pool.release(slot)
+
+
+def packed_lengths(most: int) -> list[int]:
+    """The packed prefill lengths the engine uses up to `most`: 64, 128, 256, … (powers of
+    two: few compilations), the last one ≥ `most`."""
+    lengths = [64]
+    while lengths[-1] < most:
+        lengths.append(2 * lengths[-1])
+    return lengths
