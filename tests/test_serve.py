@@ -289,6 +289,30 @@ def test_another_model_is_404_and_bad_json_400(server):
     assert response.status_code == 400 and "not JSON" in response.json()["error"]["message"]
 
 
+def readme_section() -> str:
+    readme = open(os.path.join(os.path.dirname(SRC), "README.md"), encoding="utf-8").read()
+    section = readme[readme.index("## Serve it"):]
+    return section[: section.index("\n## ")]
+
+
+def test_readme_commands_parse_and_its_client_code_runs(server, capsys):
+    """The "Serve it" section's `recurrax serve` lines use options the command has and a
+    directory that exists; its Python client code runs against this server."""
+    import shlex
+
+    from recurrax.tools.serve.command import parse_args
+
+    section = readme_section()
+    lines = [line.split("recurrax serve ", 1)[1] for line in section.splitlines() if line.startswith("recurrax serve ")]
+    assert len(lines) >= 2
+    for line in lines:
+        assert os.path.isdir(os.path.join(os.path.dirname(SRC), parse_args(shlex.split(line)).model))
+    code = section[section.index("python - <<'EOF'\n") + len("python - <<'EOF'\n"):section.index("\nEOF\n")]
+    code = code.replace("http://127.0.0.1:8000", server.url).replace('"tiny_gla"', repr(server.model))
+    exec(compile(code, "README.md", "exec"), {})
+    assert "completion_tokens=20" in capsys.readouterr().out
+
+
 def test_sigterm_finishes_the_running_stream_and_exits_0(server, offline):
     """Last in the module: it stops the server."""
     stream = server.client().completions.create(model=server.model, prompt="é ß ñ", max_tokens=30, temperature=0,
