@@ -26,8 +26,9 @@ from _tiny_checkpoint import write_checkpoint  # noqa: E402
 from recurrax.nn.pretrained import from_pretrained, generate_text, load_tokenizer  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-SLOTS, MAX_QUEUE, MAX_MODEL_LEN = 8, 56, 4096
-"""The server's pool and queue: 64 requests fit exactly (8 decoding, 56 waiting)."""
+SLOTS, MAX_QUEUE, MAX_MODEL_LEN = 8, 64, 4096
+"""The server's pool and queue: 64 concurrent requests fit in the queue alone (however many
+the engine has admitted when the last one comes)."""
 WORDS = ["Once upon a time", "The state stays", "你好，世界", "Emoji 🙂 travel", "tiny recurrent model", "é ß ñ"]
 
 
@@ -203,17 +204,19 @@ def test_concurrent_streams_are_neither_lost_nor_mixed_up(server, offline):
     check_concurrent(server, offline, SLOTS + 4, phrases=2)
 
 
-@pytest.mark.slow
 def test_64_concurrent_streams_in_bounded_memory(server, offline):
-    """64 streams (the pool and the queue full): each equals its offline text. Memory: the
-    first round compiles what the mixed prompts need (prefill lengths), an identical second
-    round compiles nothing; its growth is bounded by 32 MiB, well under what keeping each
-    request's compiled prefill or a copy of the pool per request would take, and above the
-    allocator's noise."""
-    check_concurrent(server, offline, SLOTS + MAX_QUEUE, phrases=5)
+    """64 concurrent streams of mixed lengths: each equals its offline text. Memory: the
+    first round compiles whatever its prefills need; an identical second round compiles
+    nothing and keeps nothing, so the server's resident memory stays put (0.1 MiB measured
+    over 480 MiB). The bound, 32 MiB, is half a MiB per request of the round: it catches a
+    request that leaves anything of its size behind (its queue of updates, its text, a
+    compiled program, a copy of the pool) and stays clear of the allocator's noise."""
+    check_concurrent(server, offline, 64, phrases=5)
     before = server.rss_bytes()
-    check_concurrent(server, offline, SLOTS + MAX_QUEUE, phrases=5)
-    assert server.rss_bytes() - before < 32 * 2**20
+    check_concurrent(server, offline, 64, phrases=5)
+    growth = server.rss_bytes() - before
+    print(f"server RSS {before / 2**20:.0f} MiB, grew {growth / 2**20:.1f} MiB over 64 more streams")
+    assert growth < 32 * 2**20
 
 
 def wait_until(condition, seconds: float = 30.0) -> bool:
@@ -237,28 +240,34 @@ def test_a_client_that_goes_away_frees_its_slot(server):
 
 
 def test_a_full_queue_is_429(server):
-    """SLOTS + MAX_QUEUE long greedy streams (their text has no end-of-sequence id: the
-    health check shows them all) fill the server; the next request is refused with 429 and
-    OpenAI's error JSON; when the clients go away, every slot is free again."""
+    """Long greedy streams (their text has no end-of-sequence id: none ends) are opened one
+    by one until one is refused: with 429 and OpenAI's error JSON, once the queue is full
+    (between MAX_QUEUE and SLOTS + MAX_QUEUE requests in, depending on how many the engine
+    had admitted), none of the accepted ones lost; when the clients go away, every slot is
+    free again."""
     body = {"model": server.model, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0,
             "stream": True}
 
     async def flood():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
-            streams = [client.stream("POST", server.url + "/v1/completions", json=body)
-                       for _ in range(SLOTS + MAX_QUEUE)]
-            opened = [await s.__aenter__() for s in streams]
+            opened, refused = [], None
+            for _ in range(SLOTS + MAX_QUEUE + 1):
+                stream = client.stream("POST", server.url + "/v1/completions", json=body)
+                response = await stream.__aenter__()
+                opened.append(stream)
+                if response.status_code != 200:
+                    refused = response, json.loads(await response.aread())
+                    break
             health = server.health()
-            refused = await client.post(server.url + "/v1/completions", json=body)
-            for s in streams:
-                await s.__aexit__(None, None, None)
-            return [r.status_code for r in opened], health, refused
+            for stream in opened:
+                await stream.__aexit__(None, None, None)
+            return len(opened) - 1, health, refused
 
-    statuses, health, refused = asyncio.run(flood())
-    assert statuses == [200] * (SLOTS + MAX_QUEUE)
-    assert (health["running"], health["waiting"]) == (SLOTS, MAX_QUEUE)
-    assert refused.status_code == 429
-    assert refused.json()["error"]["code"] == "queue_full" and "--max-queue" in refused.json()["error"]["message"]
+    accepted, health, (response, error) = asyncio.run(flood())
+    assert MAX_QUEUE <= accepted <= SLOTS + MAX_QUEUE
+    assert health["running"] + health["waiting"] == accepted and health["waiting"] <= MAX_QUEUE
+    assert response.status_code == 429
+    assert error["error"]["code"] == "queue_full" and "--max-queue" in error["error"]["message"]
     assert wait_until(lambda: server.health() == {"status": "ok", "slots": SLOTS, "running": 0, "waiting": 0})
 
 
