@@ -164,6 +164,26 @@ def test_seeded_sampling_equals_offline(server, offline):
                                              seed=11)
 
 
+def test_requests_sampled_differently_side_by_side_equal_offline(server, offline):
+    """Sent together, they decode in the same steps; each slot keeps its own settings."""
+    settings = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(temperature=1.2, seed=2, top_k=5),
+                dict(temperature=1.0, seed=3, top_p=0.5)]
+
+    async def together():
+        client = server.client(asynchronous=True)
+        try:
+            return await asyncio.gather(*(
+                client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24,
+                                          extra_body={"top_k": s["top_k"]} if "top_k" in s else None,
+                                          **{k: v for k, v in s.items() if k != "top_k"})
+                for s in settings))
+        finally:
+            await client.close()
+
+    for answer, options in zip(asyncio.run(together()), settings):
+        assert answer.choices[0].text == offline("Once upon a time", 24, **options), options
+
+
 def mixed_requests(count: int, phrases: int) -> list[tuple[str, int]]:
     """`count` prompts of 1 to `phrases` phrases with mixed max_tokens (1 to 40)."""
     return [(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + i % phrases)), 1 + (i * 7) % 40)
@@ -283,6 +303,7 @@ def test_a_full_queue_is_429(server):
     ({"logprobs": 2}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [1, 300]}, "prompt"),  # the tiny model's vocabulary is 300
 ])
 def test_invalid_requests_are_400_naming_the_parameter(server, fields, param):
     client = server.client()

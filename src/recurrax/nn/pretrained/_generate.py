@@ -19,6 +19,9 @@ runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed)
 so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
 buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
 
+`DecodePool` holds the loop's state (the pool, which slot holds what, each slot's sampling
+settings and seed as arrays `[P]`, so one compiled step serves slots sampled differently);
+`generate` drives it with a queue of prompts, `recurrax serve` with requests as they come.
 `generate_tokens` yields each `(prompt, token)` as its step samples it (`generate` collects
 them; text streaming reads them). A repetition penalty carries, beside the pool, which
 tokens each slot has seen (`[P, vocab]` booleans: its prompt, set at admission, and every

@@ -68,7 +68,7 @@ def create_app(engine: Engine, *, model_name: str, max_model_len: int) -> Starle
             return error(RequestError(f"the request body is not JSON: {failure}"))
         try:
             job = parse(body, chat=chat, model_name=model_name, tokenizer=engine.tokenizer,
-                        max_model_len=max_model_len)
+                        vocab_size=engine.vocab_size, max_model_len=max_model_len)
         except RequestError as failure:
             return error(failure)
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()

@@ -70,7 +70,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, *, slots: int, capacity: int, max_queue: int, prefill_tokens: int = 512):
-        self.tokenizer = tokenizer
+        self.tokenizer, self.vocab_size = tokenizer, model.vocab_size
         self.slots, self.max_queue, self.prefill_tokens = slots, max_queue, prefill_tokens
         self.stop_tokens = end_of_sequence_ids(model, tokenizer)
         self._pool = DecodePool(model, slots, capacity)

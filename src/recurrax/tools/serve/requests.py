@@ -66,8 +66,9 @@ class Job:
     include_usage: bool
 
 
-def parse(body: Any, *, chat: bool, model_name: str, tokenizer, max_model_len: int) -> Job:
-    """The `Job` of a `/v1/completions` (or with `chat`, `/v1/chat/completions`) body."""
+def parse(body: Any, *, chat: bool, model_name: str, tokenizer, vocab_size: int, max_model_len: int) -> Job:
+    """The `Job` of a `/v1/completions` (or with `chat`, `/v1/chat/completions`) body, for a
+    model of `vocab_size` token ids."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -82,6 +83,9 @@ def parse(body: Any, *, chat: bool, model_name: str, tokenizer, max_model_len: i
             raise RequestError(f"{name} must be 1 (this server returns one choice), got {body.get(name)!r}",
                                param=name)
     prompt_ids = _messages_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
+    if not all(0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary)",
+                           param="messages" if chat else "prompt")
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this server's context is {max_model_len} "
@@ -108,8 +112,6 @@ def _prompt_ids(body: dict, tokenizer) -> list[int]:
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = list(prompt)
-        if not all(0 <= t < tokenizer.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
     else:
         raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
                            param="prompt")
