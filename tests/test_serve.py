@@ -344,6 +344,13 @@ def test_readme_commands_parse_and_its_client_code_runs(server, capsys):
     assert "completion_tokens=20" in capsys.readouterr().out
 
 
+def test_a_directory_without_a_tokenizer_is_a_message(tmp_path, capsys):
+    from recurrax.tools import cli
+
+    assert cli.main(["serve", str(tmp_path), "--port", "0"]) == 1
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
 def test_sigterm_finishes_the_running_stream_and_exits_0(server, offline):
     """Last in the module: it stops the server."""
     stream = server.client().completions.create(model=server.model, prompt="é ß ñ", max_tokens=30, temperature=0,

@@ -49,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from ..._extras import require
 
-    uvicorn = require("uvicorn", "serve", "recurrax serve")
-    require("starlette", "serve", "recurrax serve")
+    try:
+        uvicorn = require("uvicorn", "serve", "recurrax serve")
+        require("starlette", "serve", "recurrax serve")
+    except ImportError as error:
+        print(f"recurrax serve: {error}", file=sys.stderr)
+        return 1
     from recurrax.nn.pretrained import cache_capacity, from_pretrained, load_tokenizer
 
     from .app import create_app
