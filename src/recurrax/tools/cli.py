@@ -1,4 +1,4 @@
-"""The `recurrax` command line: `check`, `bench`, `demo`, `generate`, `compile`."""
+"""The `recurrax` command line: `check`, `bench`, `demo`, `generate`, `serve`, `compile`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "bench": ("recurrax.tools.bench", "time and measure memory of the implementations"),
     "demo": ("recurrax.tools.demo", "train a small model on associative recall"),
     "generate": ("recurrax.tools.generate", "text from a checkpoint directory (a prompt or a chat), streamed"),
+    "serve": ("recurrax.tools.serve", "an OpenAI-compatible HTTP server for a checkpoint directory"),
     "compile": ("recurrax.tools.compile", "compile for a GPU or TPU this machine does not have; kernel resources"),
 }
 TOOLCHAIN_ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "TPU_SKIP_MDS_QUERY": "1",

@@ -20,7 +20,7 @@ from ._attention import Attention, KVCache
 from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
 from ._config import SUPPORTED
 from ._chat_template import render_chat
-from ._generate import CachedLanguageModel, generate, generate_tokens
+from ._generate import CachedLanguageModel, DecodePool, Sampling, cache_capacity, generate, generate_tokens
 from ._gla import GatedLinearAttention
 from ._hgrn2 import HGRN2Attention
 from ._lightnet import LightNetAttention
@@ -30,7 +30,7 @@ from ._model import CausalLM, ModelCache
 from ._norm import RMSNorm
 from ._retnet import MultiScaleRetention
 from ._sizes import SIZES, from_size, model_from_config, size_config
-from ._text import IncrementalDecoder, TextStream, generate_text, stream_text
+from ._text import IncrementalDecoder, TextPieces, TextStream, end_of_sequence_ids, generate_text, stream_text
 from ._tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "CachedLanguageModel",
     "CausalConv1d",
     "CausalLM",
+    "DecodePool",
     "GatedLinearAttention",
     "HGRN2Attention",
     "IncrementalDecoder",
@@ -50,8 +51,12 @@ __all__ = [
     "MultiScaleRetention",
     "RMSNorm",
     "RecurrentCache",
+    "Sampling",
+    "TextPieces",
     "TextStream",
     "Tokenizer",
+    "cache_capacity",
+    "end_of_sequence_ids",
     "from_pretrained",
     "from_size",
     "generate",

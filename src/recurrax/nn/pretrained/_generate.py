@@ -19,6 +19,9 @@ runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed)
 so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
 buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
 
+`DecodePool` holds the loop's state (the pool, which slot holds what, each slot's sampling
+settings and seed as arrays `[P]`, so one compiled step serves slots sampled differently);
+`generate` drives it with a queue of prompts, `recurrax serve` with requests as they come.
 `generate_tokens` yields each `(prompt, token)` as its step samples it (`generate` collects
 them; text streaming reads them). A repetition penalty carries, beside the pool, which
 tokens each slot has seen (`[P, vocab]` booleans: its prompt, set at admission, and every
@@ -57,7 +60,7 @@ from __future__ import annotations
 
 from collections import deque
 from functools import partial
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import math
 import numbers
@@ -120,12 +123,15 @@ def sample_tokens(logits, keys, *, temperature, top_k, top_p):
     """One token per row of `logits [P, vocab]`: greedy at temperature 0, else sampled from
     `softmax(logits / temperature)` restricted to the top-k tokens and the top-p nucleus.
 
-    The three settings may be traced (one compiled decoder serves them all): `top_k=None` is
-    the whole vocabulary, `top_p=None` is 1 (no nucleus cut).
+    The three settings may be traced (one compiled decoder serves them all), each a scalar or
+    one value per row `[P]`: `top_k=None` is the whole vocabulary, `top_p=None` is 1 (no
+    nucleus cut).
     """
     vocab = logits.shape[-1]
-    top_k = vocab if top_k is None else top_k
-    top_p = 1.0 if top_p is None else top_p
+    column = lambda x: jnp.reshape(jnp.asarray(x), (-1, 1))  # [1 or P, 1]: broadcasts over the vocabulary
+    temperature = column(temperature)
+    top_k = column(vocab if top_k is None else top_k)
+    top_p = column(1.0 if top_p is None else top_p)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
     order = jnp.argsort(-scaled, axis=-1)  # best first
@@ -136,7 +142,7 @@ def sample_tokens(logits, keys, *, temperature, top_k, top_p):
     keep_ranked = (rank < top_k) & ((before < top_p) | (rank == 0) | (top_p >= 1.0))
     keep = jnp.zeros_like(keep_ranked).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_ranked)
     sampled = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where(temperature[:, 0] > 0, sampled, greedy)
 
 
 def penalize_repetitions(logits, seen, penalty):
@@ -154,9 +160,10 @@ def seen_in_prompts(tokens, cu_seqlens, rows: int, vocab: int):
     return jnp.zeros((rows, vocab), bool).at[sequence, tokens].set(True, mode="drop")
 
 
-def _keys(seed, prompt_ids, counts):
-    base = jax.random.key(seed)
-    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_ids, counts)
+def _keys(seeds, indices, counts):
+    """One key per row: `fold_in(fold_in(key(seed), index), count)` (all `[P]`)."""
+    return jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), j))(
+        seeds, indices, counts)
 
 
 def generate(
@@ -259,59 +266,148 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
         return prompts, (event for event in ())  # a generator: it has close()
     P = num_slots or min(len(prompts), 8)
     longest = max(map(len, prompts))
-    capacity = _capacity(model, longest + max_new_tokens)
+    capacity = cache_capacity(model, longest + max_new_tokens)
     if runtime_checks_enabled() and capacity > 1:  # the checks see the padding sequence's positions too
         capacity = max(capacity, bucket(P * longest, 64))
     _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
     top_k = model.vocab_size if top_k is None else min(top_k, model.vocab_size)  # fits int32
-    sampling = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p or 1.0))
-    penalty = None
-    if repetition_penalty is not None and repetition_penalty != 1:
-        penalty = (jnp.float32(repetition_penalty), jnp.zeros((P, model.vocab_size), bool))
-    return prompts, _events(model, prompts, max_new_tokens, set(stop_tokens), P, capacity, seed, sampling, penalty)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
+    return prompts, _events(model, prompts, max_new_tokens, set(stop_tokens), P, capacity, sampling,
+                            repetition_penalty)
 
 
-def _events(model, prompts, max_new_tokens, stops, P, capacity, seed, sampling, penalty):
-    """Decode the checked `prompts` in a pool of `P` slots, yielding `(prompt index, token)`.
-    `penalty`: None, or the repetition penalty and the tokens each slot has seen `[P, vocab]`."""
-    graphdef, params = nnx.split(model)
-    static = dict(graphdef=graphdef, slots=P, capacity=capacity)
-    admit, step = _compiled()
-    pool = _empty_pool(model, P, capacity)
+def _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty):
+    """Decode the checked `prompts` in a `DecodePool` of `P` slots, yielding `(prompt index, token)`."""
+    pool = DecodePool(model, P, capacity, repetition_penalty=repetition_penalty)
     queue = deque(range(len(prompts)))
-    slot_prompt, next_tokens = [-1] * P, np.zeros(P, np.int32)
+    owner: dict[int, int] = {}  # slot → prompt index
     counts = [0] * len(prompts)
 
     def record(slot: int, token: int) -> tuple[int, int]:
-        i = slot_prompt[slot]
+        i = owner[slot]
         counts[i] += 1
-        next_tokens[slot] = token
         if token in stops or counts[i] >= max_new_tokens:
-            slot_prompt[slot] = -1
+            pool.release(slot)
+            del owner[slot]
         return i, token
 
-    while queue or any(i >= 0 for i in slot_prompt):
-        free = [s for s in range(P) if slot_prompt[s] < 0]
+    while queue or owner:
+        free = pool.free_slots()
         if queue and free:
-            admitted = [(slot, queue.popleft()) for slot in free[: len(queue)]]
-            tokens, cu_seqlens, slots, ids = _pack([prompts[i] for _, i in admitted], [s for s, _ in admitted], P)
-            ids[: len(admitted)] = [i for _, i in admitted]
-            first, pool, penalty = admit(params, pool, tokens, cu_seqlens, slots, ids, seed, sampling, penalty,
-                                         **static)
-            first = np.asarray(first)
-            for row, (slot, i) in enumerate(admitted):
-                slot_prompt[slot] = i
-                yield record(slot, int(first[row]))
-        active = [s for s in range(P) if slot_prompt[s] >= 0]
-        if not active:
-            continue
-        ids = np.array([max(i, 0) for i in slot_prompt], np.int32)
-        done = np.array([counts[i] if i >= 0 else 0 for i in slot_prompt], np.int32)
-        sampled, pool, penalty = step(params, jnp.asarray(next_tokens), pool, jnp.asarray(ids), jnp.asarray(done),
-                                       seed, sampling, penalty, **static)
+            admitted = [queue.popleft() for _ in free[: len(queue)]]
+            first = pool.admit([prompts[i] for i in admitted], [sampling._replace(index=i) for i in admitted])
+            for i, (slot, token) in zip(admitted, first):
+                owner[slot] = i
+                yield record(slot, token)
+        for slot, token in pool.step():
+            yield record(slot, token)
+
+
+class Sampling(NamedTuple):
+    """How one sequence picks its tokens (see `sample_tokens`): greedy at `temperature` 0;
+    `top_k` (≤ the vocabulary) and `top_p` cut the distribution. Its token j is drawn with
+    `fold_in(fold_in(key(seed), index), j)`: `generate` gives prompt i the index i."""
+
+    temperature: float = 0.0
+    top_k: int = 2**31 - 1
+    top_p: float = 1.0
+    seed: int = 0
+    index: int = 0
+
+
+class DecodePool:
+    """`slots` cache slots decoding together, each with its own `Sampling`: the engine of
+    `generate` and of `recurrax serve`.
+
+    `admit` prefills new sequences as one packed batch into free slots and returns their
+    first tokens; `step` advances every occupied slot by one token in one compiled call (free
+    slots compute and are ignored); `release` frees a slot (a finished or cancelled sequence).
+    Sequences join and leave between steps (continuous batching). The compiled shapes depend
+    only on `slots`, `capacity` and the bucketed prefill length.
+
+    **Arguments:**
+    - `model`: a `CachedLanguageModel`.
+    - `slots`: sequences decoded at once (P).
+    - `capacity`: attention-cache positions per slot (1 for models without attention; see
+      `generate`).
+    - `repetition_penalty`: one factor for every slot, or None (nothing compiled for it).
+    """
+
+    def __init__(self, model, slots: int, capacity: int, *, repetition_penalty: float | None = None):
+        graphdef, self._params = nnx.split(model)
+        self._static = dict(graphdef=graphdef, slots=slots, capacity=capacity)
+        self._admit, self._step = _compiled()
+        self._pool = _empty_pool(model, slots, capacity)
+        self._penalty = None
+        if repetition_penalty is not None and repetition_penalty != 1:
+            self._penalty = (jnp.float32(repetition_penalty), jnp.zeros((slots, model.vocab_size), bool))
+        self.slots, self.capacity, self.vocab_size = slots, capacity, model.vocab_size
+        self.occupied = np.zeros(slots, bool)
+        self._pending = np.zeros(slots, np.int32)  # each slot's last sampled token (the next step's input)
+        self._counts = np.zeros(slots, np.int32)   # tokens each slot has sampled
+        self._settings = SlotSettings.empty(slots, model.vocab_size)
+
+    def free_slots(self) -> list[int]:
+        """The free slots, lowest first."""
+        return [int(s) for s in np.flatnonzero(~self.occupied)]
+
+    def admit(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], *,
+              packed_length: int | None = None) -> list[tuple[int, int]]:
+        """Prefill `prompts` (checked token ids, at most as many as free slots) into the lowest
+        free slots; returns `(slot, first token)` for each, in order. The packed prefill has
+        `packed_length` tokens (default: their total, bucketed; each length compiles once)."""
+        targets = self.free_slots()[: len(prompts)]
+        if len(targets) < len(prompts):
+            raise ValueError(f"{len(prompts)} prompts for {len(targets)} free slots")
+        for slot, options in zip(targets, sampling):
+            self._settings.set(slot, options, self.vocab_size)
+            self.occupied[slot], self._counts[slot] = True, 1
+        tokens, cu_seqlens, target = _pack([list(p) for p in prompts], targets, self.slots, packed_length)
+        first, self._pool, self._penalty = self._admit(self._params, self._pool, tokens, cu_seqlens, target,
+                                                       self._settings.arrays(), self._penalty, **self._static)
+        first = np.asarray(first)[: len(targets)]
+        self._pending[targets] = first
+        return [(slot, int(token)) for slot, token in zip(targets, first)]
+
+    def step(self) -> list[tuple[int, int]]:
+        """Advance every occupied slot by one token: `(slot, token)` for each, slots in order
+        (nothing runs when none is occupied)."""
+        occupied = self.occupied.copy()
+        if not occupied.any():
+            return []
+        sampled, self._pool, self._penalty = self._step(self._params, jnp.asarray(self._pending), self._pool,
+                                                        self._settings.arrays(), jnp.asarray(self._counts),
+                                                        self._penalty, **self._static)
         sampled = np.asarray(sampled)
-        for slot in active:
-            yield record(slot, int(sampled[slot]))
+        slots = np.flatnonzero(occupied)
+        self._pending[slots] = sampled[slots]
+        self._counts[slots] += 1
+        return [(int(s), int(sampled[s])) for s in slots]
+
+    def release(self, slot: int) -> None:
+        """Free `slot` (its cache is overwritten by the next sequence admitted there)."""
+        self.occupied[slot] = False
+
+
+class SlotSettings:
+    """Each slot's `Sampling`, as host arrays `[P]` (the compiled calls' arguments)."""
+
+    def __init__(self, temperature, top_k, top_p, seed, index):
+        self.temperature, self.top_k, self.top_p, self.seed, self.index = temperature, top_k, top_p, seed, index
+
+    @classmethod
+    def empty(cls, slots: int, vocab_size: int) -> SlotSettings:
+        seed_dtype = np.asarray(jnp.asarray(0)).dtype  # a Python int's: int64 under x64, else int32
+        return cls(np.zeros(slots, np.float32), np.full(slots, vocab_size, np.int32), np.ones(slots, np.float32),
+                   np.zeros(slots, seed_dtype), np.zeros(slots, np.int32))
+
+    def set(self, slot: int, sampling: Sampling, vocab_size: int) -> None:
+        self.temperature[slot], self.top_p[slot] = sampling.temperature, sampling.top_p
+        self.top_k[slot] = min(sampling.top_k, vocab_size)
+        self.seed[slot], self.index[slot] = sampling.seed, sampling.index
+
+    def arrays(self) -> tuple:
+        return tuple(jnp.asarray(x) for x in (self.temperature, self.top_k, self.top_p, self.seed, self.index))
 
 
 STATIC = ("graphdef", "slots", "capacity")
@@ -321,33 +417,31 @@ caches reuse its buffers instead of fresh allocations each step (2.7× less CPU 
 for mamba2-130m at 64 slots)."""
 
 
-def _admit_body(params, pool, tokens, cu_seqlens, targets, prompt_ids, seed, sampling, penalty=None, *, graphdef,
-                slots, capacity):
+def _admit_body(params, pool, tokens, cu_seqlens, targets, settings, penalty=None, *, graphdef, slots, capacity):
     """Prefill the packed prompts, put their caches into their target slots, sample their first
-    tokens. With a `penalty` (factor, seen), the slots' seen tokens become their prompts' and
-    first tokens."""
+    tokens with their target slots' settings. With a `penalty` (factor, seen), the slots' seen
+    tokens become their prompts' and first tokens."""
     net = nnx.merge(graphdef, params)
     logits, fresh = net.prefill(tokens, cu_seqlens, net.generation_cache(slots + 1, capacity))
     last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
     pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
-    keys = _keys(seed, prompt_ids, jnp.zeros_like(prompt_ids))
+    rows = tuple(jnp.take(x, targets, mode="clip") for x in settings)  # each packed row's slot's settings
     if penalty is None:
-        return _sample(last, keys, sampling), constrain_cache(pool), None
+        return _sample(last, rows, jnp.zeros_like(targets)), constrain_cache(pool), None
     factor, seen = penalty
     prompt_seen = seen_in_prompts(tokens, cu_seqlens, slots, seen.shape[1])
-    first = _sample(penalize_repetitions(last, prompt_seen, factor), keys, sampling)
+    first = _sample(penalize_repetitions(last, prompt_seen, factor), rows, jnp.zeros_like(targets))
     seen = seen.at[targets].set(prompt_seen.at[jnp.arange(slots), first].set(True), mode="drop")
     return first, constrain_cache(pool), (factor, seen)
 
 
-def _step_body(params, tokens, pool, prompt_ids, counts, seed, sampling, penalty=None, *, graphdef, slots, capacity):
+def _step_body(params, tokens, pool, settings, counts, penalty=None, *, graphdef, slots, capacity):
     """Advance every slot by its pending token; sample the next ones (marking them seen)."""
     logits, pool = nnx.merge(graphdef, params).decode_step(tokens, pool)
-    keys = _keys(seed, prompt_ids, counts)
     if penalty is None:
-        return _sample(logits, keys, sampling), constrain_cache(pool), None
+        return _sample(logits, settings, counts), constrain_cache(pool), None
     factor, seen = penalty
-    sampled = _sample(penalize_repetitions(logits, seen, factor), keys, sampling)
+    sampled = _sample(penalize_repetitions(logits, seen, factor), settings, counts)
     return sampled, constrain_cache(pool), (factor, seen.at[jnp.arange(slots), sampled].set(True))
 
 
@@ -386,8 +480,15 @@ def _throwing(checked):
 
 
 def _empty_pool(model, slots: int, capacity: int):
-    """`model.generation_cache(slots, capacity)`, laid out by `constrain_cache`."""
-    return jax.jit(lambda: constrain_cache(model.generation_cache(slots, capacity)))()
+    """`model.generation_cache(slots, capacity)`, laid out by `constrain_cache` (compiled once
+    per model structure, slots and capacity, as `_admit` and `_step`)."""
+    graphdef, params = nnx.split(model)
+    return _empty_pool_compiled(params, graphdef=graphdef, slots=slots, capacity=capacity)
+
+
+@partial(jax.jit, static_argnames=STATIC)
+def _empty_pool_compiled(params, *, graphdef, slots, capacity):
+    return constrain_cache(nnx.merge(graphdef, params).generation_cache(slots, capacity))
 
 
 CACHE_AXES = {
@@ -411,9 +512,10 @@ def constrain_cache(cache):
     return jax.tree_util.tree_map_with_path(one, cache)
 
 
-def _sample(logits, keys, sampling):
-    temperature, top_k, top_p = sampling
-    return sample_tokens(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p)
+def _sample(logits, settings, counts):
+    """Each row's token with its settings (`SlotSettings.arrays`) and its count of tokens so far."""
+    temperature, top_k, top_p, seeds, indices = settings
+    return sample_tokens(logits, _keys(seeds, indices, counts), temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def bucket(n: int, smallest: int) -> int:
@@ -424,9 +526,10 @@ def bucket(n: int, smallest: int) -> int:
     return -(-n // step) * step
 
 
-def _capacity(model, needed: int) -> int:
-    """Attention-cache capacity: `needed` bucketed (fewer recompilations), or 1 for models
-    whose cache shapes do not depend on it (no softmax-attention layer)."""
+def cache_capacity(model, needed: int) -> int:
+    """The attention-cache capacity (a `DecodePool`'s `capacity`) for sequences of up to
+    `needed` tokens (prompt and output): `needed` bucketed (fewer recompilations), or 1 for
+    models whose cache shapes do not depend on it (no softmax-attention layer)."""
     shapes = [jax.tree.map(lambda x: x.shape, jax.eval_shape(lambda: model.generation_cache(1, c))) for c in (16, 32)]
     if shapes[0] == shapes[1]:
         return 1
@@ -510,15 +613,17 @@ def _checked_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return checked
 
 
-def _pack(prompts: list[list[int]], slots: list[int], P: int):
-    """Packed tokens `[N]` (N bucketed, ≥ 64), `cu_seqlens [P + 2]` (prompts, empty
-    sequences, one padding sequence), target slots `[P]` (P = dropped) and prompt ids `[P]`."""
+def _pack(prompts: list[list[int]], slots: list[int], P: int, length: int | None = None):
+    """Packed tokens `[N]` (N = `length`, or the total bucketed, ≥ 64), `cu_seqlens [P + 2]`
+    (prompts, empty sequences, one padding sequence) and target slots `[P]` (P = dropped)."""
     lengths = [len(p) for p in prompts] + [0] * (P - len(prompts))
     total = sum(lengths)
-    N = bucket(total, 64)
+    N = bucket(total, 64) if length is None else length
+    if N < total:
+        raise ValueError(f"packed_length {N} is less than the prompts' {total} tokens")
     tokens = np.zeros(N, np.int32)
     tokens[:total] = np.concatenate([np.asarray(p, np.int32) for p in prompts])
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths), [N]]).astype(np.int32)
     target = np.full(P, P, np.int32)
     target[: len(slots)] = slots
-    return jnp.asarray(tokens), jnp.asarray(cu_seqlens), jnp.asarray(target), np.zeros(P, np.int32)
+    return jnp.asarray(tokens), jnp.asarray(cu_seqlens), jnp.asarray(target)

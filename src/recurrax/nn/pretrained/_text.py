@@ -65,6 +65,53 @@ class IncrementalDecoder:
         return after[len(before):]
 
 
+class TextPieces:
+    """The text of one generated sequence, pushed a token at a time (see the module notes):
+    `push` returns the new text it may give out, `finish` what is left when generation ends
+    without a stop. `finish_reason` is `"stop"` once an end-of-sequence id or a stop string
+    came (push then returns nothing more), `"length"` after `finish` without one, else None.
+
+    **Arguments:** `tokenizer`, `prompt_ids` (the decoding context), `stop_tokens`, `stop`:
+    as `TextStream`'s.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop_tokens: Sequence[int],
+                 stop: Sequence[str]):
+        self.finish_reason: str | None = None
+        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
+        self._stop_tokens = set(stop_tokens)
+        self._stop = tuple(stop)
+        self._pending = ""
+
+    def push(self, token: int) -> str:
+        """The text `token` lets out ("" while it may be part of a stop string or a character)."""
+        if self.finish_reason is not None:
+            return ""
+        if token in self._stop_tokens:
+            self.finish_reason = "stop"
+            return self._release(len(self._pending))  # what was held back is no stop string
+        self._pending += self._decoder.push(token)
+        end = first_stop(self._pending, self._stop)
+        if end is not None:
+            self.finish_reason = "stop"
+            return self._release(end, drop=True)
+        return self._release(len(self._pending) - held_back(self._pending, self._stop))
+
+    def finish(self) -> str:
+        """The rest, at the end of generation (incomplete characters included as U+FFFD)."""
+        if self.finish_reason is not None:
+            return ""
+        self._pending += self._decoder.flush()
+        end = first_stop(self._pending, self._stop)
+        self.finish_reason = "length" if end is None else "stop"
+        return self._release(len(self._pending) if end is None else end, drop=True)
+
+    def _release(self, ready: int, *, drop: bool = False) -> str:
+        """`pending[:ready]`, kept out of `pending` (with `drop`, the rest is dropped too)."""
+        text, self._pending = self._pending[:ready], "" if drop else self._pending[ready:]
+        return text
+
+
 class TextStream:
     """An iterator of the new text of one prompt, a piece per step (see the module notes).
 
@@ -87,12 +134,13 @@ class TextStream:
         self.tokens: list[int] = []
         self.token_times: list[float] = []
         self.text = ""
-        self.finish_reason: str | None = None
         self._events = events
-        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
-        self._stop_tokens = set(stop_tokens)
-        self._stop = tuple(stop)
+        self._text = TextPieces(tokenizer, prompt_ids, stop_tokens, stop)
         self._pieces = self._generate()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._text.finish_reason
 
     def __iter__(self) -> TextStream:
         return self
@@ -108,30 +156,18 @@ class TextStream:
         self._events.close()
 
     def _generate(self) -> Iterator[str]:
-        pending, stopped = "", False
         for _, token in self._events:
             self.tokens.append(token)
             self.token_times.append(time.perf_counter())
-            if token in self._stop_tokens:
-                stopped = True
+            piece = self._text.push(token)
+            if piece:
+                yield piece
+            if self._text.finish_reason is not None:
                 break
-            pending += self._decoder.push(token)
-            end = first_stop(pending, self._stop)
-            if end is not None:
-                pending, stopped = pending[:end], True
-                break
-            ready = len(pending) - held_back(pending, self._stop)
-            if ready:
-                yield pending[:ready]
-                pending = pending[ready:]
         self._events.close()
-        if not stopped:  # max_new_tokens: what is left, incomplete characters included
-            pending += self._decoder.flush()
-            end = first_stop(pending, self._stop)
-            stopped, pending = end is not None, pending if end is None else pending[:end]
-        self.finish_reason = "stop" if stopped else "length"
-        if pending:
-            yield pending
+        piece = self._text.finish()  # max_new_tokens: what is left
+        if piece:
+            yield piece
 
 
 def first_stop(text: str, stop: Sequence[str]) -> int | None:
@@ -172,13 +208,18 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
         raise TypeError(f"stop must be a sequence of non-empty strings, got {stop!r}")
-    if stop_tokens is None:  # ids the model cannot produce are left out
-        stop_tokens = sorted(i for i in set(tokenizer.eos_token_ids) | set(getattr(model, "eos_token_ids", ()))
-                             if i < model.vocab_size)
+    if stop_tokens is None:
+        stop_tokens = end_of_sequence_ids(model, tokenizer)
     events = generate_tokens(model, [prompt_ids], max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
                              max_cache_bytes=max_cache_bytes)
     return TextStream(tokenizer, events, prompt_ids, stop_tokens, stop)
+
+
+def end_of_sequence_ids(model, tokenizer: Tokenizer) -> list[int]:
+    """The tokenizer's and the model's `eos_token_ids`, less those the model cannot produce."""
+    return sorted(i for i in set(tokenizer.eos_token_ids) | set(getattr(model, "eos_token_ids", ()))
+                  if i < model.vocab_size)
 
 
 def generate_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_new_tokens: int = 256,
