@@ -16,8 +16,9 @@ on the same (float32) inputs; a quantity whose exact value is (near) zero is jud
   libraries' other float32 summation orders (chunked, exp2-based). A chunk form's floor also
   holds the rounding of its cumulative log decays (`decay_exponent_rounding`), which is what
   sets its error under strong decays.
-* `test_implementation_matches_library`: every entry of `recurrax.delta.IMPLEMENTATIONS`, run
-  in float32 like the libraries, equals each library's value within twice the factor on the same
+* `test_implementation_matches_library`: every entry of `recurrax.delta.IMPLEMENTATIONS` that
+  dispatch may pick on this machine (the TPU kernel's interpreter is checked in
+  `test_kernels_tpu_delta.py`), run in float32 like the libraries, equals each library's value within twice the factor on the same
   floor (two float32 results, each allowed that far from the exact one). The floor is measured
   from our float32 reference, not from the library's own error, so that a library value that is
   off does not widen its own tolerance.
@@ -38,7 +39,8 @@ import pytest
 from _cases import float64, floor_tolerance
 
 import recurrax
-from recurrax.delta import IMPLEMENTATIONS
+from recurrax.delta import kernel_registry
+from recurrax.registry import Backend, current_backend
 from recurrax.tools.cases import ZERO_FLOOR
 
 FIXTURES = Path(__file__).parent / "fixtures" / "delta"
@@ -181,7 +183,12 @@ def test_library_agrees_with_float64_reference(case, library):
     assert not bad, f"{library} vs our float64 reference, (error, floor) per quantity: {bad}"
 
 
-@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+RUNNABLE = sorted(impl.name for impl in kernel_registry.implementations()
+                  if impl.priority >= 0 and (impl.backend is Backend.ANY or impl.backend.value == current_backend()))
+"""The implementations dispatch may pick here (not another chip's kernel, not an interpreter)."""
+
+
+@pytest.mark.parametrize("implementation", RUNNABLE)
 @pytest.mark.parametrize("case, library", pairs())
 def test_implementation_matches_library(case, library, implementation):
     """Two float32 computations, each allowed `LIBRARY_FACTOR` floors from the exact value: their

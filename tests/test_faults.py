@@ -133,11 +133,11 @@ def test_prefill_memory_plan_close_to_a_forward():
     model, n = hybrid(), 1024
     graphdef, params = nnx.split(model)
     prompt = [3] * n
-    tokens, cu_seqlens, slots, ids = _generate._pack([prompt], [0], 1)
-    capacity = _generate._capacity(model, n + 8)
-    sampling = (jnp.float32(0), jnp.int32(VOCAB), jnp.float32(1))
-    admit = _generate._admit.lower(params, model.init_cache(1, capacity), tokens, cu_seqlens, slots,
-                                   jnp.asarray(ids), 0, sampling, graphdef=graphdef, slots=1, capacity=capacity)
+    tokens, cu_seqlens, targets = _generate._pack([prompt], [0], 1)
+    capacity = _generate.cache_capacity(model, n + 8)
+    settings = _generate.SlotSettings.empty(1, VOCAB).arrays()
+    admit = _generate._admit.lower(params, model.init_cache(1, capacity), tokens, cu_seqlens, targets, settings,
+                                   graphdef=graphdef, slots=1, capacity=capacity)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, jnp.asarray([prompt], jnp.int32))
     temp = [c.compile().memory_analysis().temp_size_in_bytes for c in (admit, forward)]
     assert temp[0] <= 2 * temp[1], temp
