@@ -8,6 +8,7 @@
     RMSNorm(x)        = x / sqrt(mean(x²) + ε) ⊙ w                (w absent without affine)
     ZeroCentredRMSNorm(x) = x / sqrt(mean(x²) + ε) ⊙ (1 + w)       (Gemma's, Qwen3-Next's; w starts at 0)
     GatedRMSNorm(x,g) = RMSNorm(x) ⊙ act(g),  act = swish or sigmoid
+    GatedNorm(x, z)   = x / sqrt(mean(x²) + ε) ⊙ w ⊙ silu(z)      (`recurrax.nn`'s Gated DeltaNet norm)
 
 Both compute in float32 and return the input's dtype, like fla's Triton kernels. The weight
 is called `weight`, as in fla's state dict, so conversion is a renaming only.
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from .._gated_deltanet import GatedRMSNorm
 from .._sharding import param
 
 ACTIVATIONS = {
@@ -120,3 +122,10 @@ class ZeroCentredRMSNorm(RMSNorm):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedNorm(GatedRMSNorm):
+    """`recurrax.nn`'s Gated DeltaNet output norm `o / rms(o) ⊙ w ⊙ silu(z)` per value head
+    (`transformers`' `Qwen3NextRMSNormGated`, `OlmoHybridRMSNormGated`), stored as `weight`."""
+
+    checkpoint_params = ("weight",)

@@ -75,7 +75,7 @@ from jaxtyping import Array, Float, Int
 
 from .._conv import CausalConv1d
 from .._gated_deltanet import GatedDeltaNet as DeltaNetLayer
-from .._gated_deltanet import GatedRMSNorm, initial_A_log
+from .._gated_deltanet import initial_A_log
 from .._mixers import MixerCache, check_width
 from .._moe import ExpertWeights as StackedExperts
 from .._moe import Routing, route
@@ -85,7 +85,7 @@ from ._config_checks import ConfigError, _check_fields, _is_int
 from ._hf_config import _rope, decode_floats
 from ._hf_layers import ExpertWeights, GatedMLP, HFAttention, run_experts, run_mixer
 from ._mixer import heads, linear
-from ._norm import ZeroCentredRMSNorm
+from ._norm import GatedNorm, ZeroCentredRMSNorm
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 BODY_NAME = "model"
@@ -226,12 +226,6 @@ def _partial_rotary_factor(c: dict) -> float:
 # ----------------------------------------------------------------------------------------------
 # Layers
 # ----------------------------------------------------------------------------------------------
-
-class GatedNorm(GatedRMSNorm):
-    """`o / rms(o) ⊙ w ⊙ silu(z)` per value head (`Qwen3NextRMSNormGated`), stored as `weight`."""
-
-    checkpoint_params = ("weight",)
-
 
 class Qwen3NextGatedDeltaNet(DeltaNetLayer):
     """`transformers`' Qwen3-Next / Qwen3.5 Gated DeltaNet: `recurrax.nn.GatedDeltaNet`'s delta
