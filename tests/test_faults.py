@@ -501,7 +501,7 @@ HF_FAMILY_FIXTURES = {"mamba2": "mamba2_groups_limit_tied_bias", "nemotron_h": "
                       "bamba": "bamba_basic", "granitemoehybrid": "granite_moe_multipliers",
                       "falcon_h1": "falcon_h1_mup", "zamba2": "zamba2_shared_adapters_rope_tied",
                       "qwen3_next": "qwen3_next_moe_grouped", "qwen3_5_text": "qwen3_5_text_dense_tied",
-                      "qwen3_5_moe_text": "qwen3_5_moe_text"}
+                      "qwen3_5_moe_text": "qwen3_5_moe_text", "olmo_hybrid": "olmo_hybrid_grouped_negeig"}
 """One `transformers` fixture per family."""
 FLA_TINY = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=2, hidden_ratio=2, expand_ratio=8)
 
@@ -559,6 +559,8 @@ BAD_HF_CONFIGS = [
     ("nemotron_h", dict(num_experts_per_tok=9), r"'num_experts_per_tok' must be at most the number of experts \(4\)"),
     ("falcon_h1", dict(mlp_multipliers=[1.0]), r"'mlp_multipliers' must be null or a list of 2 finite numbers"),
     ("falcon_h1", dict(ssm_multipliers=[1.0, 2.0]), r"'ssm_multipliers' must be null or a list of 5 finite numbers"),
+    ("olmo_hybrid", dict(linear_allow_neg_eigval="true"), "'linear_allow_neg_eigval' must be true or false, got 'true'"),
+    ("olmo_hybrid", dict(linear_key_head_dim=8.0), "'linear_key_head_dim' must be a positive integer or null, got 8.0"),
 ]
 
 

@@ -10,7 +10,7 @@
 Supported `model_type`s (`SUPPORTED`): fla's gla, retnet, hgrn2, linear_attn, lightnet, each
 optionally hybrid with fla's softmax attention (config `attn`), and `transformers`' mamba2,
 nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2, qwen3_next, qwen3_5_text,
-qwen3_5_moe_text. `CausalLM(config)` builds any of them
+qwen3_5_moe_text, olmo_hybrid. `CausalLM(config)` builds any of them
 freshly initialised (to train from scratch); `from_pretrained` returns one. Needs `flax` and,
 for checkpoints, `safetensors`, for text `tokenizers` and `jinja2` (`pip install 'recurrax[pretrained]'`).
 """

@@ -140,9 +140,9 @@ class CausalLM(nnx.Module):
     config.json: fla's `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet;
     hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
     `BambaForCausalLM`, `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM`,
-    `Zamba2ForCausalLM`, `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM` and the Qwen3.5 MoE
-    text model (`_qwen3_next`). Freshly initialised (to train from scratch), or filled by
-    `from_pretrained`.
+    `Zamba2ForCausalLM`, `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, the Qwen3.5 MoE
+    text model (`_qwen3_next`) and `OlmoHybridForCausalLM` (`_olmo_hybrid`). Freshly
+    initialised (to train from scratch), or filled by `from_pretrained`.
 
     **Arguments:**
     - `config`: the config.json as a dict (its `model_type` chooses the family; a bad value is
