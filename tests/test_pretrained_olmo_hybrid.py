@@ -39,7 +39,7 @@ from recurrax.nn.pretrained._olmo_hybrid import resolve  # noqa: E402
 
 OLMO = [name for name in NAMES if name.startswith("olmo_hybrid")]
 MAIN = "olmo_hybrid_grouped_negeig"
-DERIVED = "olmo_hybrid_derived_dims_bias_tied"
+DERIVED = "olmo_hybrid_nope_derived_dims_bias_tied"
 CAPACITY = 16
 """Cache positions: the longest prompt (9) plus the new tokens (6), rounded up."""
 needs_fixture = pytest.mark.skipif(MAIN not in NAMES, reason=f"no fixture {MAIN} in tests/fixtures/transformers")
@@ -165,19 +165,22 @@ def test_beta_reaches_past_one_only_with_negative_eigenvalues_allowed():
 
 
 def test_absent_or_null_fields_are_derived_as_transformers_derives_them():
-    """Null head counts and dims (`OlmoHybridConfig`'s defaults) and an absent `layer_types`."""
+    """Null head counts and dims (`OlmoHybridConfig`'s defaults), an absent `layer_types`, and
+    `rope_theta: null` (no rotary embedding) against an absent `rope_parameters` (the default one)."""
     config = config_of(DERIVED)
     derived = {k: v for k, v in config.items() if k not in ("linear_key_head_dim", "linear_value_head_dim")}
     derived.update(linear_num_key_heads=None, linear_num_value_heads=None)
     assert resolve(derived) == resolve(config)
     spec = resolve(config)
-    assert spec["full_attention"] == dict(num_heads=2, num_kv_heads=1, head_dim=16, bias=True, rotary_dim=16,
-                                          rope_theta=500.0, eps=1e-5)
+    assert spec["full_attention"] == dict(num_heads=2, num_kv_heads=1, head_dim=16, bias=True, rotary_dim=0,
+                                          rope_theta=0.0, eps=1e-5)  # rope_theta null: NoPE
     assert spec["linear_attention"] == dict(num_k_heads=2, num_v_heads=2, head_k_dim=12, head_v_dim=24,
                                             conv_kernel=3, allow_neg_eigval=False)
     plain = {k: v for k, v in config_of(MAIN).items() if k != "layer_types"}
     assert resolve(plain)["layers"] == ["linear_attention"] * 3 + ["full_attention"]
     assert resolve({**plain, "num_hidden_layers": 2})["layers"] == ["linear_attention", "full_attention"]
+    assert resolve({k: v for k, v in plain.items() if k != "rope_parameters"})["full_attention"][
+        "rotary_dim"] == 8 == resolve(plain)["full_attention"]["rotary_dim"]
 
 
 @pytest.mark.parametrize("edit, error, words", [

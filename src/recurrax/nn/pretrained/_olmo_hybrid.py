@@ -28,7 +28,8 @@ Gated DeltaNet (`linear_attention` layers), on `recurrax.nn.GatedDeltaNet`'s del
 
 Attention (`full_attention` layers): q = N(x W_q), k = N(x W_k), each norm over the whole
 projection (`[Ha·d]`, `[Hkv·d]`, not per head), then heads; rotary on every channel (GPT-NeoX
-halves), θ = `rope_theta`; `y = softmax(d^{−1/2} q kᵀ, causal) v W_o`, grouped heads.
+halves), θ = `rope_theta`, or none (NoPE) where `rope_parameters` has `rope_theta: null`;
+`y = softmax(d^{−1/2} q kᵀ, causal) v W_o`, grouped heads.
 
 Which layers are what: `layer_types`, else every fourth layer (l % 4 = 3) is attention (the
 last one if there is none); a model needs both kinds (`transformers` refuses the others too).
@@ -150,6 +151,13 @@ def _mixers(c: dict) -> list[str]:
     return types
 
 
+def _no_positions(c: dict) -> bool:
+    """NoPE: `rope_parameters` with `rope_theta: null`, where `transformers` builds no rotary
+    embedding (its long-context option); a config without `rope_parameters` has the default one."""
+    params = c.get("rope_parameters")
+    return isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None
+
+
 def resolve(config: dict) -> dict:
     """The layout spec of an OLMo-Hybrid config: widths, each layer's mixer, and the keyword
     arguments of each layer kind (see the module docstring)."""
@@ -157,7 +165,7 @@ def resolve(config: dict) -> dict:
     _check(c)
     c = _derived(c)
     _check_heads(c)
-    rotary_dim, theta = _rope(c, c["head_dim"], 1.0)
+    rotary_dim, theta = (0, 0.0) if _no_positions(c) else _rope(c, c["head_dim"], 1.0)
     eps = float(c["rms_norm_eps"])
     return dict(
         family="olmo_hybrid", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], eps=eps,
