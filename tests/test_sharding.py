@@ -28,6 +28,7 @@ GLA = FIXTURES / "fla" / "gla_gqa_conv_clamp"          # GLA, grouped heads, sho
 BAMBA = FIXTURES / "transformers" / "bamba_basic"                  # Mamba-2 (short conv) and attention layers
 NEMOTRON = FIXTURES / "transformers" / "nemotron_h_pattern_moe"   # Mamba-2, attention, MLP, MoE
 QWEN3_NEXT = FIXTURES / "transformers" / "qwen3_next_moe_grouped"  # Gated DeltaNet, gated attention, MoE
+OLMO_HYBRID = FIXTURES / "transformers" / "olmo_hybrid_grouped_negeig"  # Gated DeltaNet (β ≤ 2), post-norm attention
 TOLERANCE = 1e-5
 """Relative error of the serving tests' logits (float32 against float32, slow tier)."""
 
@@ -118,7 +119,7 @@ def inputs_of(model, packed: bool):
     return tokens.reshape(-1), jnp.array([0, 5, 5, 35, 64], jnp.int32)
 
 
-MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON, "qwen3_next": QWEN3_NEXT}
+MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON, "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID}
 LAYOUTS = {
     "data2-tensor4": ((2, 4, 1), ("data", "tensor")),
     "fsdp2-tensor2-seq2": ((2, 2, 2), ("fsdp", "tensor", "sequence")),
