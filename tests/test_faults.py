@@ -717,7 +717,7 @@ def test_compile_forward_only_gives_the_forward_programs_of_the_tpu_set():
     args = main.__globals__["argparse"].Namespace(full=False, shapes=None, gates=None, forward_only=True, limit=None)
     forward = _configurations(args, "tpu")
     assert forward and not any(configuration.gradient for configuration in forward)
-    assert len(forward) == len({(c.gates, c.K, c.V, c.dtype, c.packed, c.reverse) for c in REPRESENTATIVE["tpu"]})
+    assert len(forward) == len({(c.gates, c.K, c.V, c.dtype, c.packed, c.reverse, c.delta) for c in REPRESENTATIVE["tpu"]})
 
 
 def test_compile_report_keeps_a_failure_as_a_row_with_the_compilers_first_error_line():
