@@ -14,8 +14,8 @@ in two variants: GDN (a per-head log decay `g` [B, T, H]) and KDA (a per-key-cha
 <output, d_output> + <final_state, d_final> (fixed random cotangents) with respect to q, k, v,
 β and the decay. Every side reads the same arrays (written to a scratch folder as `.npz`).
 
-- **recurrax**: `recurrax.delta_rule(..., implementation=name)` for every name in
-  `recurrax.delta.IMPLEMENTATIONS` (`reference`, the token loop, only in the first round and
+- **recurrax**: `recurrax.delta_rule(..., implementation=name)` for every implementation of
+  `recurrax.delta.kernel_registry` that runs on this machine's backend, interpreters left out (`reference`, the token loop, only in the first round and
   with one repeat: it is the slow oracle), each jitted, compiled and run once before timing;
   then `--rounds` rounds, each timing every implementation `--repeats` times in a rotated order
   (the machine is shared and noisy: drift falls on all of them). Min and median of all samples.
@@ -71,7 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import recurrax
-from recurrax.delta import IMPLEMENTATIONS
+from recurrax.delta import IMPLEMENTATIONS, kernel_registry
+from recurrax.registry import Backend, current_backend
 from recurrax.tools.bench.machine import machine_description, matmul_peak
 
 HERE = Path(__file__).resolve().parent
@@ -405,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     if set(variants) - set(VARIANTS):
         parser.error(f"--variants: choose from {list(VARIANTS)}")
     shape, memory_shape = (QUICK_SHAPE, QUICK_MEMORY_SHAPE) if args.quick else (SHAPE, MEMORY_SHAPE)
-    names = [n for n in IMPLEMENTATIONS if not (n == "reference" and args.no_reference)]
+    runnable = [impl.name for impl in kernel_registry.implementations() if impl.priority >= 0
+                and (impl.backend is Backend.ANY or impl.backend.value == current_backend())]
+    names = [n for n in runnable if not (n == "reference" and args.no_reference)]
     names.sort(key=lambda n: (n != "chunk", n))
     notes = [] if "scan" in IMPLEMENTATIONS else [
         "`scan` is not registered in this tree (`recurrax.delta.IMPLEMENTATIONS` = "

@@ -148,11 +148,11 @@ class KernelCall:
 
     def forward(self, q, k, v, a, h0, table, **emit):
         outputs = self.backend.forward(q, k, v, a, h0, table, static=self.static, **emit)
-        return list(_vary_over(varying_axes(q), *outputs))
+        return list(vary_over(varying_axes(q), *outputs))
 
     def backward(self, q, *args):
         gradients = self.backend.backward(q, *args, static=self.static)
-        return _vary_over(varying_axes(q), *gradients)
+        return vary_over(varying_axes(q), *gradients)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -227,7 +227,7 @@ def varying_axes(*arrays) -> frozenset:
     return axes
 
 
-def _vary_over(axes: frozenset, *arrays) -> tuple:
+def vary_over(axes: frozenset, *arrays) -> tuple:
     """`arrays` (None kept) cast to vary over `axes` too (`lax.pcast`, whose transpose sums
     the gradient over the axes an array did not vary over)."""
 
@@ -241,7 +241,7 @@ def _vary_over(axes: frozenset, *arrays) -> tuple:
 def vary_alike(*arrays) -> tuple:
     """`arrays` made to vary over the union of their mesh axes, so a kernel's outputs (and
     their gradients) vary like all of its inputs. Identity outside `jax.shard_map`."""
-    return _vary_over(varying_axes(*arrays), *arrays)
+    return vary_over(varying_axes(*arrays), *arrays)
 
 
 def output_type(shape, dtype, like) -> jax.ShapeDtypeStruct:

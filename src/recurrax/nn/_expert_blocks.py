@@ -26,7 +26,9 @@ Backward, from Ō (the combine's cotangent of each row's output), per block, G a
     x̄[r_b] += Ū Wu_eᵀ + Ḡ Wg_eᵀ
 
 The weight cotangents accumulate in float32 over the blocks (a scatter-add by expert: blocks
-of one step may share an expert) and are cast to the weights' dtype at the end. A padding row
+of one step may share an expert) and are cast to the weights' dtype at the end. Inside
+`jax.shard_map` each cotangent is summed over the mesh axes its terms vary over and its
+primal does not (x̄ over the shards of the experts' width, W̄ over the shards of the rows). A padding row
 gathers zeros, so it contributes nothing either way. Weights in PyTorch's `[E, out, in]`
 layout (`transposed`) are used, and their cotangents built, in that layout.
 """
@@ -39,6 +41,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from ..kernels._driver import vary_over, varying_axes
 
 
 def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], block_experts: Int[Array, " blocks"],
@@ -112,6 +116,8 @@ def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
     O_bar = jnp.pad(O_bar, ((0, extra), (0, 0))).reshape(steps_rows.shape[0], chunk, B, -1)
     zeros = lambda w: None if w is None else jnp.zeros(w.shape, jnp.float32)  # noqa: E731
     carry = (jnp.zeros(x.shape, jnp.float32), zeros(gate), zeros(up), zeros(down))
+    # inside shard_map the sums vary over every axis their terms do (the rows, the experts' shards)
+    carry = vary_over(varying_axes(x, gate, up, down, O_bar, G_all, U_all), *carry)
 
     def step(carry, inputs):
         x_bar, gate_bar, up_bar, down_bar = carry
@@ -139,8 +145,16 @@ def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
     G_steps = None if gate is None else G_all
     (x_bar, gate_bar, up_bar, down_bar), _ = jax.lax.scan(
         step, carry, (steps_rows, steps_experts, O_bar, G_steps, U_all))
-    cast = lambda bar, w: None if w is None else bar.astype(w.dtype)  # noqa: E731
-    return (x_bar.astype(x.dtype), None, None, cast(gate_bar, gate), cast(up_bar, up), cast(down_bar, down))
+    cast = lambda bar, w: None if w is None else _sum_to_vary_like(bar, w).astype(w.dtype)  # noqa: E731
+    return (cast(x_bar, x), None, None, cast(gate_bar, gate), cast(up_bar, up), cast(down_bar, down))
+
+
+def _sum_to_vary_like(bar, primal):
+    """`bar` summed over the mesh axes it varies over and `primal` does not (inside shard_map:
+    e.g. x̄'s terms from each `tensor` shard of the experts' width), as autodiff's transpose of
+    the implicit broadcast would."""
+    extra = tuple(sorted(varying_axes(bar) - varying_axes(primal)))
+    return jax.lax.psum(bar, extra) if extra else bar
 
 
 _block_ffn.defvjp(_block_ffn_forward, _block_ffn_backward)
