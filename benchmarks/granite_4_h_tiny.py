@@ -43,7 +43,7 @@ from flax import nnx
 from recurrax.nn.pretrained import CausalLM, save_pretrained
 from recurrax.tools.bench.machine import machine_description
 
-from mamba2_130m import BATCHES, ours, spread
+from mamba2_130m import BATCHES, figure, ours, spread
 
 GRANITE_4_H_TINY = dict(
     model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], hidden_size=1536,
@@ -79,28 +79,6 @@ def random_model(config: dict, seed: int = 0) -> CausalLM:
         mixer.dt_bias.set_value(jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32))
         mixer.A_log.set_value(jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)))
     return model
-
-
-def figure(ours_tps: dict, torch_tps: dict, title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(ours_tps)
-    x = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.bar(x - 0.2, [torch_tps[k] for k in labels], 0.4, label="transformers (PyTorch CPU)")
-    ax.bar(x + 0.2, [ours_tps[k] for k in labels], 0.4, label="recurrax (JAX CPU)")
-    for i, k in enumerate(labels):
-        ax.text(i + 0.2, ours_tps[k], f"{ours_tps[k] / torch_tps[k]:.1f}×", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, labels)
-    ax.set_yscale("log")
-    ax.set_ylabel("tokens / s (median)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def report(config: dict, parameters: int, batch: int, length: int, mine: dict, theirs: dict,
@@ -183,8 +161,8 @@ def main(argv: list[str]) -> int:
     if not args.tiny:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "granite_4_h_tiny.md").write_text(text)
-        figure(ours_tps, torch_tps, f"Granite-4.0-H-tiny shape, {args.layers} layers, float32, this CPU",
-               args.out / "granite_4_h_tiny.png")
+        figure(ours_tps, torch_tps, args.out / "granite_4_h_tiny.png",
+               f"Granite-4.0-H-tiny shape, {args.layers} layers, float32, this CPU")
     return 0
 
 

@@ -229,7 +229,8 @@ def floor_lines(work: dict, xla: dict, theirs: dict, batch: int, length: int) ->
     return lines
 
 
-def figure(ours_tps: dict, torch_tps: dict, path: Path) -> None:
+def figure(ours_tps: dict, torch_tps: dict, path: Path,
+           title: str = "mamba2-130m shape, float32, this CPU (shared)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,7 +246,7 @@ def figure(ours_tps: dict, torch_tps: dict, path: Path) -> None:
     ax.set_xticks(x, labels)
     ax.set_yscale("log")
     ax.set_ylabel("tokens / s (median)")
-    ax.set_title("mamba2-130m shape, float32, this CPU (shared)")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
