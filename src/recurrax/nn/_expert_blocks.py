@@ -1,5 +1,5 @@
 """The routed experts' FFNs on the CPU: one pass over blocks of sorted rows, each block through
-its expert's whole FFN, with a hand-written VJP.
+its expert's whole FFN, with a hand-written VJP; and the combine of each token's routed rows.
 
 | symbol | meaning                                                                  |
 |--------|--------------------------------------------------------------------------|
@@ -53,6 +53,17 @@ def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], block_experts: In
     return _block_ffn(act, transposed, chunk, x, rows, block_experts, gate, up, down)
 
 
+def combine(out: Float[Array, "P D"], positions: Int[Array, "n k"], weights: Float[Array, "n k"]) -> Float[Array, "n D"]:
+    """`y_t = Σ_j w_{t,j} · out[positions[t, j]]`, one gather of `[n, D]` rows per slot j, each
+    fused with its multiply-add (on the CPU about 6× faster than gathering `[n, k, D]` at once:
+    benchmarks/results/moe.md)."""
+    weights = weights.astype(out.dtype)
+    total = out[positions[:, 0]] * weights[:, :1]
+    for slot in range(1, positions.shape[1]):
+        total = total + out[positions[:, slot]] * weights[:, slot:slot + 1]
+    return total
+
+
 def _matrix(weights, experts, transposed: bool):
     """The chosen experts' matrices `[c, in, out]` (from `[E, in, out]` or, transposed, `[E, out, in]`)."""
     chosen = weights[experts]
@@ -81,12 +92,22 @@ def _forward_step(x, gate, up, down, act, transposed, rows, experts):
     return O, G, U
 
 
+def _needed(step_rows, padding_row: int):
+    """Whether a step holds any routed row. Every expert's blocks start with one of its rows
+    (its < B padding rows come last), so the steps past the last expert's rows are padding
+    alone (up to E(B − 1)/B blocks of the bound P): skipped, not computed."""
+    return step_rows[0, 0] < padding_row
+
+
 def _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down):
     steps_rows, steps_experts, extra = _split(rows, block_experts, chunk, x.shape[0] - 1)
 
     def step(_, inputs):
-        O, G, U = _forward_step(x, gate, up, down, act, transposed, *inputs)
-        return None, (O, G, U)
+        compute = partial(_forward_step, x, gate, up, down, act, transposed, *inputs)
+        axes = varying_axes(x, gate, up, down, *inputs)
+        skip = lambda: vary_over(axes, *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
+                                                     jax.eval_shape(compute)))
+        return None, jax.lax.cond(_needed(inputs[0], x.shape[0] - 1), lambda: vary_over(axes, *compute()), skip)
 
     _, (O, G, U) = jax.lax.scan(step, None, (steps_rows, steps_experts))
     O = O.reshape(-1, x.shape[1])
@@ -120,6 +141,10 @@ def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
     carry = vary_over(varying_axes(x, gate, up, down, O_bar, G_all, U_all), *carry)
 
     def step(carry, inputs):
+        return jax.lax.cond(_needed(inputs[0], x.shape[0] - 1), _backward_step, lambda carry, _: carry,
+                            carry, inputs), None
+
+    def _backward_step(carry, inputs):
         x_bar, gate_bar, up_bar, down_bar = carry
         r, e, O_b, G, U = inputs
         X = x[r]
@@ -140,7 +165,7 @@ def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
             gate_bar = _accumulate(gate_bar, e, jnp.einsum("cbd,cbf->cdf", X, G_bar), transposed)
             X_bar = X_bar + jnp.einsum("cbf,cdf->cbd", G_bar, _matrix(gate, e, transposed).astype(G_bar.dtype))
         x_bar = x_bar.at[r.reshape(-1)].add(X_bar.reshape(-1, X_bar.shape[-1]).astype(jnp.float32))
-        return (x_bar, gate_bar, up_bar, down_bar), None
+        return x_bar, gate_bar, up_bar, down_bar
 
     G_steps = None if gate is None else G_all
     (x_bar, gate_bar, up_bar, down_bar), _ = jax.lax.scan(

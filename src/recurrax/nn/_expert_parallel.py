@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float, Int
 
+from ._expert_blocks import combine as combine_rows
 from ._sharding import mesh_axis
 
 LocalExperts = Callable[[Float[Array, "R D"], Int[Array, " R"], Any], Float[Array, "R D"]]
@@ -95,7 +96,7 @@ def expert_parallel(x: Float[Array, "n D"], experts: Int[Array, "n k"], combine:
         local_experts = jax.lax.all_to_all(local_experts, axis, 0, 0, tiled=True)
         out = local(received, local_experts, weights)
         back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
-        y = jnp.einsum("nkd,nk->nd", back[slot], combine.astype(back.dtype))
+        y = combine_rows(back, slot, combine)
         return y if tensor is None else jax.lax.psum(y, tensor)
 
     rows = Spec(tokens, None)

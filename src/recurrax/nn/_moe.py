@@ -46,7 +46,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..registry import current_backend
-from ._expert_blocks import block_ffn
+from ._expert_blocks import block_ffn, combine
 from ._expert_parallel import expert_axis, expert_parallel
 from ._sharding import param
 
@@ -254,7 +254,7 @@ def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transpo
         if weights.gate is not None:
             hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
         out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
-    return jnp.einsum("nkd,nk->nd", out[routed.positions], routing.weights.astype(out.dtype))
+    return combine(out, routed.positions, routing.weights)
 
 
 def all_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeights, *,
