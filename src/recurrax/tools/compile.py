@@ -95,8 +95,8 @@ REPRESENTATIVE = {
 }
 """What CI compiles. GPU: every gate kind × K = V ∈ {64, 128} × dense / packed × forward /
 gradient, bf16 (32 programs). TPU: the configurations `tests/test_kernels_tpu.py` exports, and
-the delta rule's kernel for every gate kind (gradient programs: its forward kernel and XLA
-`chunk`'s backward), packed float32, and K = 64, V = 256."""
+the delta rule's kernels for every gate kind (gradient programs: forward, chunk states and
+backward kernels), packed float32, and K = 64, V = 256."""
 FULL = {
     "gpu": _product(GATE_SETS, [(64, 64), (64, 128), (128, 64), (128, 128)], ["bfloat16", "float16"],
                     [False, True], [False, True], [False, True]),
