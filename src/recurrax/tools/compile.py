@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import re
 from collections.abc import Iterable
 
 import jax
@@ -192,7 +193,7 @@ def rows(result: Result) -> list[str]:
     memory = result.compiled.memory()
     xla = f"{_kib(memory.temp_size_in_bytes)} / {_kib(memory.generated_code_size_in_bytes)}" if memory else "n/a"
     head += f"| {result.compiled.seconds:.1f} "
-    lines = [] if result.compiled.kernels else [head + f"| — | — | — | — | {xla} |"]
+    lines = [] if result.compiled.kernels else [head + f"| {mosaic_tpu_kernels(result.compiled) or '—'} | — | — | — | {xla} |"]
     for kernel in result.compiled.kernels:
         smem = "?" if kernel.smem_bytes is None else _kib(kernel.smem_bytes)
         lines.append(head + f"| {kernel.name} | {kernel.registers} | {kernel.spill_stores} / {kernel.spill_loads} "
@@ -200,6 +201,15 @@ def rows(result: Result) -> list[str]:
     for name in result.compiled.unreported:
         lines.append(head + f"| {name} | (compiled earlier in this process, not reported) | | | {xla} |")
     return lines
+
+
+def mosaic_tpu_kernels(compiled: targets.CompiledProgram) -> str:
+    """The Mosaic TPU kernels a compiled TPU program launches, by name ("" for none): its
+    `tpu_custom_call` instructions, named after their `pallas_call`s."""
+    if compiled.target.backend != "tpu":
+        return ""
+    calls = re.findall(r'%([\w-]+?)(?:\.\d+)? = [^\n]*custom_call_target="tpu_custom_call"', compiled.executable.as_text())
+    return ", ".join(dict.fromkeys(calls))
 
 
 def table(results: Iterable[Result]) -> str:
