@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from recurrax import targets
-from recurrax.tools.compile import (FULL, REPRESENTATIVE, Configuration, compile_configuration, mosaic_tpu_kernels, program,
-                                    selection)
+from recurrax.tools.compile import (FULL, REPRESENTATIVE, Configuration, compile_configuration, mosaic_tpu_kernels,
+                                    program, selection)
 
 pytestmark = pytest.mark.compile
 REQUIRED = os.environ.get("RECURRAX_REQUIRE_TOOLCHAIN") == "1"

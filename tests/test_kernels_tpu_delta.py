@@ -102,6 +102,30 @@ def test_the_gradient_runs_the_backward_kernel():
         assert text.count(f"name={kernel}") == 1, kernel
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("gates", [("g",), ("gk",)], ids=str)
+def test_tpu_delta_interpret_bfloat16_by_name(gates):
+    """The public name, default tiles (C = 128), bfloat16 inputs, gradients included."""
+    case = Case(gates=gates, qk_l2norm=True, Hqk=1, H=2, **SMALL)
+    errors = compare_delta("pallas_tpu_interpret", case, "bfloat16")
+    assert max(errors.values()) <= BF16_BOUND, errors
+
+
+@pytest.mark.slow
+def test_tpu_delta_interpret_traced_cu_seqlens():
+    """KDA's per-key-channel decay on packed input, `cu_seqlens` an argument of the jitted
+    function (traced): an empty sequence, sequences ending inside chunks."""
+    case = Case(gates=("gk",), cu_seqlens=(0, 7, 7, 16, 20), **SMALL)
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_delta_inputs(case).items()}
+    run = jax.jit(lambda cu: recurrax.delta_rule(**arrays, cu_seqlens=cu, implementation="pallas_tpu_interpret"))
+    o, state = run(jnp.asarray(case.cu_seqlens, jnp.int32))
+    exact = {n: jnp.asarray(x, jnp.float64) for n, x in make_delta_inputs(case).items()}
+    o_ref, state_ref = recurrax.delta_rule(**exact, cu_seqlens=jnp.asarray(case.cu_seqlens), implementation="reference")
+    for got, want in ((o, o_ref), (state, state_ref)):
+        want = np.asarray(want)
+        assert np.max(np.abs(np.asarray(got, np.float64) - want)) <= F32_BOUND * np.max(np.abs(want))
+
+
 def _request_arrays(K: int = 128, dtype=np.float32, gates=("g",)) -> dict:
     case = Case(gates=gates, K=K, V=K, T=8, B=1, Hqk=1, H=2)
     return {n: np.asarray(x, dtype) for n, x in make_delta_inputs(case).items()}

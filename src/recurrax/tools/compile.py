@@ -193,7 +193,8 @@ def rows(result: Result) -> list[str]:
     memory = result.compiled.memory()
     xla = f"{_kib(memory.temp_size_in_bytes)} / {_kib(memory.generated_code_size_in_bytes)}" if memory else "n/a"
     head += f"| {result.compiled.seconds:.1f} "
-    lines = [] if result.compiled.kernels else [head + f"| {mosaic_tpu_kernels(result.compiled) or '—'} | — | — | — | {xla} |"]
+    tpu_kernels = mosaic_tpu_kernels(result.compiled) or "—"
+    lines = [] if result.compiled.kernels else [head + f"| {tpu_kernels} | — | — | — | {xla} |"]
     for kernel in result.compiled.kernels:
         smem = "?" if kernel.smem_bytes is None else _kib(kernel.smem_bytes)
         lines.append(head + f"| {kernel.name} | {kernel.registers} | {kernel.spill_stores} / {kernel.spill_loads} "

@@ -6,7 +6,7 @@
 | S       | [K, BV] state entering the chunk (recomputed by the forward kernel)       |
 | Ē       | [K, BV] gradient of the state leaving the chunk, VMEM scratch, float32    |
 | A_t     | chunk-local inclusive cumulative log decay; A_L the chunk's last          |
-| K̃, K̂, Q̃ | K ⊙ e^{A}, K ⊙ e^{A_L − A}, Q ⊙ e^{A} (`ChunkDecay`)                      |
+| K̃, K̂, Q̃ | K ⊙ e^{A}, K ⊙ e^{A_L − A}, Q ⊙ e^{A} (`DecayFactors`)                      |
 | L, P    | key scores (strictly lower), query scores (lower) of `_delta_forward`     |
 | X, β    | (I + diag(β) L)⁻¹, the write strengths as a [C, 1] column                  |
 | U, R    | the written values X (β ⊙ R), the residual R = V − K̃ S                    |
@@ -60,7 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
-from ._delta_forward import ChunkDecay, beta_column, check_delta_tiles, chunk_scores, chunk_writes
+from ._delta_forward import DecayFactors, beta_column, check_delta_tiles, chunk_scores, chunk_writes
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
 
 
@@ -125,7 +125,7 @@ def delta_chunk_bwd(q, k, qT, kT, v, beta, decay, S, do, dE, *, gate: Gate | Non
     """One chunk's adjoint: `(dq, dk [C, K], dv [C, BV], dβ [C, 1], da [C, 1 or K] or None,
     dS entering [K, BV])`, float32 (dq, dk, dβ, da: this value block's partial sums)."""
     C = q.shape[0]
-    f = ChunkDecay.of(decay)
+    f = DecayFactors.of(decay)
     strictly_lower = iota((C, C), 0) > iota((C, C), 1)
     U, L, X, residual = chunk_writes(k, v, beta, decay, S, gate=gate, c=c, dtype=dtype)
     P = chunk_scores(q, k, decay, gate, c, dtype)  # [C, C] lower

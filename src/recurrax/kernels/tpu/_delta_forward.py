@@ -1,4 +1,5 @@
-"""Forward Pallas TPU kernel of the delta rule's chunk (WY/UT) algorithm: outputs, final states.
+"""Forward Pallas TPU kernel of the delta rule's chunk (WY/UT) algorithm: outputs, final states,
+chunk-entry states.
 
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
@@ -19,7 +20,9 @@ One grid step is one chunk of one (row, head, value block); the chunk algorithm 
     S'  = e^{A_L} ⊙ S + (K ⊙ e^{A_L − A})ᵀ U
 
 Nothing in U depends on other value columns, so the value blocks are independent programs
-(each forms the same M and X). The scores P and M are those of the `recurrent` kernels
+(each forms the same M and X). For the backward (`_delta_backward.py`) the same kernel, run
+with `emit_states` and without `emit_output`, writes the state entering every chunk and skips
+the queries. The scores P and M are those of the `recurrent` kernels
 (`_forward.py`): per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key
 channel, sub-blocks of c query rows anchored at the row before them, the keys inside the
 sub-block computed element-wise (`diagonal_scores`). Every evaluated exponential has a
@@ -96,7 +99,7 @@ def chunk_scores(x, k, decay, gate: Gate | None, c: int, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkDecay:
+class DecayFactors:
     """The decay factors of one chunk, every exponent non-positive for gates ≤ 0.
 
     `rows` is A as the token rows see it ([C, 1] per head, [C, K] per channel) and `cols` its
@@ -114,7 +117,9 @@ class ChunkDecay:
         return self.rows is not None and self.rows.shape[1] > 1
 
     def _last_row(self):  # A_L as a row: [1, K] per channel, [1, 1] per head
-        return pick_row(self.rows, self.rows.shape[0] - 1) if self.per_channel else pick_col(self.cols, self.cols.shape[1] - 1)
+        if self.per_channel:
+            return pick_row(self.rows, self.rows.shape[0] - 1)
+        return pick_col(self.cols, self.cols.shape[1] - 1)
 
     def from_start(self, x):
         """x ⊙ e^{A} for token rows x [C, ·]."""
@@ -148,7 +153,7 @@ def chunk_writes(k, v, beta, decay, S, *, gate: Gate | None, c: int, dtype):
     strictly_lower = iota((C, C), 0) > iota((C, C), 1)
     L = jnp.where(strictly_lower, chunk_scores(k, k, decay, gate, c, dtype), 0.0)
     X = unit_lower_inverse(beta * L)
-    residual = v - mm(ChunkDecay.of(decay).from_start(k), S, F32)  # [C, BV]
+    residual = v - mm(DecayFactors.of(decay).from_start(k), S, F32)  # [C, BV]
     return mm(X, beta * residual, F32), L, X, residual
 
 
@@ -156,7 +161,7 @@ def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale
     """One chunk from its entry state S [K, BV]: (o [C, BV] or None without q, S' [K, BV]), float32.
 
     `decay`: per head (A [C, 1], A [1, C]); per key channel (A [C, K], Aᵀ [K, C]); None."""
-    factors = ChunkDecay.of(decay)
+    factors = DecayFactors.of(decay)
     U = chunk_writes(k, v, beta, decay, S, gate=gate, c=c, dtype=dtype)[0]
     o = None
     if q is not None:
