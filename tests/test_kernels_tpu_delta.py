@@ -59,6 +59,17 @@ def test_tpu_delta_interpret_matches_float64_reference(case):
 
 
 @pytest.mark.slow
+def test_tpu_delta_interpret_two_value_blocks():
+    """V = 256 in two value blocks of 128 (independent programs): dq, dk, dβ and the decay's
+    gradient are sums of the blocks' partial sums, g and gk both, grouped heads."""
+    tiles = TpuTiles(chunk=16, sub=8, block_v=128)
+    errors = chunk_errors(Case(gates=("g", "gk"), Hqk=1, H=2, **{**SMALL, "V": 256}),
+                          functools.partial(tpu_delta_interpret, tiles=tiles))
+    assert_within_floor(errors, "pallas_tpu_interpret")
+    assert max(error for error, _ in errors.values()) <= F32_BOUND, errors
+
+
+@pytest.mark.slow
 def test_tpu_delta_interpret_strong_decays():
     """Per-token log decays down to −80 (g and gk both down to −40): every exponent the kernels
     evaluate is ≤ 0; the gate and initial-state gradients within the issue's bound."""
