@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -55,6 +56,21 @@ def test_ab_runs_both_sides_and_reports_ratios(tmp_path):
     assert "| g | fwd+bwd (ms) |" in report and "| g | temp (MiB) |" in report
     with pytest.raises(SystemExit):
         ab.main(["--against", "HEAD", "--gates", "bogus"])
+
+
+@pytest.mark.slow  # compiles chunk's fwd+bwd at T = 256, H = 4
+def test_delta_rule_tpu_smoke_run_says_why_a_side_does_not_run(tmp_path):
+    """`benchmarks/delta_rule_tpu.py --smoke` (issue 28, item 5; `tpu.sh` runs it) off a TPU:
+    XLA chunk timed, `pallas_tpu` and ejKernel's kernel rows with the reason they did not run."""
+    delta_rule_tpu = pytest.importorskip("delta_rule_tpu")
+    assert delta_rule_tpu.main(["--smoke", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    (rows,) = json.loads((tmp_path / "delta_rule_tpu.json").read_text())["results"].values()
+    rows = {row["name"]: row for row in rows}
+    assert len(rows["recurrax chunk (XLA)"]["fwd+bwd"]) == 1
+    if jax.default_backend() != "tpu":
+        assert "dispatch picks chunk" in rows["recurrax pallas_tpu"]["skipped"]
+        assert rows["ejKernel Pallas GDN"]["skipped"].startswith("not ")
+    assert "| recurrax chunk (XLA) |" in (tmp_path / "delta_rule_tpu.md").read_text()
 
 
 def test_delta_rule_quick_run_without_peers(tmp_path):

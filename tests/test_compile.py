@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from recurrax import targets
-from recurrax.tools.compile import FULL, REPRESENTATIVE, Configuration, compile_configuration, program, selection
+from recurrax.tools.compile import (FULL, REPRESENTATIVE, Configuration, compile_configuration, mosaic_tpu_kernels,
+                                    program, selection)
 
 pytestmark = pytest.mark.compile
 REQUIRED = os.environ.get("RECURRAX_REQUIRE_TOOLCHAIN") == "1"
@@ -164,10 +165,10 @@ def check_tpu(generation: str, configuration: Configuration) -> None:
     result = compile_configuration(generation, configuration)
     assert result.implementation == "pallas_tpu"
     text = result.compiled.executable.as_text()
-    if configuration.delta:  # the delta rule's forward kernel; its backward is XLA chunk's
-        assert text.count("tpu_custom_call") == 1 and "recurrax_tpu_delta_fwd" in text
-    else:
-        assert text.count("tpu_custom_call") == 3  # forward, states, backward
+    assert text.count("tpu_custom_call") == 3  # forward, states, backward
+    kernels = set(mosaic_tpu_kernels(result.compiled).split(", "))  # what `recurrax compile` lists
+    operation = "delta" if configuration.delta else "chunk"
+    assert kernels == {f"recurrax_tpu_{operation}_{kind}" for kind in ("fwd", "states", "bwd")}, kernels
     _, args = program(configuration)
     inputs = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(args))
     assert result.compiled.memory().argument_size_in_bytes >= inputs  # TPU layouts pad to tiles

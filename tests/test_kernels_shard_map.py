@@ -6,7 +6,7 @@ whose transpose sums the gradient of a replicated input such as `g_gamma`) and e
 declares its outputs with those axes (`output_type`). What each interpret mode allows:
 
 - TPU kernels (TPU interpret mode): run sharded, forward and backward; the delta rule's
-  forward kernel too, with its gradient from XLA `chunk`'s backward.
+  kernels too.
 - Mosaic GPU kernels (Mosaic GPU interpret mode, JAX ≥ 0.12): traced and lowered on the
   two-device mesh; run on a one-device mesh (its interpreter simulates the devices of a mesh
   as one multi-GPU launch and stops on two: "Barrier remains allocated", with or without
@@ -211,7 +211,7 @@ def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips():
 
 @pytest.mark.compile
 def test_tpu_delta_kernel_compiles_under_shard_map_for_four_v5e_chips():
-    """The delta rule's TPU kernel (picked by dispatch for the target) and its gradient inside
+    """The delta rule's TPU kernels (picked by dispatch for the target) and its gradient inside
     `shard_map` with `check_vma=True` over a 4-chip v5e slice, rows split over the chips,
     per-head and per-channel decays, compiled by libtpu without a TPU."""
     from test_compile import need
@@ -233,7 +233,8 @@ def test_tpu_delta_kernel_compiles_under_shard_map_for_four_v5e_chips():
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=(P("x"), P("x")), check_vma=True)
     loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in sharded(*a))  # noqa: E731
     program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(7))), *args)
-    assert program.executable.as_text().count("recurrax_tpu_delta_fwd") >= 1
+    text = program.executable.as_text()
+    assert all(f"recurrax_tpu_delta_{kind}" in text for kind in ("fwd", "states", "bwd"))
 
 
 DELTA_CASE = DeltaCase(gates=("g", "gk"), B=2, T=20, Hqk=1, H=2, K=16, V=16, qk_l2norm=True)
@@ -256,8 +257,7 @@ def _delta_vjp(algorithm, arrays: dict, cotangents: tuple):
 
 @pytest.mark.slow
 def test_tpu_delta_kernel_under_shard_map():
-    """The delta rule's TPU kernel (interpret mode, small tiles) and its gradient (XLA
-    `chunk`'s backward) inside `shard_map` with `check_vma=True` on two devices, against the
+    """The delta rule's TPU kernels (interpret mode, small tiles), forward and backward, inside `shard_map` with `check_vma=True` on two devices, against the
     unsharded call; held to `floor_tolerance` of the unsharded call's error vs float64."""
     inputs = make_delta_inputs(DELTA_CASE)
     rng = np.random.default_rng(1)

@@ -63,8 +63,8 @@ def delta_rule(
       are checked under `recurrax.runtime_checks()`.
 
     Gradients for every input: `chunk` through a custom VJP that recomputes each chunk in
-    its backward (one stored state per chunk), `pallas_tpu` through `chunk`'s backward
-    (recomputed from the inputs: no backward kernel yet), `scan` and `reference` through JAX's
+    its backward (one stored state per chunk), `pallas_tpu` through its backward kernel (one
+    state per chunk recomputed by the forward kernel), `scan` and `reference` through JAX's
     autodiff.
     Non-finite inputs are not guarded: a NaN or infinity propagates (a log decay of −inf, a
     hard reset, is exact).

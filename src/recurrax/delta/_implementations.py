@@ -26,8 +26,8 @@ ROWS = (
     ("reference",            Platform.XLA,    Backend.ANY,   0, reference_delta,         SUPPORT,                     None),
     ("pallas_tpu_interpret", Platform.PALLAS, Backend.ANY, -10, tpu.tpu_delta_interpret, tpu.DELTA_INTERPRET_SUPPORT, tpu.unavailable),
 )  # fmt: skip
-"""`pallas_tpu`: the Pallas TPU forward kernel (`recurrax.kernels.tpu`; gradients by `chunk`'s
-backward), on v5e and v6e. `pallas_tpu_interpret`: the same kernel in Pallas's TPU interpret
+"""`pallas_tpu`: the Pallas TPU forward and backward kernels (`recurrax.kernels.tpu`), on v5e and
+v6e. `pallas_tpu_interpret`: the same kernels in Pallas's TPU interpret
 mode on any backend; below the reference, so dispatch never picks it (force it by name).
 A row whose `unavailable()` gives a reason is not registered; forcing it says why."""
 

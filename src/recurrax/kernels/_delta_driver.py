@@ -1,4 +1,4 @@
-"""The delta rule through a backend's forward kernel, differentiable by the XLA `chunk` backward.
+"""The delta rule through a backend's forward and backward kernels, as one differentiable function.
 
 | symbol | meaning                                                                  |
 |--------|--------------------------------------------------------------------------|
@@ -8,7 +8,7 @@
 | R      | state rows: B, or S sequences when packed                                |
 | a      | the chunk-local cumulative log decay the kernel sees: [B, Tp, H] or [B, Tp, H, K] |
 
-Around the kernel, plain JAX does what it does for `recurrent`'s kernels (`_driver.py`):
+Around the kernels, plain JAX does what it does for `recurrent`'s kernels (`_driver.py`):
 repeating shared query/key heads, combining a per-head and a per-channel decay into one
 per-channel decay, zero-padding T to a multiple of C (padded tokens have q = k = v = 0,
 β = 0 and a zero log decay, so they neither read nor change the state), the chunk-aligned
@@ -17,11 +17,13 @@ and the chunk-local cumulative sums of the log decays, each floored at
 `_driver.STRONGEST_DECAY` (e^−20 per token, below float32's rounding of the state; a
 stronger decay, or a hard reset of −inf, is taken as that).
 
-**Gradients.** The kernel has no backward of its own yet: `delta_kernel` is a `custom_vjp`
-whose forward is the kernel and whose backward is the VJP of the XLA `chunk` algorithm
-(`recurrax.delta.chunk_delta`) recomputed from the inputs: its forward scan once more (to
-store one state per chunk), then its reverse scan. So `jax.grad` through the kernel costs
-the kernel's forward, plus XLA `chunk`'s forward and backward, and gives `chunk`'s gradients.
+**Gradients.** `_delta_chunk` is a `custom_vjp` over the padded (or chunk-aligned packed),
+head-expanded arrays and the floored per-token log decay: its backward runs the backend's
+forward kernel once more to write the state entering every chunk ([B, H, N, K, V] float32,
+as the `recurrent` kernels' backward reads them), then the backward kernel, which returns
+every gradient, the per-token log decay's included (`kernels/tpu/_delta_backward.py`). The
+rest (repeated heads, the decay's floor and sum, padding, the packed layout, `qk_l2norm`
+before the problem reaches the kernel) is JAX's autodiff around it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 
 from .. import varlen
 from ..problem import Gate
-from ._driver import STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, vary_alike
+from ._driver import STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, vary_alike, vary_over, varying_axes
 
 F32 = jnp.float32
 
@@ -45,12 +47,17 @@ class DeltaKernelCall:
     """Static configuration of one call (the custom_vjp's non-differentiable argument).
 
     **Arguments:**
-    - `forward`: the backend's launch function, `forward(q, k, v, beta, a, h0, table, *,
-      static) -> (o, h_T)` (token-major, heads expanded, Tp a multiple of the chunk).
-    - `static`: what the kernel is specialised for (`KernelConfig`; its tiles' `chunk` is C).
+    - `forward`: the backend's forward launch, `forward(q, k, v, beta, a, h0, table, *,
+      static, emit_output, emit_states) -> [o], h_T, [states]` (token-major, heads expanded,
+      Tp a multiple of the chunk, `a` the chunk-local cumulative log decay).
+    - `backward`: the backend's backward launch, `backward(q, k, v, beta, a, do, states,
+      dh_T, table, *, static) -> (dq, dk, dv, dβ, da, dh0)`, float32, `da` with respect to the
+      per-token log decay.
+    - `static`: what the kernels are specialised for (`KernelConfig`; its tiles' `chunk` is C).
     """
 
     forward: Callable
+    backward: Callable
     static: KernelConfig
 
     @property
@@ -70,75 +77,83 @@ def _key_side_decay(g_head, g_key):
     return g_key if g_head is None else g_key + g_head[..., None]
 
 
-def _local_decay(g, chunk: int):
-    return None if g is None else chunk_local_cumsum(jnp.maximum(g.astype(F32), STRONGEST_DECAY), chunk)
+def _floored(g):
+    """The per-token log decay the kernels see (`_driver.STRONGEST_DECAY`), float32."""
+    return None if g is None else jnp.maximum(g.astype(F32), STRONGEST_DECAY)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _delta_chunk(call: DeltaKernelCall, q, k, v, beta, g, h0, table, empty):
+    """(o [B, Tp, H, V], h_T [R, H, K, V]) of padded arrays (heads expanded, `g` the floored
+    per-token log decay or None); `table` [3, M] and `empty` [R] describe packed input (None
+    when dense): a sequence without tokens keeps its initial state."""
+    return _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty)[0]
+
+
+def _local(g, call: DeltaKernelCall):
+    return None if g is None else chunk_local_cumsum(g, call.chunk)
+
+
+def _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty):
+    o, h_T = call.forward(q, k, v, beta, _local(g, call), h0, table, static=call.static)
+    if empty is not None:
+        h_T = jnp.where(empty[:, None, None, None], h0, h_T)
+    return (o, h_T), (q, k, v, beta, g, h0, table, empty)
+
+
+def _delta_chunk_bwd(call, residuals, cotangents):
+    q, k, v, beta, g, h0, table, empty = residuals
+    do, dh_T = cotangents
+    a = _local(g, call)
+    _, states = call.forward(q, k, v, beta, a, h0, table, static=call.static, emit_output=False, emit_states=True)
+    dh_T = dh_T.astype(F32)
+    grads = call.backward(q, k, v, beta, a, do.astype(q.dtype), states, dh_T, table, static=call.static)
+    dq, dk, dv, d_beta, dg, dh0 = vary_over(varying_axes(q, k, v, beta, g, h0, do, dh_T), *grads)
+    if empty is not None:
+        dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_beta.astype(beta.dtype),
+             None if g is None else dg.astype(g.dtype), dh0.astype(h0.dtype))
+    return grads + (None, None)
+
+
+_delta_chunk.defvjp(_delta_chunk_fwd, _delta_chunk_bwd)
 
 
 def _run_kernel(call: DeltaKernelCall, q, k, v, beta, g_head, g_key, h0, cu_seqlens):
     """(o [B, T, H, V], h_T [R, H, K, V] float32) of the canonical arrays (heads shared)."""
     H, C = v.shape[2], call.chunk
     q, k = _expanded(q, H), _expanded(k, H)
-    g = _key_side_decay(g_head, g_key)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)  # one operand dtype for the kernels
+    g = _floored(_key_side_decay(g_head, g_key))
     beta = beta.astype(F32)
     h0 = h0.astype(F32)
     if cu_seqlens is None:
         T = q.shape[1]
         Tp = -(-T // C) * C
         q, k, v, beta, g = (varlen.pad_tokens(x, Tp) for x in (q, k, v, beta, g))
-        arrays = vary_alike(q, k, v, beta, _local_decay(g, C), h0)
-        o, h_T = call.forward(*arrays, None, static=call.static)
+        o, h_T = _delta_chunk(call, *vary_alike(q, k, v, beta, g, h0), None, None)
         return o[:, :T], h_T
     layout = varlen.chunk_layout(cu_seqlens, q.shape[1], C)
     to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
     q, k, v, beta, g = (to_slots(x) for x in (q, k, v, beta, g))
     owners = layout.owners
-    *arrays, table = vary_alike(q, k, v, beta, _local_decay(g, C), h0, owners.table())
-    o, h_T = call.forward(*arrays, table, static=call.static)
-    h_T = jnp.where(owners.empty[:, None, None, None], h0, h_T)  # an empty sequence keeps its state
+    *arrays, table = vary_alike(q, k, v, beta, g, h0, owners.table())
+    o, h_T = _delta_chunk(call, *arrays, table, owners.empty)
     return varlen.from_chunk_layout(o[0], layout)[None], h_T
 
 
-def _chunk_algorithm(scale: float, q, k, v, beta, g_head, g_key, h0, cu_seqlens):
-    """The same call through the XLA `chunk` algorithm (the backward's function)."""
-    from ..delta._chunk import chunk_delta
-    from ..delta._problem import DeltaProblem
-
-    problem = DeltaProblem(q, k, v, beta, g_head, g_key, h0, cu_seqlens)
-    return chunk_delta(problem, scale=scale)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _delta_kernel(call: DeltaKernelCall, q, k, v, beta, g_head, g_key, h0, cu_seqlens):
-    return _run_kernel(call, q, k, v, beta, g_head, g_key, h0, cu_seqlens)
-
-
-def _delta_kernel_fwd(call, q, k, v, beta, g_head, g_key, h0, cu_seqlens):
-    outputs = _run_kernel(call, q, k, v, beta, g_head, g_key, h0, cu_seqlens)
-    return outputs, (q, k, v, beta, g_head, g_key, h0, cu_seqlens)
-
-
-def _delta_kernel_bwd(call, residuals, cotangents):
-    *arrays, cu_seqlens = residuals
-    algorithm = lambda *arrays: _chunk_algorithm(call.static.scale, *arrays, cu_seqlens)  # noqa: E731
-    _, pullback = jax.vjp(algorithm, *arrays)
-    do, dh_T = cotangents
-    return (*pullback((do, dh_T)), None)
-
-
-_delta_kernel.defvjp(_delta_kernel_fwd, _delta_kernel_bwd)
-
-
-def delta_kernel(problem, *, scale: float, forward: Callable, tiles, interpret: bool = False):
-    """The delta rule through a backend's forward kernel; `(output, final_state)` like
-    `recurrax.delta.chunk_delta`, differentiable (by `chunk`'s backward, module docstring).
+def delta_kernel(problem, *, scale: float, forward: Callable, backward: Callable, tiles, interpret: bool = False):
+    """The delta rule through a backend's kernels; `(output, final_state)` like
+    `recurrax.delta.chunk_delta`, differentiable (module docstring).
 
     **Arguments:**
     - `problem`: the canonical `DeltaProblem` (float32 or bfloat16 inputs; query/key heads
       may be shared by groups of value heads).
-    - `scale`: the output scale; `forward`: the backend's launch function; `tiles`: its tiles.
-    - `interpret`: run the kernel in the backend's interpret mode.
+    - `scale`: the output scale; `forward`, `backward`: the backend's launch functions
+      (`DeltaKernelCall`); `tiles`: its tiles.
+    - `interpret`: run the kernels in the backend's interpret mode.
     """
     gate = Gate.KEY if problem.log_decay_key is not None else Gate.HEAD if problem.log_decay_head is not None else None
-    call = DeltaKernelCall(forward, KernelConfig(float(scale), gate, bool(interpret), tiles))
-    o, h_T = _delta_kernel(call, *problem)
+    call = DeltaKernelCall(forward, backward, KernelConfig(float(scale), gate, bool(interpret), tiles))
+    o, h_T = _run_kernel(call, *problem)
     return o.astype(problem.query.dtype), h_T.astype(problem.state_dtype)

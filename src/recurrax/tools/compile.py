@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import re
 from collections.abc import Iterable
 
 import jax
@@ -95,8 +96,8 @@ REPRESENTATIVE = {
 }
 """What CI compiles. GPU: every gate kind × K = V ∈ {64, 128} × dense / packed × forward /
 gradient, bf16 (32 programs). TPU: the configurations `tests/test_kernels_tpu.py` exports, and
-the delta rule's kernel for every gate kind (gradient programs: its forward kernel and XLA
-`chunk`'s backward), packed float32, and K = 64, V = 256."""
+the delta rule's kernels for every gate kind (gradient programs: forward, chunk states and
+backward kernels), packed float32, and K = 64, V = 256."""
 FULL = {
     "gpu": _product(GATE_SETS, [(64, 64), (64, 128), (128, 64), (128, 128)], ["bfloat16", "float16"],
                     [False, True], [False, True], [False, True]),
@@ -192,7 +193,8 @@ def rows(result: Result) -> list[str]:
     memory = result.compiled.memory()
     xla = f"{_kib(memory.temp_size_in_bytes)} / {_kib(memory.generated_code_size_in_bytes)}" if memory else "n/a"
     head += f"| {result.compiled.seconds:.1f} "
-    lines = [] if result.compiled.kernels else [head + f"| — | — | — | — | {xla} |"]
+    tpu_kernels = mosaic_tpu_kernels(result.compiled) or "—"
+    lines = [] if result.compiled.kernels else [head + f"| {tpu_kernels} | — | — | — | {xla} |"]
     for kernel in result.compiled.kernels:
         smem = "?" if kernel.smem_bytes is None else _kib(kernel.smem_bytes)
         lines.append(head + f"| {kernel.name} | {kernel.registers} | {kernel.spill_stores} / {kernel.spill_loads} "
@@ -200,6 +202,15 @@ def rows(result: Result) -> list[str]:
     for name in result.compiled.unreported:
         lines.append(head + f"| {name} | (compiled earlier in this process, not reported) | | | {xla} |")
     return lines
+
+
+def mosaic_tpu_kernels(compiled: targets.CompiledProgram) -> str:
+    """The Mosaic TPU kernels a compiled TPU program launches, by name ("" for none): its
+    `tpu_custom_call` instructions, named after their `pallas_call`s."""
+    if compiled.target.backend != "tpu":
+        return ""
+    calls = re.findall(r'%([\w-]+?)(?:\.\d+)? = [^\n]*custom_call_target="tpu_custom_call"', compiled.executable.as_text())
+    return ", ".join(dict.fromkeys(calls))
 
 
 def table(results: Iterable[Result]) -> str:

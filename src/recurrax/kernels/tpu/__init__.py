@@ -6,7 +6,8 @@
 | `_forward`   | the forward kernel: outputs, final state, chunk-entry states               |
 | `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms          |
 | `_vmem`      | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
-| `_delta_forward` | the delta rule's forward kernel (its backward: XLA `chunk`'s, `kernels/_delta_driver.py`) |
+| `_delta_forward` | the delta rule's forward kernel: outputs, final states, chunk-entry states |
+| `_delta_backward` | the delta rule's backward kernel: every gradient, the log decay's included |
 
 The array contract at the boundary is the driver's (`kernels/_driver.py`, token-major); the
 wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, h, value block, chunk) with the
@@ -25,8 +26,9 @@ be a multiple of 128) and is refused at trace time.
 **The delta rule** (`tpu_delta`, `DELTA_SUPPORT`): float32 and bfloat16 inputs, no decay, a
 per-head `g`, a per-key-channel `gk` and their sum, query/key heads shared by groups of value
 heads (repeated before the kernel), initial states, packed `cu_seqlens` (traced too), any T;
-K, V ∈ {64, 128, 256}; v5e and v6e; tiles C = 128, c = 16, BV = min(V, 128). Gradients come
-from XLA `chunk`'s backward recomputed from the inputs (no backward kernel yet).
+K, V ∈ {64, 128, 256}; v5e and v6e; tiles C = 128, c = 16, BV = min(V, 128). Gradients: the
+backward kernel, after the forward kernel has written the state entering every chunk
+(`kernels/_delta_driver.py`).
 
 `pallas_tpu_interpret` (both operations) runs these kernels in Pallas's TPU interpret mode on
 any backend, a CPU included (`INTERPRET_SUPPORT`, `DELTA_INTERPRET_SUPPORT`: no head-dim or
@@ -47,6 +49,7 @@ from ...registry import Support
 from .._delta_driver import delta_kernel
 from .._driver import PallasBackend, head_dims_refusal, kernel_support, missing_module
 from ._backward import chunk_backward
+from ._delta_backward import delta_backward
 from ._delta_forward import delta_forward
 from ._forward import chunk_forward
 from ._tiles import TpuTiles, mosaic_problems
@@ -100,13 +103,14 @@ tpu_interpret = BACKEND.interpret
 
 def tpu_delta(problem, *, scale: float, tiles: TpuTiles = TILES):
     """The delta rule through the forward kernel compiled by Mosaic TPU; `(output, final_state)`
-    like `recurrax.delta.chunk_delta` (gradients: `chunk`'s backward)."""
-    return delta_kernel(problem, scale=scale, forward=delta_forward, tiles=tiles)
+    like `recurrax.delta.chunk_delta`, differentiable by the backward kernel."""
+    return delta_kernel(problem, scale=scale, forward=delta_forward, backward=delta_backward, tiles=tiles)
 
 
 def tpu_delta_interpret(problem, *, scale: float, tiles: TpuTiles = TILES):
     """`tpu_delta` in Pallas's TPU interpret mode, on any device (tests, laptops)."""
-    return delta_kernel(problem, scale=scale, forward=delta_forward, tiles=tiles, interpret=True)
+    return delta_kernel(problem, scale=scale, forward=delta_forward, backward=delta_backward, tiles=tiles,
+                        interpret=True)
 
 
 def unavailable() -> str | None:

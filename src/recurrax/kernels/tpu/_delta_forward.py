@@ -1,4 +1,5 @@
-"""Forward Pallas TPU kernel of the delta rule's chunk (WY/UT) algorithm: outputs, final states.
+"""Forward Pallas TPU kernel of the delta rule's chunk (WY/UT) algorithm: outputs, final states,
+chunk-entry states.
 
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
@@ -19,7 +20,9 @@ One grid step is one chunk of one (row, head, value block); the chunk algorithm 
     S'  = e^{A_L} ⊙ S + (K ⊙ e^{A_L − A})ᵀ U
 
 Nothing in U depends on other value columns, so the value blocks are independent programs
-(each forms the same M and X). The scores P and M are those of the `recurrent` kernels
+(each forms the same M and X). For the backward (`_delta_backward.py`) the same kernel, run
+with `emit_states` and without `emit_output`, writes the state entering every chunk and skips
+the queries. The scores P and M are those of the `recurrent` kernels
 (`_forward.py`): per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key
 channel, sub-blocks of c query rows anchored at the row before them, the keys inside the
 sub-block computed element-wise (`diagonal_scores`). Every evaluated exponential has a
@@ -38,6 +41,7 @@ use the inputs' MXU type (bf16 for bf16 inputs), as the `recurrent` kernels do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -94,33 +98,90 @@ def chunk_scores(x, k, decay, gate: Gate | None, c: int, dtype):
     return jnp.where(lower, mm_nt(x, k, dtype), 0.0)
 
 
-def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale: float, dtype):
-    """One chunk from its entry state S [K, BV]: (o [C, BV], S' [K, BV]), float32.
+@dataclasses.dataclass(frozen=True)
+class DecayFactors:
+    """The decay factors of one chunk, every exponent non-positive for gates ≤ 0.
 
-    `decay`: per head (a [C, 1], a [1, C]); per key channel (a [C, K], aᵀ [K, C]); None."""
+    `rows` is A as the token rows see it ([C, 1] per head, [C, K] per channel) and `cols` its
+    transposed copy ([1, C], [K, C]); without a decay both are None and every factor is 1."""
+
+    rows: jax.Array | None
+    cols: jax.Array | None
+
+    @classmethod
+    def of(cls, decay):
+        return cls(None, None) if decay is None else cls(*decay)
+
+    @property
+    def per_channel(self) -> bool:
+        return self.rows is not None and self.rows.shape[1] > 1
+
+    def _last_row(self):  # A_L as a row: [1, K] per channel, [1, 1] per head
+        if self.per_channel:
+            return pick_row(self.rows, self.rows.shape[0] - 1)
+        return pick_col(self.cols, self.cols.shape[1] - 1)
+
+    def from_start(self, x):
+        """x ⊙ e^{A} for token rows x [C, ·]."""
+        return x if self.rows is None else x * jnp.exp(self.rows)
+
+    def from_start_t(self, xT):
+        """xᵀ ⊙ e^{Aᵀ} for transposed token columns xT [K, C]."""
+        return xT if self.cols is None else xT * jnp.exp(self.cols)
+
+    def to_end(self, x):
+        """x ⊙ e^{A_L − A} for token rows x [C, K]."""
+        return x if self.rows is None else x * jnp.exp(self._last_row() - self.rows)
+
+    def to_end_t(self, xT):
+        """The same for transposed token columns xT [K, C]."""
+        return xT if self.cols is None else xT * jnp.exp(pick_col(self.cols, self.cols.shape[1] - 1) - self.cols)
+
+    def state_rows(self):
+        """e^{A_L} scaling the state's key rows: [K, 1] per channel, [1, 1] per head, 1.0."""
+        return 1.0 if self.cols is None else jnp.exp(pick_col(self.cols, self.cols.shape[1] - 1))
+
+    def state_columns(self):
+        """e^{A_L} as a row over keys: [1, K] per channel, [1, 1] per head, 1.0."""
+        return 1.0 if self.rows is None else jnp.exp(self._last_row())
+
+
+def chunk_writes(k, v, beta, decay, S, *, gate: Gate | None, c: int, dtype):
+    """(U [C, BV], the key scores L [C, C] strictly lower, X = (I + M)⁻¹, v − (K ⊙ e^{A}) S):
+    what the chunk's tokens write, from its entry state S [K, BV], float32."""
     C = k.shape[0]
     strictly_lower = iota((C, C), 0) > iota((C, C), 1)
-    if gate is None:
-        from_start, state_decay, kT_to_end = 1.0, 1.0, kT
-    else:
-        rows, cols = decay  # [C, ·] and [·, C] copies of A
-        last = pick_col(cols, C - 1)  # e^{A_L}: [1, 1] per head, [K, 1] per channel
-        from_start, state_decay, kT_to_end = jnp.exp(rows), jnp.exp(last), kT * jnp.exp(last - cols)
-    M = beta * jnp.where(strictly_lower, chunk_scores(k, k, decay, gate, c, dtype), 0.0)
-    X = unit_lower_inverse(M)
-    U = mm(X, beta * (v - mm(k * from_start, S, F32)), F32)  # [C, BV]
-    P = chunk_scores(q, k, decay, gate, c, dtype)
-    o = scale * (mm(q * from_start, S, dtype) + mm(P, U, dtype))
-    return o, state_decay * S + mm(kT_to_end, U, F32)
+    L = jnp.where(strictly_lower, chunk_scores(k, k, decay, gate, c, dtype), 0.0)
+    X = unit_lower_inverse(beta * L)
+    residual = v - mm(DecayFactors.of(decay).from_start(k), S, F32)  # [C, BV]
+    return mm(X, beta * residual, F32), L, X, residual
 
 
-def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
+def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale: float, dtype):
+    """One chunk from its entry state S [K, BV]: (o [C, BV] or None without q, S' [K, BV]), float32.
+
+    `decay`: per head (A [C, 1], A [1, C]); per key channel (A [C, K], Aᵀ [K, C]); None."""
+    factors = DecayFactors.of(decay)
+    U = chunk_writes(k, v, beta, decay, S, gate=gate, c=c, dtype=dtype)[0]
+    o = None
+    if q is not None:
+        P = chunk_scores(q, k, decay, gate, c, dtype)
+        o = scale * (mm(factors.from_start(q), S, dtype) + mm(P, U, dtype))
+    return o, factors.state_rows() * S + mm(factors.to_end_t(kT), U, F32)
+
+
+def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output: bool, emit_states: bool):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
-    q_ref, k_ref, kT_ref, v_ref, beta_ref = refs[:5]
-    del refs[:5]
+    q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
+    k_ref, kT_ref, v_ref, beta_ref = refs[:4]
+    del refs[:4]
     decay_refs = [refs.pop(0) for _ in range(2)] if static.gate is not None else None
-    h0_ref, o_ref, hT_ref, S_ref = refs
+    h0_ref = refs.pop(0)
+    o_ref = refs.pop(0) if emit_output else None
+    hT_ref = refs.pop(0)
+    states_ref = refs.pop(0) if emit_states else None
+    (S_ref,) = refs
 
     first, last, step0 = tiles.chunk_flags(specs, meta_ref)
 
@@ -132,11 +193,16 @@ def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     def _():
         S_ref[...] = h0_ref[...].astype(F32)
 
+    S = S_ref[...]
+    if emit_states:
+        states_ref[...] = S
     decay = None if decay_refs is None else tuple(tiles.f32(r) for r in decay_refs)
-    q, k, kT, v, beta = (tiles.f32(r) for r in (q_ref, k_ref, kT_ref, v_ref, beta_ref))
-    o, S_next = delta_chunk(q, k, kT, v, beta, decay, S_ref[...], gate=static.gate, c=static.tiles.sub,
+    q = None if q_ref is None else tiles.f32(q_ref)
+    k, kT, v, beta = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref, beta_ref))
+    o, S_next = delta_chunk(q, k, kT, v, beta, decay, S, gate=static.gate, c=static.tiles.sub,
                             scale=static.scale, dtype=tiles.matmul_dtype(k_ref.dtype))
-    o_ref[...] = o.astype(o_ref.dtype)
+    if emit_output:
+        o_ref[...] = o.astype(o_ref.dtype)
     S_ref[...] = S_next
 
     @pl.when(last)
@@ -156,9 +222,12 @@ def check_delta_tiles(s: tiles.Shapes, static: KernelConfig, dtype) -> None:
         raise ValueError("TPU delta-rule kernel: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("static",))
-def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig):
-    """Launch the forward kernel: `(o [B, Tp, H, V] in q's dtype, h_T [R, H, K, V] float32)`.
+@functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
+def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig, emit_output: bool = True,
+                  emit_states: bool = False):
+    """Launch the forward kernel: a list of `o [B, Tp, H, V]` in q's dtype if `emit_output`,
+    `h_T [R, H, K, V]` float32, and the states entering every chunk `[B, H, N, K, V]` float32
+    if `emit_states` (what the backward kernel reads).
 
     **Arguments:** token-major q, k [B, Tp, H, K] (heads expanded), v [B, Tp, H, V], β
     [B, Tp, H], `a` the chunk-local cumulative log decay (float32 [B, Tp, H] per head,
@@ -174,22 +243,40 @@ def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig):
     specs = tiles.Specs(s, backward=False, varlen=meta is not None)
     R = h0.shape[0]
 
-    beta_col = jnp.transpose(beta.astype(F32), (0, 2, 1))[..., None]  # [B, H, Tp, 1]
-    inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v), beta_col]
-    in_specs = [specs.rows(s.K), specs.rows(s.K), specs.cols(s.K), specs.rows_v(), specs.rows(1)]
+    inputs = [tiles.head_major(q)] if emit_output else []
+    in_specs = [specs.rows(s.K)] if emit_output else []
+    inputs += [tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v), beta_column(beta)]
+    in_specs += [specs.rows(s.K), specs.cols(s.K), specs.rows_v(), specs.rows(1)]
     inputs += tiles.decay_layouts(a, static.gate)
     in_specs += specs.decay(static.gate)
     inputs.append(h0.astype(F32))
     in_specs.append(specs.state())
-    out_specs = [specs.rows_v(), specs.state()]
-    out_shape = [output_type((s.B, s.H, s.Tp, s.V), kdt, k), output_type((R, s.H, s.K, s.V), F32, k)]
+    out_specs, out_shape = [], []
+    if emit_output:
+        out_specs.append(specs.rows_v())
+        out_shape.append(output_type((s.B, s.H, s.Tp, s.V), kdt, k))
+    out_specs.append(specs.state())
+    out_shape.append(output_type((R, s.H, s.K, s.V), F32, k))
+    if emit_states:
+        out_specs.append(specs.chunk_states())
+        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, k))
 
-    o, h_T = pl.pallas_call(
-        functools.partial(_delta_forward_kernel, static=static, specs=specs),
+    kernel = functools.partial(_delta_forward_kernel, static=static, specs=specs, emit_output=emit_output,
+                               emit_states=emit_states)
+    outs = pl.pallas_call(
+        kernel,
         grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
         interpret=tiles.interpret_mode(static),
-        name="recurrax_tpu_delta_fwd",
+        name="recurrax_tpu_delta_fwd" if emit_output else "recurrax_tpu_delta_states",
     )(*(([meta] if meta is not None else []) + inputs))
-    return tiles.token_major(o).astype(out_dtype), h_T
+    outs = list(outs)
+    if emit_output:
+        outs[0] = tiles.token_major(outs[0]).astype(out_dtype)
+    return outs
+
+
+def beta_column(beta):
+    """β [B, Tp, H] as the kernels read it: float32 head-major columns [B, H, Tp, 1]."""
+    return jnp.transpose(beta.astype(F32), (0, 2, 1))[..., None]

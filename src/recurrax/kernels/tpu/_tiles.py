@@ -235,8 +235,9 @@ class Specs:
             (None, None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0, j)
         )
 
-    def partial_rows(self):  # [nV, B, H, Tp, K] -> [C, K] of this value block
-        return _block_spec((None, None, None, self.s.C, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
+    def partial_rows(self, width: int | None = None):  # [nV, B, H, Tp, width (K)] -> [C, width] of this value block
+        width = self.s.K if width is None else width
+        return _block_spec((None, None, None, self.s.C, width), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
 
     def partial_column(self):  # [nV, B, H, N, K, 1] -> [K, 1] of this chunk and value block
         return _block_spec(
