@@ -8,7 +8,7 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 
 from __future__ import annotations
 
-from . import _olmo_hybrid, _qwen3_next
+from . import _minimax, _olmo_hybrid, _qwen3_next
 from ._config_checks import check_config
 from ._gla import GatedLinearAttention
 from ._hf_config import HF_FAMILIES
@@ -43,7 +43,7 @@ ARCHITECTURES = {
     "linear_attn": "LinearAttentionForCausalLM",
     "lightnet": "LightNetForCausalLM",
 }
-FAMILY_MODULES = {model_type: module for module in (_qwen3_next, _olmo_hybrid)
+FAMILY_MODULES = {model_type: module for module in (_qwen3_next, _olmo_hybrid, _minimax)
                   for model_type in module.MODEL_TYPES}
 """`transformers` families that are one module each, by `model_type`. A family module defines
 `MODEL_TYPES`, `resolve(config)` (config.json → a spec with `vocab_size`, `hidden_size`,
@@ -51,13 +51,13 @@ FAMILY_MODULES = {model_type: module for module in (_qwen3_next, _olmo_hybrid)
 layers and final norm, held as `BODY_NAME`), and `loaded_names(weights)` / `saved_names(weights)`
 (a checkpoint's tensor names to the module tree's and back, as `transformers` writes them);
 `MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
-MULTIMODAL = {model_type: module for module in (_qwen3_next, _olmo_hybrid)
+MULTIMODAL = {model_type: module for module in (_qwen3_next, _olmo_hybrid, _minimax)
               for model_type in module.MULTIMODAL}
 """Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""
 SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
 """Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families, then `transformers`' Mamba-2
 family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2), then the family modules
-(qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid)."""
+(qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid, minimax)."""
 
 
 def resolve(config: dict) -> dict:
