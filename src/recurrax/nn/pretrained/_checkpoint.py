@@ -145,7 +145,10 @@ def state_dict(model: CausalLM | LanguageModel) -> dict[str, np.ndarray]:
     weights = {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
                for name, t in tensors(model).items() if t.saved}
     family_module = FAMILY_MODULES.get(model.model_type)
-    return weights if family_module is None else family_module.saved_names(weights)
+    if family_module is None:
+        return weights
+    buffers = getattr(family_module, "saved_buffers", None)  # config-derived tensors transformers saves
+    return {**family_module.saved_names(weights), **({} if buffers is None else buffers(model.config, weights))}
 
 
 def _host_value(value) -> np.ndarray:

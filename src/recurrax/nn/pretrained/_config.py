@@ -49,8 +49,9 @@ FAMILY_MODULES = {model_type: module for module in (_qwen3_next, _olmo_hybrid, _
 `MODEL_TYPES`, `resolve(config)` (config.json → a spec with `vocab_size`, `hidden_size`,
 `tie_word_embeddings`, `max_position_embeddings`), `Body(spec, dtype=, rngs=)` (the embedding,
 layers and final norm, held as `BODY_NAME`), and `loaded_names(weights)` / `saved_names(weights)`
-(a checkpoint's tensor names to the module tree's and back, as `transformers` writes them);
-`MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
+(a checkpoint's tensor names to the module tree's and back, as `transformers` writes them),
+optionally `saved_buffers(config, weights)` (tensors `transformers` saves that are functions of the
+config, such as MiniMax's Lightning decays); `MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
 MULTIMODAL = {model_type: module for module in (_qwen3_next, _olmo_hybrid, _minimax)
               for model_type in module.MULTIMODAL}
 """Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""

@@ -72,8 +72,9 @@ Checkpoints: `transformers` 5.25 writes (and the Hub's checkpoints hold) the MoE
 `WeightConverter`s for `mixtral`). Both are read (`loaded_names`) into the stacked
 `mlp.experts.{gate,up,down}_proj.weight [E, out, in]` here; `saved_names` writes the former.
 The Lightning layers' `slope_rate`, `query_decay`, `key_decay` and `diagonal_decay` buffers
-are saved by `transformers` but are functions of the config: they are not read, and not
-written (`transformers` computes them when a checkpoint lacks them).
+are saved by `transformers` but are functions of the config: they are not read (`transformers`
+computes the same values when a checkpoint lacks them), and `saved_buffers` writes them as
+`transformers` 5.25 does, bit for bit (`[1, H, b, b]` floats per layer for `block_size` b).
 """
 
 from __future__ import annotations
@@ -183,15 +184,20 @@ def resolve(config: dict) -> dict:
         linear_attention=dict(num_heads=H, head_dim=d, num_layers=len(layers)),
         full_attention=dict(num_heads=H, num_kv_heads=Hkv, head_dim=d, rotary_dim=d, rope_theta=theta,
                             window=c["sliding_window"]),
-        moe=dict(experts=c["num_local_experts"], width=c["intermediate_size"], top_k=c["num_experts_per_tok"]))
+        moe=dict(experts=c["num_local_experts"], width=c["intermediate_size"], top_k=c["num_experts_per_tok"]),
+        block_size=c["block_size"])
 
 
 def slope_rates(num_heads: int, layer_idx: int, num_layers: int) -> Float[Array, " H"]:
     """Lightning layer `layer_idx`'s per-head decay rates s_h, as `transformers` 5.25 computes
     `slope_rate` (in float32): `2^{−8(h+1)/H} · (1 − l / (L − 1 + 1e-5) + 1e-5)`."""
+    return jnp.asarray(_slope_rates(num_heads, layer_idx, num_layers))
+
+
+def _slope_rates(num_heads: int, layer_idx: int, num_layers: int) -> np.ndarray:
     base = np.float32(1 / (2 ** (8 / num_heads)))
     rates = base ** np.arange(1, num_heads + 1, dtype=np.float32)
-    return jnp.asarray(rates * np.float32(1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5))
+    return rates * np.float32(1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,4 +370,26 @@ def saved_names(weights: dict) -> dict:
                         np.ascontiguousarray(value[e]) for e in range(value.shape[0])})
         else:
             out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value
+    return out
+
+
+def saved_buffers(config: dict, weights: dict) -> dict:
+    """The Lightning layers' decay buffers as `transformers` 5.25 saves them (float32 values as
+    its `exp` rounds them, in the dtype of the other weights), from the config."""
+    spec = resolve(config)
+    dtype, b = weights["model.embed_tokens.weight"].dtype, spec["block_size"]
+    H, L = spec["linear_attention"]["num_heads"], len(spec["layers"])
+    positions = np.arange(1, b + 1, dtype=np.float32)  # 1 … b inside a block
+    exp = lambda x: np.exp(x.astype(np.float64)).astype(np.float32)  # noqa: E731  (torch's float32 exp)
+    out = {}
+    for layer, kind in enumerate(spec["layers"]):
+        if kind != "linear_attention":
+            continue
+        slope = _slope_rates(H, layer, L)[:, None, None]  # [H, 1, 1]
+        gaps = slope * (positions[:, None] - positions[None, :])[None, None]  # [1, H, b, b]
+        buffers = dict(slope_rate=slope, query_decay=exp(-slope * positions[:, None]),
+                       key_decay=exp(-slope * (b - positions[:, None])),
+                       diagonal_decay=exp(np.where(gaps >= 0, -gaps, -np.inf)))
+        out.update({f"model.layers.{layer}.self_attn.{name}": np.ascontiguousarray(value.astype(dtype))
+                    for name, value in buffers.items()})
     return out
