@@ -234,7 +234,8 @@ class MiniMaxLightningAttention(RecurrentMixer):
         return q, k, v, None
 
     def _decays(self, x: Float[Array, "B T D"]) -> dict:
-        return {"g_gamma": -slope_rates(self.num_heads, self.layer_idx, self.num_layers)}
+        wide = jnp.promote_types(self.dtype, jnp.float32)  # float64 models: the same rates, not rounded again
+        return {"g_gamma": -slope_rates(self.num_heads, self.layer_idx, self.num_layers).astype(wide)}
 
     def _output(self, o: Float[Array, "B T H d"], x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         B, T = o.shape[:2]
