@@ -29,6 +29,7 @@ BAMBA = FIXTURES / "transformers" / "bamba_basic"                  # Mamba-2 (sh
 NEMOTRON = FIXTURES / "transformers" / "nemotron_h_pattern_moe"   # Mamba-2, attention, MLP, MoE
 QWEN3_NEXT = FIXTURES / "transformers" / "qwen3_next_moe_grouped"  # Gated DeltaNet, gated attention, MoE
 OLMO_HYBRID = FIXTURES / "transformers" / "olmo_hybrid_grouped_negeig"  # Gated DeltaNet (β ≤ 2), post-norm attention
+MINIMAX = FIXTURES / "transformers" / "minimax_gqa_rotary_dim_tied"  # Lightning attention, GQA attention, MoE
 TOLERANCE = 1e-5
 """Relative error of the serving tests' logits (float32 against float32, slow tier)."""
 
@@ -119,7 +120,8 @@ def inputs_of(model, packed: bool):
     return tokens.reshape(-1), jnp.array([0, 5, 5, 35, 64], jnp.int32)
 
 
-MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON, "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID}
+MODELS = {"gla": GLA, "bamba": BAMBA, "nemotron_h": NEMOTRON, "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID,
+          "minimax": MINIMAX}
 LAYOUTS = {
     "data2-tensor4": ((2, 4, 1), ("data", "tensor")),
     "fsdp2-tensor2-seq2": ((2, 2, 2), ("fsdp", "tensor", "sequence")),
