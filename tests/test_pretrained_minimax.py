@@ -9,11 +9,11 @@ one packed prefill and one decode step: a packed prefill then decoding equals th
 forward (and `transformers`), greedy tokens through that cache equal `transformers`' own, and
 `save_pretrained` writes `transformers`' names and values (the decay buffers bit for bit).
 Without compiling the model: one Lightning layer (parallel and decoding) equals a float64
-numpy transcription of `transformers`' recurrence, its decay rates equal `transformers`' saved `slope_rate`, the
-routed experts equal every expert masked by the routing, the model's own tensor names (fused
+numpy transcription of `transformers`' recurrence, its decay rates equal `transformers`' saved `slope_rate`, the model's own tensor names (fused
 experts, no decay buffers) load the same, the Hub's config spellings read the same, unsupported
 options are refused by name, and every parameter has logical axis names. With `-m ""`: the
-same packed prefill and decoding on the fixture with a sliding window and residual factors ≠ 1.
+same packed prefill and decoding on the fixture with a sliding window and residual factors ≠ 1,
+and the routed experts against every expert masked by the routing.
 
 Error metric: max |ours − reference| / max |reference|.
 """
@@ -229,6 +229,7 @@ def test_decay_rates_equal_transformers_slope_rate(name):
     assert found
 
 
+@pytest.mark.slow
 @needs_fixture
 def test_routed_experts_equal_every_expert_masked_by_the_routing():
     """Only the routed (token, expert) pairs computed; the same sum as every expert on every
