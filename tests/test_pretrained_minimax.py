@@ -8,10 +8,11 @@ the Hub's `rotary_dim` (which `transformers` ignores), through that file's compi
 one packed prefill and one decode step: a packed prefill then decoding equals the parallel
 forward (and `transformers`), greedy tokens through that cache equal `transformers`' own, and
 `save_pretrained` writes `transformers`' names and values (the decay buffers bit for bit).
-Without compiling the model: one Lightning layer (parallel and decoding) equals a float64
-numpy transcription of `transformers`' recurrence, its decay rates equal `transformers`' saved `slope_rate`, the model's own tensor names (fused
-experts, no decay buffers) load the same, the Hub's config spellings read the same, unsupported
-options are refused by name, and every parameter has logical axis names. With `-m ""`: the
+Without compiling the model (one small layer only): a Lightning layer (parallel and decoding)
+equals a float64 numpy transcription of `transformers`' recurrence, its decay rates equal
+`transformers`' saved `slope_rate`, the model's own tensor names (fused experts, no decay
+buffers) load the same, the Hub's config spellings read the same, unsupported options are
+refused by name, and every parameter has logical axis names. With `-m ""`: the
 same packed prefill and decoding on the fixture with a sliding window and residual factors ≠ 1,
 and the routed experts against every expert masked by the routing.
 
