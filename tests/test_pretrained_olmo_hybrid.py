@@ -1,4 +1,4 @@
-"""OLMo-Hybrid (`recurrax.nn.pretrained._olmo_hybrid`) against `transformers` 5.25.
+"""OLMo-Hybrid (`recurrax.nn.pretrained.families._olmo_hybrid`) against `transformers` 5.25.
 
 Every fixture's logits are checked with the other `transformers` families in
 test_pretrained_transformers.py, and there, with `-m ""`, each fixture's decode, packing,
@@ -35,7 +35,7 @@ from test_pretrained_transformers import FIXTURES, NAMES, TOLERANCE, _rewritten,
 
 import recurrax.nn as rnn  # noqa: E402
 from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, state_dict  # noqa: E402
-from recurrax.nn.pretrained._olmo_hybrid import resolve  # noqa: E402
+from recurrax.nn.pretrained.families._olmo_hybrid import resolve  # noqa: E402
 
 OLMO = [name for name in NAMES if name.startswith("olmo_hybrid")]
 MAIN = "olmo_hybrid_grouped_negeig"

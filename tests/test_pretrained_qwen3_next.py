@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 (`recurrax.nn.pretrained._qwen3_next`) against `transformers` 5.25.
+"""Qwen3-Next and Qwen3.5 (`recurrax.nn.pretrained.families._qwen3_next`) against `transformers` 5.25.
 
 Every fixture's logits are checked with the other `transformers` families in
 test_pretrained_transformers.py, and there, with `-m ""`, each fixture's decode, packing,
@@ -36,7 +36,7 @@ from test_pretrained_transformers import FIXTURES, NAMES, TOLERANCE, _rewritten,
 
 import recurrax.nn as rnn  # noqa: E402
 from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, state_dict  # noqa: E402
-from recurrax.nn.pretrained._qwen3_next import resolve  # noqa: E402
+from recurrax.nn.pretrained.families._qwen3_next import resolve  # noqa: E402
 
 QWEN = [name for name in NAMES if name.startswith("qwen3") and "vlm" not in name]
 MAIN = "qwen3_next_moe_grouped"

@@ -8,14 +8,14 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 
 from __future__ import annotations
 
-from . import _olmo_hybrid, _qwen3_next
 from ._config_checks import check_config
-from ._gla import GatedLinearAttention
-from ._hf_config import HF_FAMILIES
-from ._hgrn2 import HGRN2Attention
-from ._lightnet import LightNetAttention
-from ._linear_attn import LinearAttention
-from ._retnet import MultiScaleRetention
+from .families import _olmo_hybrid, _qwen3_next
+from .families._gla import GatedLinearAttention
+from .families._hgrn2 import HGRN2Attention
+from .families._lightnet import LightNetAttention
+from .families._linear_attn import LinearAttention
+from .families._mamba2 import HF_FAMILIES
+from .families._retnet import MultiScaleRetention
 
 COMMON_DEFAULTS = dict(
     vocab_size=32000, hidden_size=2048, num_hidden_layers=24, hidden_ratio=4, intermediate_size=None,
@@ -43,16 +43,19 @@ ARCHITECTURES = {
     "linear_attn": "LinearAttentionForCausalLM",
     "lightnet": "LightNetForCausalLM",
 }
-FAMILY_MODULES = {model_type: module for module in (_qwen3_next, _olmo_hybrid)
-                  for model_type in module.MODEL_TYPES}
+FAMILIES = (
+    _qwen3_next,
+    _olmo_hybrid,
+)
+"""The family modules of `families/`: adding a family is one module there and one row here."""
+FAMILY_MODULES = {model_type: module for module in FAMILIES for model_type in module.MODEL_TYPES}
 """`transformers` families that are one module each, by `model_type`. A family module defines
 `MODEL_TYPES`, `resolve(config)` (config.json → a spec with `vocab_size`, `hidden_size`,
 `tie_word_embeddings`, `max_position_embeddings`), `Body(spec, dtype=, rngs=)` (the embedding,
 layers and final norm, held as `BODY_NAME`), and `loaded_names(weights)` / `saved_names(weights)`
 (a checkpoint's tensor names to the module tree's and back, as `transformers` writes them);
 `MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
-MULTIMODAL = {model_type: module for module in (_qwen3_next, _olmo_hybrid)
-              for model_type in module.MULTIMODAL}
+MULTIMODAL = {model_type: module for module in FAMILIES for model_type in module.MULTIMODAL}
 """Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""
 SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
 """Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families, then `transformers`' Mamba-2

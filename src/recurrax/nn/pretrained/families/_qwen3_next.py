@@ -73,19 +73,18 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from .._conv import CausalConv1d
-from .._gated_deltanet import GatedDeltaNet as DeltaNetLayer
-from .._gated_deltanet import initial_A_log
-from .._mixers import MixerCache, check_width
-from .._moe import ExpertWeights as StackedExperts
-from .._moe import Routing, route
-from .._sharding import param, partitioned
-from ._attention import KVCache
-from ._config_checks import ConfigError, _check_fields, _is_int
-from ._hf_config import _rope, decode_floats
-from ._hf_layers import ExpertWeights, GatedMLP, HFAttention, run_experts, run_mixer
-from ._mixer import heads, linear
-from ._norm import GatedNorm, ZeroCentredRMSNorm
+from ..._conv import CausalConv1d
+from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
+from ..._gated_deltanet import initial_A_log
+from ..._mixers import MixerCache, check_width
+from ..._moe import ExpertWeights as StackedExperts
+from ..._moe import Routing, route
+from ..._sharding import param, partitioned
+from .._config_checks import ConfigError, _check_fields, _is_int, _rope, decode_floats
+from ..layers._attention import HFAttention, KVCache
+from ..layers._mixer import heads, linear, run_mixer
+from ..layers._mlp import ExpertWeights, GatedMLP, run_experts
+from ..layers._norm import GatedNorm, ZeroCentredRMSNorm
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 BODY_NAME = "model"

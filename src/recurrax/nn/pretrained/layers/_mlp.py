@@ -1,4 +1,4 @@
-"""The non-SSM layers of `transformers`' Mamba-2 hybrids: attention, MLPs and mixtures of experts.
+"""`transformers`' MLPs and mixtures of experts (the Mamba-2 hybrids', reused by the other families).
 
 | symbol | meaning                                                |
 |--------|--------------------------------------------------------|
@@ -7,9 +7,6 @@
 | E, k   | routed experts, experts per token                      |
 | n      | tokens (all rows flattened)                            |
 
-    HFAttention     fla's `Attention` with `transformers`' options: explicit head_dim, biases on
-                    all four projections, rotary on the first `rotary_dim` channels (or none),
-                    a score scale (Granite's `attention_multiplier`), a key multiplier (Falcon-H1)
     GatedMLP        W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d      Bamba, Falcon-H1 (m: Falcon's mlp_multipliers)
     PlainMLP        W_down(act(x W_up))                              Nemotron-H (relu²)
     NemotronMoE     sigmoid router with group-limited top-k and a score-correction bias; relu²
@@ -24,78 +21,16 @@ oracle the routed path equals, kept for tests.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from .._moe import ExpertWeights as StackedExperts
-from .._moe import Routing, route, routed_experts
-from .._moe import all_experts as every_expert
-from .._sharding import param
-from ._attention import Attention, KVCache
-from ._mixer import RecurrentCache, heads, linear
-from ._rotary import apply_rotary
-
-
-class LayerCache(NamedTuple):
-    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
-
-    mamba: RecurrentCache | None
-    attention: KVCache | None
-
-
-def run_mixer(layer, x, cache, context):
-    """A mixer called with or without its cache: `(y, new_cache)`."""
-    if cache is None:
-        return layer(x, **context), None
-    return layer(x, cache, **context)
-
-
-class HFAttention(Attention):
-    """Causal GQA softmax attention as `transformers`' Llama-style layers compute it.
-
-    **Arguments:** `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`; `bias` (all four
-    projections); `rotary_dim` (rotated leading channels of each head, 0 for no positional
-    encoding); `rope_theta`; `scale` (default `head_dim^{−1/2}`); `key_multiplier`; `out_size`
-    (o_proj's output width, default `hidden_size`); `dtype`, `rngs`.
-    """
-
-    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
-                 rotary_dim: int = 0, rope_theta: float = 10000.0, scale: float | None = None,
-                 key_multiplier: float = 1.0, out_size: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
-        if rotary_dim % 2 or rotary_dim > head_dim:
-            raise ValueError(f"rotary dims must be even and at most head_dim={head_dim}, got {rotary_dim}")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.window_size, self.rope_theta, self.dtype = None, float(rope_theta), dtype
-        self.rotary_dim, self.scale, self.key_multiplier = rotary_dim, scale, float(key_multiplier)
-        q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = linear(hidden_size, q_dim, axes=("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(q_dim, out_size or hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype,
-                             rngs=rngs)
-
-    def _rotate(self, x, positions):
-        if not self.rotary_dim:
-            return x
-        rotated = apply_rotary(x[..., : self.rotary_dim], positions, self.rope_theta)
-        return jnp.concatenate([rotated, x[..., self.rotary_dim:]], axis=-1)
-
-    def _project(self, x, positions):
-        return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions)
-
-    def _split_heads(self, q, k, v, positions):
-        """Projected q, k, v as heads, k multiplied, q and k rotated."""
-        k = heads(k, self.head_dim)
-        if self.key_multiplier != 1.0:
-            k = k * self.key_multiplier
-        q = self._rotate(heads(q, self.head_dim), positions)
-        return q, self._rotate(k, positions), heads(v, self.head_dim)
+from ..._moe import ExpertWeights as StackedExperts
+from ..._moe import Routing, route, routed_experts
+from ..._moe import all_experts as every_expert
+from ..._sharding import param
+from ._mixer import linear
 
 
 TRANSFORMERS_ACTIVATIONS = {

@@ -61,17 +61,16 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from .._conv import CausalConv1d
-from .._gated_deltanet import GatedDeltaNet as DeltaNetLayer
-from .._gated_deltanet import initial_A_log, initial_dt_bias
-from .._mixers import MixerCache
-from .._sharding import param, partitioned
-from ._attention import KVCache
-from ._config_checks import _check_fields, _refuse
-from ._hf_config import _rope, decode_floats
-from ._hf_layers import GatedMLP, HFAttention, run_mixer
-from ._mixer import linear
-from ._norm import GatedNorm, RMSNorm
+from ..._conv import CausalConv1d
+from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
+from ..._gated_deltanet import initial_A_log, initial_dt_bias
+from ..._mixers import MixerCache
+from ..._sharding import param, partitioned
+from .._config_checks import _check_fields, _refuse, _rope, decode_floats
+from ..layers._attention import HFAttention, KVCache
+from ..layers._mixer import linear, run_mixer
+from ..layers._mlp import GatedMLP
+from ..layers._norm import GatedNorm, RMSNorm
 
 MODEL_TYPES = ("olmo_hybrid",)
 BODY_NAME = "model"
