@@ -1,4 +1,5 @@
-"""fla's config.json, read the way fla's config classes and blocks read it.
+"""The table of families (`FAMILIES`: the modules of `families/`, by `model_type` in
+`FAMILY_MODULES`), and fla's config.json, read the way fla's config classes and blocks read it.
 
 Each supported `model_type` has its config class's defaults (for keys a config.json leaves
 out) and a builder of its native mixer with the arguments fla's block passes (options fla's

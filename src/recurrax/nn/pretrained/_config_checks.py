@@ -213,3 +213,18 @@ def _rope(c: dict, head_dim: int, factor: float | None = None) -> tuple[int, flo
     if factor is None:
         factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     return int(head_dim * factor), float(theta)
+
+
+def check_layer_types(config: dict, supported: tuple[str, ...]) -> None:
+    """`config["layer_types"]`: null, or a list of one of `supported` per layer
+    (`num_hidden_layers`). A wrong type or length is refused by field (ConfigError), a name not
+    in `supported` by name (NotImplementedError)."""
+    types = config["layer_types"]
+    if types is None:
+        return
+    if not isinstance(types, list) or len(types) != config["num_hidden_layers"]:
+        _refuse("layer_types", f"null or a list of {config['num_hidden_layers']} layer types", types)
+    unknown = sorted(set(types) - set(supported))
+    if unknown:
+        raise NotImplementedError(f"unsupported layer types {unknown} in a {config['model_type']!r} config "
+                                  f"(supported: {', '.join(supported)})")

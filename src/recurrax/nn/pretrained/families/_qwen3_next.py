@@ -79,9 +79,10 @@ from ..._gated_deltanet import initial_A_log
 from ..._mixers import MixerCache, check_width
 from ..._moe import ExpertWeights as StackedExperts
 from ..._moe import Routing, route
-from ..._sharding import param, partitioned
-from .._config_checks import ConfigError, _check_fields, _is_int, _rope, decode_floats
+from ..._sharding import param
+from .._config_checks import _check_fields, _is_int, _refuse, _rope, check_layer_types, decode_floats
 from ..layers._attention import HFAttention, KVCache
+from ..layers._decoder import DecoderBody
 from ..layers._mixer import heads, linear, run_mixer
 from ..layers._mlp import ExpertWeights, GatedMLP, run_experts
 from ..layers._norm import GatedNorm, ZeroCentredRMSNorm
@@ -119,10 +120,6 @@ BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
-def _refuse(field: str, accepted: str, value) -> None:
-    raise ConfigError(f"config field {field!r} must be {accepted}, got {value!r}")
-
-
 def _check(c: dict) -> None:
     """Refuse values of the default-filled config `c` that cannot build the model (by field)."""
     _check_fields(c, POSITIVE_INTS, numbers=("rms_norm_eps",), bools=BOOLS)
@@ -144,14 +141,7 @@ def _check(c: dict) -> None:
     only = c.get("mlp_only_layers", [])
     if not (isinstance(only, list) and all(_is_int(i) for i in only)):
         _refuse("mlp_only_layers", "a list of layer indices", only)
-    types = c["layer_types"]
-    if types is not None:
-        if not isinstance(types, list) or len(types) != c["num_hidden_layers"]:
-            _refuse("layer_types", f"null or a list of {c['num_hidden_layers']} layer types", types)
-        unknown = sorted(set(types) - set(LAYER_TYPES))
-        if unknown:
-            raise NotImplementedError(f"unsupported layer types {unknown} in a {c['model_type']} config "
-                                      f"(supported: {', '.join(LAYER_TYPES)})")
+    check_layer_types(c, LAYER_TYPES)
 
 
 def _mixers(c: dict) -> list[str]:
@@ -415,33 +405,13 @@ class DecoderLayer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), new_cache
 
 
-class Body(nnx.Module):
+class Body(DecoderBody):
     """`embed_tokens`, `layers`, `norm`: the `model` of a Qwen3-Next / Qwen3.5 `CausalLM`."""
 
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        D = spec["hidden_size"]
-        self.embed_tokens = nnx.Embed(spec["vocab_size"], D, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                                      embedding_init=partitioned(nnx.initializers.normal(0.02), "vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
-                                for mixer, ffn in spec["layers"]])
-        self.norm = ZeroCentredRMSNorm(D, eps=spec["eps"], dtype=dtype)
-
-    @property
-    def embedding(self) -> nnx.Embed:
-        return self.embed_tokens
-
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def layer_context(self, embedded) -> list[dict]:
-        return [{} for _ in self.layers]
-
-    def head_input(self, h):
-        return self.norm(h)
-
-    def init_caches(self, rows: int, capacity: int) -> tuple:
-        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
-        return tuple(layer.init_cache(rows, capacity) for layer in self.layers)
+        super().__init__(spec, lambda: [DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
+                                        for mixer, ffn in spec["layers"]],
+                         ZeroCentredRMSNorm, dtype=dtype, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------------------------

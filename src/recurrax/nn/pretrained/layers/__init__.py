@@ -9,6 +9,7 @@
     _qkv            the q/k/v-projection mixer base of GLA and RetNet
     _projected      the fused-projection mixer base of HGRN2 and LightNet
     _mamba2_mixer   the Mamba-2 SSD mixer on `recurrax.recurrent`
+    _decoder        `DecoderBody`: embed_tokens, layers, norm (the `Body` a family module subclasses)
 
 The short convolutions are `recurrax.nn`'s (`nn/_conv.py`), the delta rule's layer
 `nn/_gated_deltanet.py`, the routed experts `nn/_moe.py`.
