@@ -38,7 +38,7 @@ def mixture(k, **options):
 
 
 def granite(k):
-    from recurrax.nn.pretrained._hf_layers import GraniteMoE
+    from recurrax.nn.pretrained.layers._mlp import GraniteMoE
 
     layer = GraniteMoE(8, experts=6, width=6, top_k=k, rngs=nnx.Rngs(1))  # [E, out, in] weights
     kernel = layer.router.layer.kernel
@@ -47,7 +47,7 @@ def granite(k):
 
 
 def nemotron():
-    from recurrax.nn.pretrained._hf_layers import NemotronMoE
+    from recurrax.nn.pretrained.layers._mlp import NemotronMoE
 
     router = dict(top_k=3, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5)
     layer = NemotronMoE(8, experts=8, width=6, shared_width=4, latent=6, bias=False, act="relu2", router=router,

@@ -147,7 +147,7 @@ def test_packed_continuation_reads_earlier_entries_blockwise(monkeypatch):
     """Row 1's new path: a packed call on a non-empty cache reads the earlier entries block by
     block (blocks of 6 of a capacity of 16: the last block overlaps) and matches the parallel
     pass of the whole sequences (windowed, grouped heads)."""
-    monkeypatch.setattr(pretrained._attention, "EARLIER_BLOCK", 6)
+    monkeypatch.setattr(pretrained.layers._attention, "EARLIER_BLOCK", 6)
     layer = pretrained.Attention(16, num_heads=4, num_kv_heads=2, window_size=7, rngs=nnx.Rngs(2))
     x = np.random.default_rng(1).normal(size=(2, 11, 16)).astype(np.float32)
     whole = np.asarray(layer(jnp.asarray(x)))

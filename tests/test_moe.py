@@ -271,7 +271,7 @@ def test_routing_is_a_named_tuple_of_int32_and_float32():
 
 
 def pretrained_moe_layers():
-    from recurrax.nn.pretrained._hf_layers import GraniteMoE, NemotronMoE
+    from recurrax.nn.pretrained.layers._mlp import GraniteMoE, NemotronMoE
 
     granite = GraniteMoE(8, experts=6, width=5, top_k=2, rngs=nnx.Rngs(1))
     kernel = granite.router.layer.kernel

@@ -28,3 +28,13 @@ def test_installed_package_has_the_typing_marker():
     marker = importlib.resources.files("recurrax") / "py.typed"
     if not marker.is_file():
         pytest.fail("py.typed is not installed with recurrax (package-data)")
+
+
+def test_every_source_folder_is_a_package():
+    """setuptools' package discovery (`packages.find`) ships only folders with an `__init__.py`:
+    a folder of modules without one (a new `nn/pretrained/families/` subfolder, say) would be
+    left out of the wheel while the tests, run from the source tree, still pass."""
+    src = ROOT / "src" / "recurrax"
+    folders = [d for d in src.rglob("*") if d.is_dir() and any(d.glob("*.py"))]
+    assert len(folders) > 5
+    assert [str(d.relative_to(src)) for d in folders if not (d / "__init__.py").is_file()] == []

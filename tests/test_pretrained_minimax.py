@@ -1,4 +1,4 @@
-"""MiniMax (`recurrax.nn.pretrained._minimax`) against `transformers` 5.25.
+"""MiniMax (`recurrax.nn.pretrained.families._minimax`) against `transformers` 5.25.
 
 Every fixture's logits are checked with the other `transformers` families in
 test_pretrained_transformers.py, and there, with `-m ""`, each fixture's decode, packing,
@@ -21,9 +21,6 @@ Error metric: max |ours − reference| / max |reference|.
 
 from __future__ import annotations
 
-import functools
-import json
-
 import numpy as np
 import pytest
 
@@ -33,86 +30,40 @@ pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip ins
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _cases import floor_tolerance, max_rel_error  # noqa: E402
+from _pretrained import (check_greedy_tokens_through_the_cache, check_logical_axis_names,  # noqa: E402
+                         check_packed_prefill_then_decoding, check_saved_as_transformers_writes, config_of)
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
-from test_pretrained_transformers import FIXTURES, NAMES, TOLERANCE, _rewritten, loaded  # noqa: E402
+from test_pretrained_transformers import FIXTURES, NAMES, _rewritten  # noqa: E402
 
-import recurrax.nn as rnn  # noqa: E402
-from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, state_dict  # noqa: E402
-from recurrax.nn.pretrained._minimax import MiniMaxLightningAttention, resolve, slope_rates  # noqa: E402
+from recurrax.nn.pretrained import CausalLM, from_pretrained, state_dict  # noqa: E402
+from recurrax.nn.pretrained.families._minimax import MiniMaxLightningAttention, resolve, slope_rates  # noqa: E402
 
 MINIMAX = [name for name in NAMES if name.startswith("minimax")]
 MAIN = "minimax_gqa_rotary_dim_tied"
 WINDOW = "minimax_pattern_factors_window"
-CAPACITY = 16
-"""Cache positions: the longest prompt (9) plus the new tokens (6), rounded up."""
 needs_fixture = pytest.mark.skipif(MAIN not in NAMES, reason=f"no fixture {MAIN} in tests/fixtures/transformers")
-
-
-def config_of(name: str) -> dict:
-    return json.loads((FIXTURES / name / "config.json").read_text())
-
-
-@functools.lru_cache(maxsize=None)
-def packed_prefill(name: str):
-    """The fixture's model called on packed tokens with a cache, compiled."""
-    graphdef = nnx.split(loaded(name).model)[0]
-    return jax.jit(lambda params, tokens, cu, cache: nnx.merge(graphdef, params)(tokens, cache, cu_seqlens=cu))
-
-
-def _packed_prefill_then_decode(name: str) -> None:
-    """Both rows' first 5 tokens packed into one cache (the Lightning state and the keys cut at
-    the sequence boundary), then one token at a time: the parallel logits within
-    `floor_tolerance` of their float32-vs-float64 error, and `transformers`' logits."""
-    fixture = loaded(name)
-    tokens = jnp.asarray(fixture.expected["input_ids"])
-    B, T = tokens.shape
-    prompt = 5
-    logits, cache = packed_prefill(name)(fixture.params, tokens[:, :prompt].reshape(-1),
-                                         jnp.arange(B + 1, dtype=jnp.int32) * prompt,
-                                         fixture.model.init_cache(B, CAPACITY))
-    pieces = [logits.reshape(B, prompt, -1)]
-    for t in range(prompt, T):
-        logits, cache = fixture.step(fixture.params, tokens[:, t:t + 1], cache)
-        pieces.append(logits)
-    decoded = jnp.concatenate(pieces, axis=1)
-    floor = fixture.logits_floor(tokens)
-    error = max_rel_error(decoded, fixture.forward(fixture.params, tokens))
-    assert error <= floor_tolerance(floor), (error, floor)
-    assert max_rel_error(decoded, fixture.expected["logits"]) < TOLERANCE
 
 
 @needs_fixture
 def test_packed_prefill_then_one_token_at_a_time_equals_the_parallel_forward():
-    _packed_prefill_then_decode(MAIN)
+    """Both rows' first 5 tokens packed into one cache (the Lightning state and the keys cut at
+    the sequence boundary), then one token at a time: the parallel logits within
+    `floor_tolerance` of their float32-vs-float64 error, and `transformers`' logits."""
+    check_packed_prefill_then_decoding(MAIN)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(WINDOW not in NAMES, reason=f"no fixture {WINDOW}")
 def test_the_same_with_a_sliding_window_and_residual_factors():
-    _packed_prefill_then_decode(WINDOW)
+    check_packed_prefill_then_decoding(WINDOW)
 
 
 @needs_fixture
 def test_greedy_tokens_through_the_cache_equal_transformers():
     """Both prompts in one cache (rows of 5 and 9 tokens, one token per step), each row's next
     token its argmax once its prompt is in: `transformers`' greedy continuations."""
-    fixture = loaded(MAIN)
-    prompts = [fixture.expected["prompt_0"].tolist(), fixture.expected["prompt_1"].tolist()]
-    wanted = [fixture.expected["greedy_0"].tolist(), fixture.expected["greedy_1"].tolist()]
-    cache = fixture.model.init_cache(len(prompts), CAPACITY)
-    new = [[] for _ in prompts]
-    fed = [prompt[0] for prompt in prompts]
-    for t in range(max(map(len, prompts)) + len(wanted[0]) - 1):
-        logits, cache = fixture.step(fixture.params, jnp.asarray(fed)[:, None], cache)
-        choices = np.argmax(np.asarray(logits[:, 0]), axis=-1)
-        for row, prompt in enumerate(prompts):
-            if t + 1 < len(prompt):
-                fed[row] = prompt[t + 1]
-            elif len(new[row]) < len(wanted[row]):
-                new[row].append(int(choices[row]))
-                fed[row] = new[row][-1]
-    assert new == wanted
+    check_greedy_tokens_through_the_cache(MAIN)
 
 
 @needs_fixture
@@ -120,17 +71,9 @@ def test_save_pretrained_writes_transformers_names_and_values(tmp_path):
     """Mixtral's expert names under `block_sparse_moe` and the Lightning decay buffers, bit for
     bit as `transformers` 5.25 saves them; `make_fixtures.py --check-saved` reads such a
     directory with `transformers` itself."""
-    fixture = loaded(MAIN)
-    save_pretrained(fixture.model, tmp_path)
-    original, saved = load_file(FIXTURES / MAIN / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert {"model.layers.0.block_sparse_moe.experts.3.w2.weight", "model.layers.0.block_sparse_moe.gate.weight",
-            "model.layers.2.self_attn.diagonal_decay"} <= set(saved)
-    assert sorted(saved) == sorted(original)
-    assert all(np.array_equal(saved[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text()) == config_of(MAIN)
-    again = nnx.split(from_pretrained(tmp_path))[1]
-    tokens = jnp.asarray(fixture.expected["input_ids"])
-    assert max_rel_error(fixture.forward(again, tokens), fixture.forward(fixture.params, tokens)) == 0
+    check_saved_as_transformers_writes(MAIN, tmp_path, {
+        "model.layers.0.block_sparse_moe.experts.3.w2.weight", "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.2.self_attn.diagonal_decay"})
 
 
 def _models_own_names(weights: dict) -> dict:
@@ -290,8 +233,4 @@ def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
 
 @pytest.mark.parametrize("name", MINIMAX)
 def test_every_parameter_has_logical_axis_names(name):
-    model = nnx.eval_shape(lambda: CausalLM(config_of(name), rngs=nnx.Rngs(0)))
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names = variable.get_metadata()["out_sharding"]
-        assert len(names) == len(variable.get_value().shape), path
-        assert set(names) <= set(rnn.LOGICAL_AXES) | {None}, path
+    check_logical_axis_names(name)

@@ -262,7 +262,7 @@ def test_zamba2_unsupported_options_are_refused_by_name(tmp_path, edit, refused)
 def test_transformers_gelu_is_the_exact_one():
     """`transformers`' `gelu` is erf-based (fla's is the tanh approximation): Bamba, Falcon-H1,
     Granite, Nemotron-H and Zamba2 MLPs take `transformers`' table."""
-    from recurrax.nn.pretrained._hf_layers import activation
+    from recurrax.nn.pretrained.layers._mlp import activation
 
     x = np.linspace(-4, 4, 33)
     exact = np.array([0.5 * t * (1 + math.erf(t / math.sqrt(2))) for t in x])

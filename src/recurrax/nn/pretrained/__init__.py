@@ -16,22 +16,22 @@ for checkpoints, `safetensors`, for text `tokenizers` and `jinja2` (`pip install
 """
 
 from .._conv import CausalConv1d
-from ._attention import Attention, KVCache
+from ._chat_template import render_chat
 from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
 from ._config import SUPPORTED
-from ._chat_template import render_chat
 from ._generate import CachedLanguageModel, DecodePool, Sampling, cache_capacity, generate, generate_tokens
-from ._gla import GatedLinearAttention
-from ._hgrn2 import HGRN2Attention
-from ._lightnet import LightNetAttention
-from ._linear_attn import LinearAttention
-from ._mixer import RecurrentCache
 from ._model import CausalLM, ModelCache
-from ._norm import RMSNorm
-from ._retnet import MultiScaleRetention
 from ._sizes import SIZES, from_size, model_from_config, size_config
 from ._text import IncrementalDecoder, TextPieces, TextStream, end_of_sequence_ids, generate_text, stream_text
 from ._tokenizer import Tokenizer, load_tokenizer
+from .families._gla import GatedLinearAttention
+from .families._hgrn2 import HGRN2Attention
+from .families._lightnet import LightNetAttention
+from .families._linear_attn import LinearAttention
+from .families._retnet import MultiScaleRetention
+from .layers._attention import Attention, KVCache
+from .layers._mixer import RecurrentCache
+from .layers._norm import RMSNorm
 
 __all__ = [
     "SIZES",

@@ -47,11 +47,11 @@ from .._model import LanguageModel
 from ._config import FAMILY_MODULES, text_model_config
 from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
-from ._hf_config import is_hf_config
-from ._linear_attn import LinearAttention
 from ._model import Backbone, CausalLM
-from ._norm import RMSNorm
 from ._sizes import model_from_config
+from .families._linear_attn import LinearAttention
+from .families._mamba2 import is_hf_config
+from .layers._norm import RMSNorm
 
 INSTALL_HINT = "reading and writing fla checkpoints needs safetensors: pip install 'recurrax[pretrained]'"
 TIED_HEAD = "lm_head.weight"

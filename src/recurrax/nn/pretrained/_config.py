@@ -1,4 +1,5 @@
-"""fla's config.json, read the way fla's config classes and blocks read it.
+"""The table of families (`FAMILIES`: the modules of `families/`, by `model_type` in
+`FAMILY_MODULES`), and fla's config.json, read the way fla's config classes and blocks read it.
 
 Each supported `model_type` has its config class's defaults (for keys a config.json leaves
 out) and a builder of its native mixer with the arguments fla's block passes (options fla's
@@ -8,14 +9,14 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 
 from __future__ import annotations
 
-from . import _minimax, _olmo_hybrid, _qwen3_next
 from ._config_checks import check_config
-from ._gla import GatedLinearAttention
-from ._hf_config import HF_FAMILIES
-from ._hgrn2 import HGRN2Attention
-from ._lightnet import LightNetAttention
-from ._linear_attn import LinearAttention
-from ._retnet import MultiScaleRetention
+from .families import _minimax, _olmo_hybrid, _qwen3_next
+from .families._gla import GatedLinearAttention
+from .families._hgrn2 import HGRN2Attention
+from .families._lightnet import LightNetAttention
+from .families._linear_attn import LinearAttention
+from .families._mamba2 import HF_FAMILIES
+from .families._retnet import MultiScaleRetention
 
 COMMON_DEFAULTS = dict(
     vocab_size=32000, hidden_size=2048, num_hidden_layers=24, hidden_ratio=4, intermediate_size=None,
@@ -43,8 +44,13 @@ ARCHITECTURES = {
     "linear_attn": "LinearAttentionForCausalLM",
     "lightnet": "LightNetForCausalLM",
 }
-FAMILY_MODULES = {model_type: module for module in (_qwen3_next, _olmo_hybrid, _minimax)
-                  for model_type in module.MODEL_TYPES}
+FAMILIES = (
+    _qwen3_next,
+    _olmo_hybrid,
+    _minimax,
+)
+"""The family modules of `families/`: adding a family is one module there and one row here."""
+FAMILY_MODULES = {model_type: module for module in FAMILIES for model_type in module.MODEL_TYPES}
 """`transformers` families that are one module each, by `model_type`. A family module defines
 `MODEL_TYPES`, `resolve(config)` (config.json → a spec with `vocab_size`, `hidden_size`,
 `tie_word_embeddings`, `max_position_embeddings`), `Body(spec, dtype=, rngs=)` (the embedding,
@@ -52,8 +58,7 @@ layers and final norm, held as `BODY_NAME`), and `loaded_names(weights)` / `save
 (a checkpoint's tensor names to the module tree's and back, as `transformers` writes them),
 optionally `saved_buffers(config, weights)` (tensors `transformers` saves that are functions of the
 config, such as MiniMax's Lightning decays); `MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
-MULTIMODAL = {model_type: module for module in (_qwen3_next, _olmo_hybrid, _minimax)
-              for model_type in module.MULTIMODAL}
+MULTIMODAL = {model_type: module for module in FAMILIES for model_type in module.MULTIMODAL}
 """Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""
 SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
 """Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families, then `transformers`' Mamba-2

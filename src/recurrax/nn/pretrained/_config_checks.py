@@ -190,3 +190,41 @@ def check_rope_theta(theta) -> None:
     """A rotary embedding's `rope_theta`: a finite positive number (≤ 0 makes NaN rotations)."""
     if not (_is_number(theta) and theta > 0):
         _refuse("rope_theta", "a finite positive number (≤ 0 makes NaN rotations)", theta)
+
+
+def decode_floats(value):
+    """`transformers` 5's `{"__float__": "Infinity"}` (and -Infinity, NaN) as floats, anywhere in a config."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"].replace("Infinity", "inf"))
+        return {k: decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_floats(v) for v in value]
+    return value
+
+
+def _rope(c: dict, head_dim: int, factor: float | None = None) -> tuple[int, float]:
+    """(rotated channels per head, θ) from `rope_parameters` or the older top-level keys."""
+    params = c.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" or c.get("rope_scaling"):
+        raise NotImplementedError(f"only the default rotary embedding is supported, got {params or c['rope_scaling']}")
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    check_rope_theta(theta)
+    if factor is None:
+        factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    return int(head_dim * factor), float(theta)
+
+
+def check_layer_types(config: dict, supported: tuple[str, ...]) -> None:
+    """`config["layer_types"]`: null, or a list of one of `supported` per layer
+    (`num_hidden_layers`). A wrong type or length is refused by field (ConfigError), a name not
+    in `supported` by name (NotImplementedError)."""
+    types = config["layer_types"]
+    if types is None:
+        return
+    if not isinstance(types, list) or len(types) != config["num_hidden_layers"]:
+        _refuse("layer_types", f"null or a list of {config['num_hidden_layers']} layer types", types)
+    unknown = sorted(set(types) - set(supported))
+    if unknown:
+        raise NotImplementedError(f"unsupported layer types {unknown} in a {config['model_type']!r} config "
+                                  f"(supported: {', '.join(supported)})")

@@ -15,7 +15,7 @@ The module tree mirrors fla's names (`model.embeddings`, `model.layers[l].attn`,
 `model.layers[l].mlp.gate_proj`, `model.norm`, `lm_head`, HGRN2's `model.lower_bounds`),
 so a checkpoint converts by renaming and transposing. The mixer of layer l is the family's
 own layer, or fla's softmax `Attention` where the config's `attn` lists l. A `transformers`
-config (Mamba-2 and its hybrids) builds the body of `_hf_model` instead, with its own names.
+config (Mamba-2 and its hybrids) builds the body of `families/_mamba2.py` instead, with its own names.
 
 Decoding: `model.init_cache(rows, capacity)` and `logits, cache = model(tokens, cache)`
 (`generation_cache`, `prefill` and `decode_step` wrap them for `generate`); the
@@ -41,16 +41,15 @@ from ...varlen import segments
 from .._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from .._remat import call_block, check_remat
 from .._sharding import RESIDUAL, constrain, param, partitioned
-from .._tokens import check_token_ids
 from .._tied import tied_logits
-from ._attention import Attention, KVCache
+from .._tokens import check_token_ids
 from ._config import FAMILY_MODULES, attention_spec, intermediate_size, native_mixer, resolve
 from ._config_checks import ConfigError, eos_token_ids
-from ._hf_config import is_hf_config, resolve_hf
-from ._hf_model import NAMES as HF_NAMES
-from ._hf_model import HFBackbone
-from ._mixer import linear
-from ._norm import RMSNorm
+from .families._mamba2 import HFBackbone, is_hf_config, resolve_hf
+from .families._mamba2 import NAMES as HF_NAMES
+from .layers._attention import Attention, KVCache
+from .layers._mixer import linear
+from .layers._norm import RMSNorm
 
 
 class ModelCache(NamedTuple):

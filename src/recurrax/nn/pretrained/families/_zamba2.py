@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ._hf_layers import HFAttention, LayerCache, activation, run_mixer
-from ._mamba2 import Mamba2Mixer
-from ._mixer import linear
-from ._norm import RMSNorm
+from ..layers._attention import HFAttention
+from ..layers._mamba2_mixer import Mamba2Mixer
+from ..layers._mixer import LayerCache, linear, run_mixer
+from ..layers._mlp import activation
+from ..layers._norm import RMSNorm
 
 
 def adapter_list(uses: int, block: int, blocks: int, d_in: int, rank: int, d_out: int, axis: str, *, dtype,

@@ -20,15 +20,18 @@ with rotary embeddings); the model computes them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ...decode import recurrent_step
-from .._conv import CausalConv1d
-from .._sharding import partitioned, recurrent_on_mesh
+from ....decode import recurrent_step
+from ..._conv import CausalConv1d
+from ..._sharding import partitioned, recurrent_on_mesh
+
+if TYPE_CHECKING:
+    from ._attention import KVCache
 
 
 class RecurrentCache(NamedTuple):
@@ -139,3 +142,17 @@ def heads(x: Float[Array, "B T HD"], head_dim: int) -> Float[Array, "B T H d"]:
 def repeat_heads(x: Float[Array, "B T Hkv d"], groups: int) -> Float[Array, "B T H d"]:
     """fla's `repeat(x, '... h d -> ... (h g) d')`: query head h reads kv head h // groups."""
     return x if groups == 1 else jnp.repeat(x, groups, axis=-2)
+
+
+class LayerCache(NamedTuple):
+    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
+
+    mamba: RecurrentCache | None
+    attention: KVCache | None
+
+
+def run_mixer(layer, x, cache, context):
+    """A mixer called with or without its cache: `(y, new_cache)`."""
+    if cache is None:
+        return layer(x, **context), None
+    return layer(x, cache, **context)

@@ -61,17 +61,17 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from .._conv import CausalConv1d
-from .._gated_deltanet import GatedDeltaNet as DeltaNetLayer
-from .._gated_deltanet import initial_A_log, initial_dt_bias
-from .._mixers import MixerCache
-from .._sharding import param, partitioned
-from ._attention import KVCache
-from ._config_checks import _check_fields, _refuse
-from ._hf_config import _rope, decode_floats
-from ._hf_layers import GatedMLP, HFAttention, run_mixer
-from ._mixer import linear
-from ._norm import GatedNorm, RMSNorm
+from ..._conv import CausalConv1d
+from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
+from ..._gated_deltanet import initial_A_log, initial_dt_bias
+from ..._mixers import MixerCache
+from ..._sharding import param
+from .._config_checks import _check_fields, _refuse, _rope, check_layer_types, decode_floats
+from ..layers._attention import HFAttention, KVCache
+from ..layers._decoder import DecoderBody
+from ..layers._mixer import linear, run_mixer
+from ..layers._mlp import GatedMLP
+from ..layers._norm import GatedNorm, RMSNorm
 
 MODEL_TYPES = ("olmo_hybrid",)
 BODY_NAME = "model"
@@ -119,16 +119,9 @@ def _check(c: dict) -> None:
                                   f"it), got {c['hidden_act']!r}")
     if c["linear_conv_kernel_dim"] < 2:
         _refuse("linear_conv_kernel_dim", "at least 2", c["linear_conv_kernel_dim"])
-    types = c["layer_types"]
-    if types is not None:
-        if not isinstance(types, list) or len(types) != c["num_hidden_layers"]:
-            _refuse("layer_types", f"null or a list of {c['num_hidden_layers']} layer types", types)
-        unknown = sorted(set(types) - set(LAYER_TYPES))
-        if unknown:
-            raise NotImplementedError(f"unsupported layer types {unknown} in an olmo_hybrid config "
-                                      f"(supported: {', '.join(LAYER_TYPES)})")
-        if set(types) != set(LAYER_TYPES):
-            _refuse("layer_types", "a list with both linear_attention and full_attention layers", types)
+    check_layer_types(c, LAYER_TYPES)
+    if c["layer_types"] is not None and set(c["layer_types"]) != set(LAYER_TYPES):
+        _refuse("layer_types", "a list with both linear_attention and full_attention layers", c["layer_types"])
 
 
 def _check_heads(c: dict) -> None:
@@ -284,33 +277,13 @@ class AttentionDecoderLayer(nnx.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h)), new_cache
 
 
-class Body(nnx.Module):
+class Body(DecoderBody):
     """`embed_tokens`, `layers`, `norm`: the `model` of an `OlmoHybridForCausalLM`."""
 
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        D = spec["hidden_size"]
-        self.embed_tokens = nnx.Embed(spec["vocab_size"], D, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                                      embedding_init=partitioned(nnx.initializers.normal(0.02), "vocab", "embed"))
         layer = {"linear_attention": LinearAttentionDecoderLayer, "full_attention": AttentionDecoderLayer}
-        self.layers = nnx.List([layer[mixer](spec, dtype=dtype, rngs=rngs) for mixer in spec["layers"]])
-        self.norm = RMSNorm(D, eps=spec["eps"], dtype=dtype)
-
-    @property
-    def embedding(self) -> nnx.Embed:
-        return self.embed_tokens
-
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def layer_context(self, embedded) -> list[dict]:
-        return [{} for _ in self.layers]
-
-    def head_input(self, h):
-        return self.norm(h)
-
-    def init_caches(self, rows: int, capacity: int) -> tuple:
-        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
-        return tuple(layer.init_cache(rows, capacity) for layer in self.layers)
+        super().__init__(spec, lambda: [layer[mixer](spec, dtype=dtype, rngs=rngs) for mixer in spec["layers"]],
+                         RMSNorm, dtype=dtype, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...varlen import segments
-from ._mixer import heads, linear
-from ._norm import RMSNorm
-from ._projected import ProjectedMixer
+from ....varlen import segments
+from ..layers._mixer import heads, linear
+from ..layers._norm import RMSNorm
+from ..layers._projected import ProjectedMixer
 
 
 class LightNetAttention(ProjectedMixer):

@@ -19,9 +19,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from .._mixers import retention_log_decays
-from ._qkv import QKVMixer
-from ._rotary import apply_rotary, token_positions
+from ..._mixers import retention_log_decays
+from ..layers._qkv import QKVMixer
+from ..layers._rotary import apply_rotary, token_positions
 
 
 class MultiScaleRetention(QKVMixer):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .._sharding import param
+from ..._sharding import param
 from ._mixer import FlaMixer, heads, linear, make_conv
 from ._norm import GroupedGatedRMSNorm
 

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...varlen import segments
-from ._mixer import FlaMixer, heads, linear, repeat_heads
-from ._norm import RMSNorm
-from ._qkv import head_dims
+from ....varlen import segments
+from ..layers._mixer import FlaMixer, heads, linear, repeat_heads
+from ..layers._norm import RMSNorm
+from ..layers._qkv import head_dims
 
 LEARNED_MAPS = ("elementwise_product", "hedgehog", "t2r")
 FEATURE_MAPS = ("identity", "elu", "relu", "dpfp", *LEARNED_MAPS)

@@ -65,27 +65,25 @@ reads their text model (`text_model_config`) and saves it as the text model it i
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from .._conv import CausalConv1d
-from .._gated_deltanet import GatedDeltaNet as DeltaNetLayer
-from .._gated_deltanet import initial_A_log
-from .._mixers import MixerCache, check_width
-from .._moe import ExpertWeights as StackedExperts
-from .._moe import Routing, route
-from .._sharding import param, partitioned
-from ._attention import KVCache
-from ._config_checks import ConfigError, _check_fields, _is_int
-from ._hf_config import _rope, decode_floats
-from ._hf_layers import ExpertWeights, GatedMLP, HFAttention, run_experts, run_mixer
-from ._mixer import heads, linear
-from ._norm import GatedNorm, ZeroCentredRMSNorm
+from ..._conv import CausalConv1d
+from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
+from ..._gated_deltanet import initial_A_log
+from ..._mixers import MixerCache, check_width
+from ..._sharding import param
+from .._config_checks import _check_fields, _is_int, _refuse, _rope, check_layer_types, decode_floats
+from ..layers._attention import HFAttention, KVCache
+from ..layers._decoder import DecoderBody
+from ..layers._mixer import heads, linear, run_mixer
+from ..layers._mlp import GatedMLP, per_expert, stacked_experts
+from ..layers._mlp import SoftmaxRouter as Router
+from ..layers._mlp import StackedSwiGLUExperts as Experts
+from ..layers._norm import GatedNorm, ZeroCentredRMSNorm
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 BODY_NAME = "model"
@@ -120,10 +118,6 @@ BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
-def _refuse(field: str, accepted: str, value) -> None:
-    raise ConfigError(f"config field {field!r} must be {accepted}, got {value!r}")
-
-
 def _check(c: dict) -> None:
     """Refuse values of the default-filled config `c` that cannot build the model (by field)."""
     _check_fields(c, POSITIVE_INTS, numbers=("rms_norm_eps",), bools=BOOLS)
@@ -145,14 +139,7 @@ def _check(c: dict) -> None:
     only = c.get("mlp_only_layers", [])
     if not (isinstance(only, list) and all(_is_int(i) for i in only)):
         _refuse("mlp_only_layers", "a list of layer indices", only)
-    types = c["layer_types"]
-    if types is not None:
-        if not isinstance(types, list) or len(types) != c["num_hidden_layers"]:
-            _refuse("layer_types", f"null or a list of {c['num_hidden_layers']} layer types", types)
-        unknown = sorted(set(types) - set(LAYER_TYPES))
-        if unknown:
-            raise NotImplementedError(f"unsupported layer types {unknown} in a {c['model_type']} config "
-                                      f"(supported: {', '.join(LAYER_TYPES)})")
+    check_layer_types(c, LAYER_TYPES)
 
 
 def _mixers(c: dict) -> list[str]:
@@ -339,37 +326,6 @@ class Qwen3NextAttention(HFAttention):
         return self._attention(x, cache, cu_seqlens, positions, project, output)
 
 
-class Router(nnx.Module):
-    """The MoE's `gate`: `weight [E, D]`; softmax over all E, the top k (renormalised or not)."""
-
-    checkpoint_params = ("weight",)
-
-    def __init__(self, hidden_size: int, experts: int, *, top_k: int, renormalize: bool, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        self.weight = param(nnx.initializers.normal(0.02)(rngs.params(), (experts, hidden_size), dtype),
-                            "experts", "embed")
-        self.top_k, self.renormalize = top_k, renormalize
-
-    def __call__(self, x: Float[Array, "n D"]) -> Routing:
-        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
-        return route(logits, self.top_k, score="softmax", renormalize=self.renormalize)
-
-
-class Experts(nnx.Module):
-    """The routed SwiGLU experts, stacked: `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`."""
-
-    def __init__(self, hidden_size: int, experts: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        stacked = lambda d_out, d_in, axes: ExpertWeights(experts, d_out, d_in, axes=axes, dtype=dtype,  # noqa
-                                                          rngs=rngs)
-        self.gate_proj, self.up_proj = stacked(width, hidden_size, ("mlp", "embed")), stacked(width, hidden_size,
-                                                                                              ("mlp", "embed"))
-        self.down_proj = stacked(hidden_size, width, ("embed", "mlp"))
-
-    def __call__(self, x: Float[Array, "n D"], routing: Routing, *, all_experts: bool = False):
-        weights = StackedExperts(self.up_proj.weight[...], self.down_proj.weight[...], self.gate_proj.weight[...])
-        return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts)
-
-
 class SparseMoeBlock(nnx.Module):
     """`gate` (router), `experts`, `shared_expert` (SwiGLU) and its `shared_expert_gate` (sigmoid)."""
 
@@ -416,43 +372,19 @@ class DecoderLayer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), new_cache
 
 
-class Body(nnx.Module):
+class Body(DecoderBody):
     """`embed_tokens`, `layers`, `norm`: the `model` of a Qwen3-Next / Qwen3.5 `CausalLM`."""
 
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        D = spec["hidden_size"]
-        self.embed_tokens = nnx.Embed(spec["vocab_size"], D, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                                      embedding_init=partitioned(nnx.initializers.normal(0.02), "vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
-                                for mixer, ffn in spec["layers"]])
-        self.norm = ZeroCentredRMSNorm(D, eps=spec["eps"], dtype=dtype)
-
-    @property
-    def embedding(self) -> nnx.Embed:
-        return self.embed_tokens
-
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def layer_context(self, embedded) -> list[dict]:
-        return [{} for _ in self.layers]
-
-    def head_input(self, h):
-        return self.norm(h)
-
-    def init_caches(self, rows: int, capacity: int) -> tuple:
-        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
-        return tuple(layer.init_cache(rows, capacity) for layer in self.layers)
+        super().__init__(spec, lambda: [DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
+                                        for mixer, ffn in spec["layers"]],
+                         ZeroCentredRMSNorm, dtype=dtype, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoint names
 # ----------------------------------------------------------------------------------------------
 
-PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                        r"\.weight$")
-FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 DROPPED_PREFIXES = ("mtp.", "model.visual.")
 """Published checkpoints' multi-token-prediction weights and Qwen3.5's vision tower: not part of
 the causal LM."""
@@ -466,37 +398,16 @@ def loaded_names(weights: dict) -> dict:
     projection; a multimodal checkpoint's `model.language_model.` read as `model.`; `mtp.*` and
     `model.visual.*` dropped. Experts numbered other than 0 … E−1 are left as they are (the
     loader then names them)."""
-    out, experts = {}, {}
+    out = {}
     for name, value in weights.items():
         if name.startswith(DROPPED_PREFIXES):
             continue
         if name.startswith(LANGUAGE_MODEL):
             name = "model." + name[len(LANGUAGE_MODEL):]
-        if match := PER_EXPERT.match(name):
-            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = value
-        elif match := FUSED.match(name):
-            if match["proj"] == "gate_up_proj":  # [E, 2F, D]: gate rows, then up rows
-                gate, up = np.split(np.asarray(value), 2, axis=1)
-                out[f"{match['experts']}.gate_proj.weight"], out[f"{match['experts']}.up_proj.weight"] = gate, up
-            else:
-                out[f"{match['experts']}.down_proj.weight"] = value
-        else:
-            out[name] = value
-    for (prefix, proj), values in experts.items():
-        if sorted(values) == list(range(len(values))):
-            out[f"{prefix}.{proj}.weight"] = np.stack([np.asarray(values[e]) for e in range(len(values))])
-        else:
-            out.update({f"{prefix}.{e}.{proj}.weight": value for e, value in values.items()})
-    return out
+        out[name] = value
+    return stacked_experts(out)
 
 
 def saved_names(weights: dict) -> dict:
     """The state dict as `transformers` writes it: each expert's matrices on their own."""
-    out = {}
-    for name, value in weights.items():
-        if match := STACKED.match(name):
-            out.update({f"{match['experts']}.{e}.{match['proj']}.weight": np.ascontiguousarray(value[e])
-                        for e in range(value.shape[0])})
-        else:
-            out[name] = value
-    return out
+    return per_expert(weights)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from .._gated_deltanet import GatedRMSNorm
-from .._sharding import param
+from ..._gated_deltanet import GatedRMSNorm
+from ..._sharding import param
 
 ACTIVATIONS = {
     "swish": jax.nn.silu,

@@ -28,6 +28,10 @@ Sequence parallelism (`length` over P devices, `recurrax.nn.use_mesh`): a parall
 all-gathers the keys and values (each device holds all T of them, `2·B·T·Hkv·D` numbers,
 and scores `[B, H, T/P, T]` for its own T/P queries), so attention crosses shard boundaries
 and packed sequences alike; no ring attention.
+
+`HFAttention` is the same layer with `transformers`' options: an explicit head_dim, biases on
+all four projections, rotary on the first `rotary_dim` channels (or none), a score scale
+(Granite's `attention_multiplier`), a key multiplier (Falcon-H1).
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ...varlen import segments
-from .._sharding import constrain, mesh_axis
+from ....varlen import segments
+from ..._sharding import constrain, mesh_axis
 from ._mixer import heads, linear
 from ._rotary import apply_rotary, token_positions
 
@@ -210,3 +214,47 @@ def _finish(acc, top, total, dtype):
     """`acc / total` as `[B, T, H, D]`."""
     o = acc / total[..., None]
     return o.reshape(*o.shape[:2], -1, o.shape[-1]).astype(dtype)
+
+
+class HFAttention(Attention):
+    """Causal GQA softmax attention as `transformers`' Llama-style layers compute it.
+
+    **Arguments:** `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`; `bias` (all four
+    projections); `rotary_dim` (rotated leading channels of each head, 0 for no positional
+    encoding); `rope_theta`; `scale` (default `head_dim^{−1/2}`); `key_multiplier`; `out_size`
+    (o_proj's output width, default `hidden_size`); `dtype`, `rngs`.
+    """
+
+    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
+                 rotary_dim: int = 0, rope_theta: float = 10000.0, scale: float | None = None,
+                 key_multiplier: float = 1.0, out_size: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary dims must be even and at most head_dim={head_dim}, got {rotary_dim}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window_size, self.rope_theta, self.dtype = None, float(rope_theta), dtype
+        self.rotary_dim, self.scale, self.key_multiplier = rotary_dim, scale, float(key_multiplier)
+        q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = linear(hidden_size, q_dim, axes=("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_dim, out_size or hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype,
+                             rngs=rngs)
+
+    def _rotate(self, x, positions):
+        if not self.rotary_dim:
+            return x
+        rotated = apply_rotary(x[..., : self.rotary_dim], positions, self.rope_theta)
+        return jnp.concatenate([rotated, x[..., self.rotary_dim:]], axis=-1)
+
+    def _project(self, x, positions):
+        return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions)
+
+    def _split_heads(self, q, k, v, positions):
+        """Projected q, k, v as heads, k multiplied, q and k rotated."""
+        k = heads(k, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        q = self._rotate(heads(q, self.head_dim), positions)
+        return q, self._rotate(k, positions), heads(v, self.head_dim)

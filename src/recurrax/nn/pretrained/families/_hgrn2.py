@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._mixer import heads, linear
-from ._norm import RMSNorm
-from ._projected import ProjectedMixer
+from ..layers._mixer import heads, linear
+from ..layers._norm import RMSNorm
+from ..layers._projected import ProjectedMixer
 
 
 class HGRN2Attention(ProjectedMixer):

@@ -1,4 +1,4 @@
-"""The non-SSM layers of `transformers`' Mamba-2 hybrids: attention, MLPs and mixtures of experts.
+"""`transformers`' MLPs and mixtures of experts (the Mamba-2 hybrids', reused by the other families).
 
 | symbol | meaning                                                |
 |--------|--------------------------------------------------------|
@@ -7,14 +7,14 @@
 | E, k   | routed experts, experts per token                      |
 | n      | tokens (all rows flattened)                            |
 
-    HFAttention     fla's `Attention` with `transformers`' options: explicit head_dim, biases on
-                    all four projections, rotary on the first `rotary_dim` channels (or none),
-                    a score scale (Granite's `attention_multiplier`), a key multiplier (Falcon-H1)
     GatedMLP        W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d      Bamba, Falcon-H1 (m: Falcon's mlp_multipliers)
     PlainMLP        W_down(act(x W_up))                              Nemotron-H (relu²)
     NemotronMoE     sigmoid router with group-limited top-k and a score-correction bias; relu²
                     experts; optional latent projections; plus the shared MLP
     GraniteMoE      softmax over the top-k router logits; SwiGLU experts stored as `[E, 2F, D]`
+    SoftmaxRouter   softmax over all E, the top k (renormalised or not): Qwen3-Next's, MiniMax's `gate`
+    StackedSwiGLUExperts  SwiGLU experts `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`;
+                    their checkpoint names per expert or fused (`stacked_experts`, `per_expert`)
 
 The routers and the experts are `recurrax.nn`'s mixture of experts (`route`,
 `routed_experts`): only the routed (token, expert) pairs are computed, as grouped matmuls.
@@ -24,78 +24,19 @@ oracle the routed path equals, kept for tests.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from .._moe import ExpertWeights as StackedExperts
-from .._moe import Routing, route, routed_experts
-from .._moe import all_experts as every_expert
-from .._sharding import param
-from ._attention import Attention, KVCache
-from ._mixer import RecurrentCache, heads, linear
-from ._rotary import apply_rotary
-
-
-class LayerCache(NamedTuple):
-    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
-
-    mamba: RecurrentCache | None
-    attention: KVCache | None
-
-
-def run_mixer(layer, x, cache, context):
-    """A mixer called with or without its cache: `(y, new_cache)`."""
-    if cache is None:
-        return layer(x, **context), None
-    return layer(x, cache, **context)
-
-
-class HFAttention(Attention):
-    """Causal GQA softmax attention as `transformers`' Llama-style layers compute it.
-
-    **Arguments:** `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`; `bias` (all four
-    projections); `rotary_dim` (rotated leading channels of each head, 0 for no positional
-    encoding); `rope_theta`; `scale` (default `head_dim^{−1/2}`); `key_multiplier`; `out_size`
-    (o_proj's output width, default `hidden_size`); `dtype`, `rngs`.
-    """
-
-    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
-                 rotary_dim: int = 0, rope_theta: float = 10000.0, scale: float | None = None,
-                 key_multiplier: float = 1.0, out_size: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
-        if rotary_dim % 2 or rotary_dim > head_dim:
-            raise ValueError(f"rotary dims must be even and at most head_dim={head_dim}, got {rotary_dim}")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.window_size, self.rope_theta, self.dtype = None, float(rope_theta), dtype
-        self.rotary_dim, self.scale, self.key_multiplier = rotary_dim, scale, float(key_multiplier)
-        q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = linear(hidden_size, q_dim, axes=("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(q_dim, out_size or hidden_size, axes=("heads", "embed"), bias=bias, dtype=dtype,
-                             rngs=rngs)
-
-    def _rotate(self, x, positions):
-        if not self.rotary_dim:
-            return x
-        rotated = apply_rotary(x[..., : self.rotary_dim], positions, self.rope_theta)
-        return jnp.concatenate([rotated, x[..., self.rotary_dim:]], axis=-1)
-
-    def _project(self, x, positions):
-        return self._split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions)
-
-    def _split_heads(self, q, k, v, positions):
-        """Projected q, k, v as heads, k multiplied, q and k rotated."""
-        k = heads(k, self.head_dim)
-        if self.key_multiplier != 1.0:
-            k = k * self.key_multiplier
-        q = self._rotate(heads(q, self.head_dim), positions)
-        return q, self._rotate(k, positions), heads(v, self.head_dim)
+from ..._moe import ExpertWeights as StackedExperts
+from ..._moe import Routing, route, routed_experts
+from ..._moe import all_experts as every_expert
+from ..._sharding import param
+from ._mixer import linear
 
 
 TRANSFORMERS_ACTIVATIONS = {
@@ -232,6 +173,37 @@ class ExpertWeights(nnx.Module):
         self.weight = param(weight, "experts", *axes)
 
 
+class SoftmaxRouter(nnx.Module):
+    """The MoE's `gate`: `weight [E, D]`; softmax over all E, the top k (renormalised or not)."""
+
+    checkpoint_params = ("weight",)
+
+    def __init__(self, hidden_size: int, experts: int, *, top_k: int, renormalize: bool, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.weight = param(nnx.initializers.normal(0.02)(rngs.params(), (experts, hidden_size), dtype),
+                            "experts", "embed")
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def __call__(self, x: Float[Array, "n D"]) -> Routing:
+        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
+        return route(logits, self.top_k, score="softmax", renormalize=self.renormalize)
+
+
+class StackedSwiGLUExperts(nnx.Module):
+    """The routed SwiGLU experts, stacked: `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`."""
+
+    def __init__(self, hidden_size: int, experts: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        stacked = lambda d_out, d_in, axes: ExpertWeights(experts, d_out, d_in, axes=axes, dtype=dtype,  # noqa
+                                                          rngs=rngs)
+        self.gate_proj, self.up_proj = stacked(width, hidden_size, ("mlp", "embed")), stacked(width, hidden_size,
+                                                                                              ("mlp", "embed"))
+        self.down_proj = stacked(hidden_size, width, ("embed", "mlp"))
+
+    def __call__(self, x: Float[Array, "n D"], routing: Routing, *, all_experts: bool = False):
+        weights = StackedExperts(self.up_proj.weight[...], self.down_proj.weight[...], self.gate_proj.weight[...])
+        return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts)
+
+
 class GraniteMoE(nnx.Module):
     """Granite 4.0-H's `block_sparse_moe`: `router`, `input_linear [E, 2F, D]`, `output_linear [E, D, F]`."""
 
@@ -266,3 +238,47 @@ class GraniteSharedMLP(nnx.Module):
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         a, b = jnp.split(self.input_linear(x), 2, axis=-1)
         return self.output_linear(activation(self.act, "hidden_act")(a) * b)
+
+
+PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                        r"\.weight$")
+FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stacked_experts(weights: dict) -> dict:
+    """`weights` with each expert's matrices (`mlp.experts.{e}.gate_proj.weight`, as
+    `transformers` saves them) or the fused ones (`mlp.experts.gate_up_proj [E, 2F, D]`,
+    `down_proj [E, D, F]`, as its models hold them) stacked per projection
+    (`mlp.experts.gate_proj.weight [E, F, D]`, …: `StackedSwiGLUExperts`). Experts numbered
+    other than 0 … E−1 are left as they are (the loader then names them)."""
+    out, experts = {}, {}
+    for name, value in weights.items():
+        if match := PER_EXPERT.match(name):
+            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = value
+        elif match := FUSED.match(name):
+            if match["proj"] == "gate_up_proj":  # [E, 2F, D]: gate rows, then up rows
+                gate, up = np.split(np.asarray(value), 2, axis=1)
+                out[f"{match['experts']}.gate_proj.weight"], out[f"{match['experts']}.up_proj.weight"] = gate, up
+            else:
+                out[f"{match['experts']}.down_proj.weight"] = value
+        else:
+            out[name] = value
+    for (prefix, proj), values in experts.items():
+        if sorted(values) == list(range(len(values))):
+            out[f"{prefix}.{proj}.weight"] = np.stack([np.asarray(values[e]) for e in range(len(values))])
+        else:
+            out.update({f"{prefix}.{e}.{proj}.weight": value for e, value in values.items()})
+    return out
+
+
+def per_expert(weights: dict) -> dict:
+    """`weights` with each stacked expert matrix written per expert, as `transformers` saves them."""
+    out = {}
+    for name, value in weights.items():
+        if match := STACKED.match(name):
+            out.update({f"{match['experts']}.{e}.{match['proj']}.weight": np.ascontiguousarray(value[e])
+                        for e in range(value.shape[0])})
+        else:
+            out[name] = value
+    return out

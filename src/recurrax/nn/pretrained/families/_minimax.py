@@ -87,15 +87,13 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from .._mixers import MixerCache, RecurrentMixer
-from .._sharding import partitioned
-from . import _qwen3_next
-from ._attention import KVCache
-from ._config_checks import _check_fields, _refuse
-from ._hf_config import _rope, decode_floats
-from ._hf_layers import HFAttention, run_mixer
-from ._mixer import linear
-from ._norm import RMSNorm
+from ..._mixers import MixerCache, RecurrentMixer
+from .._config_checks import _check_fields, _refuse, _rope, check_layer_types, decode_floats
+from ..layers._attention import HFAttention, KVCache
+from ..layers._decoder import DecoderBody
+from ..layers._mixer import linear, run_mixer
+from ..layers._mlp import SoftmaxRouter, StackedSwiGLUExperts, stacked_experts
+from ..layers._norm import RMSNorm
 
 MODEL_TYPES = ("minimax",)
 BODY_NAME = "model"
@@ -149,14 +147,9 @@ def _layer_types(c: dict) -> list[str]:
         if types is not None and types != [ATTN_TYPES[code] for code in codes]:
             _refuse("attn_type_list", f"the layer_types of the same config ({types})", codes)
         types = [ATTN_TYPES[code] for code in codes]
+    check_layer_types({**c, "layer_types": types}, LAYER_TYPES)
     if types is None:
         return ["full_attention" if i % 2 == 0 else "linear_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        _refuse("layer_types", f"null or a list of {n} layer types", types)
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise NotImplementedError(f"unsupported layer types {unknown} in a minimax config "
-                                  f"(supported: {', '.join(LAYER_TYPES)})")
     return list(types)
 
 
@@ -262,8 +255,8 @@ class SparseMoeBlock(nnx.Module):
 
     def __init__(self, hidden_size: int, *, experts: int, width: int, top_k: int, dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.gate = _qwen3_next.Router(hidden_size, experts, top_k=top_k, renormalize=True, dtype=dtype, rngs=rngs)
-        self.experts = _qwen3_next.Experts(hidden_size, experts, width, dtype=dtype, rngs=rngs)
+        self.gate = SoftmaxRouter(hidden_size, experts, top_k=top_k, renormalize=True, dtype=dtype, rngs=rngs)
+        self.experts = StackedSwiGLUExperts(hidden_size, experts, width, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
         """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
@@ -305,32 +298,12 @@ class DecoderLayer(nnx.Module):
         return x * alpha + self.mlp(x) * beta, new_cache
 
 
-class Body(nnx.Module):
+class Body(DecoderBody):
     """`embed_tokens`, `layers`, `norm`: the `model` of a `MiniMaxForCausalLM`."""
 
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        D = spec["hidden_size"]
-        self.embed_tokens = nnx.Embed(spec["vocab_size"], D, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                                      embedding_init=partitioned(nnx.initializers.normal(0.02), "vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(spec, i, dtype=dtype, rngs=rngs) for i in range(len(spec["layers"]))])
-        self.norm = RMSNorm(D, eps=spec["eps"], dtype=dtype)
-
-    @property
-    def embedding(self) -> nnx.Embed:
-        return self.embed_tokens
-
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def layer_context(self, embedded) -> list[dict]:
-        return [{} for _ in self.layers]
-
-    def head_input(self, h):
-        return self.norm(h)
-
-    def init_caches(self, rows: int, capacity: int) -> tuple:
-        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
-        return tuple(layer.init_cache(rows, capacity) for layer in self.layers)
+        layers = lambda: [DecoderLayer(spec, i, dtype=dtype, rngs=rngs) for i in range(len(spec["layers"]))]  # noqa
+        super().__init__(spec, layers, RMSNorm, dtype=dtype, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +321,7 @@ DERIVED = re.compile(r"\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_d
 def loaded_names(weights: dict) -> dict:
     """A checkpoint's tensors under this module tree's names: `block_sparse_moe.` read as `mlp.`,
     each expert's `w1`/`w3`/`w2` (as `transformers` saves them) or the fused `gate_up_proj` /
-    `down_proj` (as its model holds them) stacked per projection (`_qwen3_next.loaded_names`);
+    `down_proj` (as its model holds them) stacked per projection (`layers._mlp.stacked_experts`);
     the Lightning decay buffers dropped. Experts numbered other than 0 … E−1 are left as they
     are (the loader then names them)."""
     renamed = {}
@@ -358,7 +331,7 @@ def loaded_names(weights: dict) -> dict:
         if match := MIXTRAL_EXPERT.match(name):
             name = f"{match['layer']}.mlp.experts.{match['index']}.{MIXTRAL_PROJ[match['w']]}.weight"
         renamed[name.replace(".block_sparse_moe.", ".mlp.")] = value
-    return _qwen3_next.loaded_names(renamed)
+    return stacked_experts(renamed)
 
 
 def saved_names(weights: dict) -> dict:

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._mixer import heads, linear, repeat_heads
-from ._qkv import QKVMixer
+from ..layers._mixer import heads, linear, repeat_heads
+from ..layers._qkv import QKVMixer
 
 
 class GatedLinearAttention(QKVMixer):
