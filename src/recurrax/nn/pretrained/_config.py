@@ -10,7 +10,7 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 from __future__ import annotations
 
 from ._config_checks import check_config
-from .families import _minimax, _olmo_hybrid, _qwen3_next
+from .families import _gated_deltanet, _minimax, _olmo_hybrid, _qwen3_next
 from .families._gla import GatedLinearAttention
 from .families._hgrn2 import HGRN2Attention
 from .families._lightnet import LightNetAttention
@@ -34,6 +34,7 @@ FAMILY_DEFAULTS = {
                         feature_map="elementwise_product", tie_feature_map_qk=False, norm_q=False, norm_k=False,
                         norm_feature_map=False),
     "lightnet": dict(num_heads=None, expand_ratio=128, use_short_conv=False, conv_size=4, gate_low_rank_dim=128),
+    "gated_deltanet": _gated_deltanet.DEFAULTS,
 }
 """Defaults of fla 0.6.0's config classes, per `model_type`."""
 
@@ -43,6 +44,7 @@ ARCHITECTURES = {
     "hgrn2": "HGRN2ForCausalLM",
     "linear_attn": "LinearAttentionForCausalLM",
     "lightnet": "LightNetForCausalLM",
+    "gated_deltanet": "GatedDeltaNetForCausalLM",
 }
 FAMILIES = (
     _qwen3_next,
@@ -61,7 +63,7 @@ config, such as MiniMax's Lightning decays); `MULTIMODAL` (multimodal `model_typ
 MULTIMODAL = {model_type: module for module in FAMILIES for model_type in module.MULTIMODAL}
 """Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""
 SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
-"""Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families, then `transformers`' Mamba-2
+"""Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families (gated_deltanet among them), then `transformers`' Mamba-2
 family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2), then the family modules
 (qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid, minimax)."""
 
@@ -79,6 +81,8 @@ def resolve(config: dict) -> dict:
         raise NotImplementedError("attention residuals (attnres_block_size) are not supported")
     if full["hidden_act"] != "swish":
         raise NotImplementedError(f"only hidden_act='swish' (SwiGLU MLP) is supported, got {full['hidden_act']!r}")
+    if model_type == "gated_deltanet":
+        _gated_deltanet.check(full)
     if model_type == "hgrn2" and full["expand_ratio"] is None:
         full["expand_ratio"] = full["hidden_size"] // full["num_heads"]
     return full
@@ -120,6 +124,8 @@ def native_mixer(config: dict, layer_idx: int, *, dtype, rngs):
             c["hidden_size"], num_heads=c["num_heads"], expand_ratio=c["expand_ratio"],
             use_short_conv=c["use_short_conv"], conv_size=c["conv_size"], elementwise_affine=c["elementwise_affine"],
             norm_eps=c["norm_eps"], layer_idx=layer_idx, **common)
+    if model_type == "gated_deltanet":
+        return _gated_deltanet.gated_deltanet_mixer(c, **common)
     if model_type == "linear_attn":
         return LinearAttention(
             c["hidden_size"], expand_k=c["expand_k"], expand_v=c["expand_v"], num_heads=c["num_heads"],
