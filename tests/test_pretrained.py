@@ -34,7 +34,7 @@ from recurrax.nn.pretrained import CausalLM, from_pretrained, generate, save_pre
 FIXTURES = Path(__file__).parent / "fixtures" / "fla"
 NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "expected.npz").exists()) if FIXTURES.is_dir() else []
 FAST = {"gla_gqa_conv_clamp", "gla_hybrid_attn", "retnet_gqa_nogate", "hgrn2_conv_nolb", "linear_attn_t2r_norm",
-        "lightnet_basic"}
+        "lightnet_basic", "gated_deltanet_gva_negeig"}
 TOLERANCE = 1e-4
 
 

@@ -24,6 +24,7 @@ from ._model import CausalLM, ModelCache
 from ._sizes import SIZES, from_size, model_from_config, size_config
 from ._text import IncrementalDecoder, TextPieces, TextStream, end_of_sequence_ids, generate_text, stream_text
 from ._tokenizer import Tokenizer, load_tokenizer
+from .families._gated_deltanet import GatedDeltaNet
 from .families._gla import GatedLinearAttention
 from .families._hgrn2 import HGRN2Attention
 from .families._lightnet import LightNetAttention
@@ -41,6 +42,7 @@ __all__ = [
     "CausalConv1d",
     "CausalLM",
     "DecodePool",
+    "GatedDeltaNet",
     "GatedLinearAttention",
     "HGRN2Attention",
     "IncrementalDecoder",

@@ -136,8 +136,8 @@ class Backbone(nnx.Module):
 
 class CausalLM(nnx.Module):
     """A causal language model of any supported family (`SUPPORTED`), built from its
-    config.json: fla's `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet;
-    hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
+    config.json: fla's `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet,
+    Gated DeltaNet; hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
     `BambaForCausalLM`, `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM`,
     `Zamba2ForCausalLM`, `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, the Qwen3.5 MoE
     text model (`_qwen3_next`) and `OlmoHybridForCausalLM` (`_olmo_hybrid`). Freshly

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ..._gated_deltanet import GatedDeltaNet
+from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
 from .._config_checks import ConfigError, _check_fields, _is_int, _refuse
 from ..layers._norm import GatedNorm
 
@@ -82,9 +82,10 @@ class OutputNorm(GatedNorm):
         return gated.astype(x.dtype)
 
 
-class FlaGatedDeltaNet(GatedDeltaNet):
+class GatedDeltaNet(DeltaNetLayer):
     """fla's Gated DeltaNet layer: `recurrax.nn.GatedDeltaNet` with fla's options and names,
-    called as fla's other converted layers are (`positions` and `lower_bound` ignored).
+    called as fla's other converted layers are: `y = layer(x)`, or `y, cache = layer(x, cache)`
+    from `layer.init_cache(rows)` (`positions` and `lower_bound` are accepted and ignored).
 
     **Arguments:** fla's names: `hidden_size`, `expand_v`, `head_dim`, `num_heads`,
     `num_v_heads`, `use_gate`, `use_short_conv`, `allow_neg_eigval`, `conv_size`, `norm_eps`,
@@ -107,11 +108,11 @@ class FlaGatedDeltaNet(GatedDeltaNet):
         return super().__call__(x, cache, cu_seqlens=cu_seqlens)
 
 
-def gated_deltanet_mixer(config: dict, *, dtype, rngs: nnx.Rngs) -> FlaGatedDeltaNet:
+def gated_deltanet_mixer(config: dict, *, dtype, rngs: nnx.Rngs) -> GatedDeltaNet:
     """The layer fla's `GatedDeltaNetBlock` builds from `config` (defaults filled in)."""
     c = config
     try:
-        return FlaGatedDeltaNet(
+        return GatedDeltaNet(
             c["hidden_size"], expand_v=c["expand_v"], head_dim=c["head_dim"], num_heads=c["num_heads"],
             num_v_heads=c["num_v_heads"], use_gate=c["use_gate"], use_short_conv=c["use_short_conv"],
             allow_neg_eigval=c["allow_neg_eigval"], conv_size=c["conv_size"], norm_eps=c["norm_eps"],
