@@ -92,6 +92,7 @@ def test_grouped_value_heads_and_the_options_that_drop_parameters():
     (dict(num_v_heads=3), ConfigError, "'num_v_heads' must be null or a multiple of num_heads"),
     (dict(num_v_heads=1), ConfigError, "'num_v_heads' must be null or a multiple of num_heads"),
     (dict(head_dim=None), ConfigError, "'head_dim' must be a positive integer"),
+    (dict(num_heads=None), ConfigError, "'num_heads' must be a positive integer"),
     (dict(expand_v=0.3), ConfigError, "'expand_v' must be a ratio making head_dim"),
     (dict(attn_mode="parallel"), ConfigError, "'attn_mode' must be 'chunk' or 'fused_recurrent'"),
     (dict(output_gate_activation="relu"), ConfigError, "'output_gate_activation' must be"),
