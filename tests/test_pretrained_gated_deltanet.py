@@ -1,4 +1,4 @@
-"""fla's Gated DeltaNet family (`model_type` gated_deltanet, `recurrax.nn.pretrained._gated_deltanet`).
+"""fla's Gated DeltaNet family (`model_type` gated_deltanet, `recurrax.nn.pretrained.families._gated_deltanet`).
 
 The fixtures `tests/fixtures/fla/gated_deltanet_*` (fla 0.6.0's own kernels, see MANIFEST.md
 there) are checked with fla's other families in test_pretrained.py: logits and packed logits
