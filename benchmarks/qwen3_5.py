@@ -64,6 +64,8 @@ TINY = {**QWEN3_5_0_8B, "hidden_size": 64, "intermediate_size": 96, "num_attenti
         "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 256, "max_position_embeddings": 256}
 RESULTS = Path(__file__).resolve().parent / "results"
+LOADED = 3.0
+"""A load average above which the report says the machine was loaded."""
 
 def layer_types(layers: int) -> list[str]:
     """Gated DeltaNet layers with attention at every fourth (Qwen3.5's `full_attention_interval` 4)."""
@@ -181,6 +183,12 @@ def report(config: dict, batch: int, length: int, run: dict, load_at_start: floa
         f"{machine['commit']}.", "",
         "| measurement | recurrax (JAX) | transformers (PyTorch) | ratio |", "|---|---:|---:|---:|",
     ]
+    load = max(load_at_start, os.getloadavg()[0])
+    if load > LOADED:
+        lines[4:4] = [f"**A loaded machine** (load average up to {load:.1f} on {machine['usable_cpus']} CPUs): every "
+                      "time here is slowed and noisy, the matmul rates and bandwidth below included; the parts, "
+                      "timed at other moments than the whole calls, may sum to more than them. Only the side-by-side "
+                      "ratios and the ratios to floors measured in the same run mean much.", ""]
     if theirs is None:
         lines.append(f"| `from_pretrained` | {mine['load']:.2f} s | — | — |")
         lines.append(f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
