@@ -52,7 +52,7 @@ from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, s
 from recurrax.tools.bench.machine import machine_description
 
 from _floors import matmul_gflops, read_gbps
-from _mamba2_parts import PARTS, part_seconds, repeated_ssd_seconds
+from _mamba2_parts import part_seconds, repeated_ssd_seconds
 from _timing import timed
 
 MAMBA2_130M = size_config("mamba2-130m")
@@ -174,17 +174,20 @@ def floors(work: dict, rates: dict, read: float, torch_prefill: float, torch_dec
                 decode_ratio={b: torch_decode[b] / decode[b] for b in BATCHES})
 
 
-def parts_table(parts: dict, prefill: float, decode: dict, batch: int, length: int, layers: int) -> list[str]:
-    """Markdown: each part's ms (and share of the whole call) for the prefill and each decode batch."""
+def parts_table(parts: dict, prefill: float, decode: dict, batch: int, length: int, layers: int,
+                how: str | None = None) -> list[str]:
+    """Markdown: each part's ms (and share of the whole call) for the prefill and each decode batch
+    (the parts in `parts["prefill"]`'s order; `how` says how they were timed, default Mamba-2's)."""
     columns = ["prefill"] + list(BATCHES)
     whole = {"prefill": prefill, **decode}
     head = [f"prefill {batch} × {length}"] + [f"decode step b={b}" for b in BATCHES]
-    lines = ["", f"Where our time goes (`_mamba2_parts.py`: each part of a layer jitted and timed alone, × {layers} "
-             "layers; the head once; the rest is the whole call's median minus the parts: the glue between them — "
-             "splits, dt and gate math, the D skip, residuals, cache writes, argmax — and dispatch):", "",
+    how = how or (f"`_mamba2_parts.py`: each part of a layer jitted and timed alone, × {layers} layers; the head "
+                  "once; the rest is the whole call's median minus the parts: the glue between them — splits, dt "
+                  "and gate math, the D skip, residuals, cache writes, argmax — and dispatch")
+    lines = ["", f"Where our time goes ({how}):", "",
              "| part | " + " | ".join(head) + " |", "|---|" + "---:|" * len(columns)]
     share = lambda t, c: f"{t * 1e3:,.1f} ms ({t / whole[c]:.0%})"  # noqa: E731
-    for name in PARTS:
+    for name in parts["prefill"]:
         lines.append(f"| {name} | " + " | ".join(share(parts[c][name], c) for c in columns) + " |")
     rest = {c: whole[c] - sum(parts[c].values()) for c in columns}
     lines.append("| rest | " + " | ".join(share(rest[c], c) for c in columns) + " |")
@@ -202,7 +205,7 @@ def floor_lines(work: dict, xla: dict, theirs: dict, batch: int, length: int) ->
                         torch_decode)
     torch_floor = floors(work, torch["matmul_gflops"], max(xla["read_gbps"], torch["read_gbps"]), torch_prefill,
                          torch_decode)
-    names = {shape: what for shape, what in zip(work["prefill_flops"], ("in_proj", "out_proj", "head"))}
+    names = dict(zip(work["prefill_flops"], work.get("matmul_names", ("in_proj", "out_proj", "head"))))
     lines = ["", "This CPU's floors (float32, medians, measured in the same run):", "",
              "| | XLA (recurrax) | torch (transformers) |", "|---|---:|---:|"]
     for shape in work["prefill_flops"]:
@@ -211,16 +214,17 @@ def floor_lines(work: dict, xla: dict, theirs: dict, batch: int, length: int) ->
     lines.append(f"| streaming read of {work['param_bytes'] / 1e6:,.0f} MB (the weights), GB/s | "
                  f"{xla['read_gbps']:.1f} | {torch['read_gbps']:.1f} |")
     gflop = sum(work["prefill_flops"].values()) / 1e9
+    mixer = work.get("mixer_text", f"our SSD (the chunk algorithm's forward at C = {work['chunk']}, query/key shared "
+                                   "by the heads); at XLA's measured rates (the SSD at in_proj's)")
     lines += [
         "",
         f"- Prefill {batch} × {length}: {gflop:,.0f} GFLOP of matmuls (projections and the last-position head, the "
-        f"same on both sides) and {work['ssd_flops'] / 1e9:,.0f} GFLOP in our SSD (the chunk algorithm's forward "
-        f"at C = {work['chunk']}, query/key shared by the heads); at XLA's measured rates (the SSD at in_proj's) that is at least "
+        f"same on both sides) and {work['ssd_flops'] / 1e9:,.0f} GFLOP in {mixer} that is at least "
         f"**{ours_floor['prefill']:.2f} s**, so at most **{ours_floor['prefill_ratio']:.1f}×** transformers' "
         f"{torch_prefill:.2f} s on this machine (transformers' own floor at torch's rates: "
         f"{torch_floor['prefill']:.2f} s).",
-        f"- Decode step: every weight read once ({work['param_bytes'] / 1e6:,.0f} MB) plus the SSM states read and "
-        f"written ({work['state_bytes'] / 1e6:.1f} MB per row), at the best measured read bandwidth, or the step's "
+        f"- Decode step: every weight read once ({work['param_bytes'] / 1e6:,.0f} MB) plus "
+        f"{work.get('state_text', 'the SSM states')} read and written ({work['state_bytes'] / 1e6:.1f} MB per row), at the best measured read bandwidth, or the step's "
         f"FLOPs at the best matmul rate if slower: at least "
         + "; ".join(f"b={b} **{ours_floor['decode'][b] * 1e3:,.1f} ms** (at most "
                     f"**{ours_floor['decode_ratio'][b]:.1f}×** transformers' {torch_decode[b] * 1e3:,.1f} ms)"

@@ -1,8 +1,8 @@
-"""`transformers`' side of `mamba2_130m.py` (and `granite_4_h_tiny.py`): its own model on the same checkpoint.
+"""`transformers`' side of `mamba2_130m.py` (and `granite_4_h_tiny.py`, `qwen3_5.py`): its own model on the same checkpoint.
 
     TORCH_PYTHON benchmarks/mamba2_130m_torch.py DIR [--threads 2] [--repeats 3]
 
-Run by `mamba2_130m.py` and `granite_4_h_tiny.py` (not on its own): reads DIR (config.json + model.safetensors,
+Run by `mamba2_130m.py`, `granite_4_h_tiny.py` and `qwen3_5.py` (not on its own): reads DIR (config.json + model.safetensors,
 written by recurrax's `save_pretrained`), DIR/inputs.npz and DIR/floor_shapes.json, writes
 DIR/torch_measurements.json and DIR/torch_logits.npy. Also this CPU's floors for torch: float32
 `F.linear` GFLOP/s at the model's matmul shapes and the GB/s of a `sum` over as many bytes as

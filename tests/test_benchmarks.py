@@ -90,3 +90,42 @@ def test_delta_rule_quick_run_without_peers(tmp_path):
     markdown = (tmp_path / "delta_rule.md").read_text()
     assert "| recurrax chunk |" in markdown and "fwd+bwd ≥ 5× transformers | — | n/a" in markdown
     assert delta_rule.forward_flops(**delta_rule.SHAPE) == 2 * 2048 * 4 * (64 * 8 * 128 + 6 * 128 * 128)
+
+
+def test_qwen3_5_workload_counts_the_models_own_matmuls():
+    """`benchmarks/qwen3_5.py`'s floor arithmetic against the model it benchmarks: the prefill's
+    matmul FLOPs are 2·tokens·in·out over every projection kernel the model holds (plus the
+    last-position head), and a decode step's state bytes are its cache's, read and written."""
+    qwen3_5 = pytest.importorskip("qwen3_5")
+    from flax import nnx
+
+    config = {**qwen3_5.TINY, "layer_types": qwen3_5.layer_types(4), "num_hidden_layers": 4}
+    model = qwen3_5.CausalLM(config, rngs=nnx.Rngs(0))
+    batch, length = 3, 16
+    kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+               if "proj" in jax.tree_util.keystr(path) and x.ndim == 2]
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    work = qwen3_5.workload(config, batch, length, parameters)
+    head = 2 * batch * config["hidden_size"] * config["vocab_size"]
+    assert sum(work["prefill_flops"].values()) == sum(2 * batch * length * x.size for x in kernels) + head
+    assert len(work["matmul_names"]) == len(work["prefill_flops"])
+    caches = [c for c in model.init_cache(1, 1).layers if hasattr(c, "state")]
+    assert work["state_bytes"] == 2 * sum(c.state.nbytes + c.conv.nbytes for c in caches)
+    assert work["param_bytes"] == 4 * parameters
+
+
+@pytest.mark.slow  # compiles a tiny model's prefill, three decode steps and every part: ~30 s on 2 cores
+def test_qwen3_5_tiny_run_without_transformers(tmp_path):
+    """`benchmarks/qwen3_5.py --tiny` without a torch interpreter: our side measured and checked
+    against its float64 run, the transformers side reported as not run."""
+    import re
+
+    qwen3_5 = pytest.importorskip("qwen3_5")
+    argv = ["--tiny", "--repeats", "1", "--decode-steps", "2", "--torch-python", str(tmp_path / "missing-python"),
+            "--out", str(tmp_path)]
+    assert qwen3_5.main(argv) == 0
+    report = (tmp_path / "qwen3_5.md").read_text()
+    assert "transformers not run: interpreter missing-python not found" in report
+    assert "| decode batch 64, tokens/s" in report and "| delta rule |" in report
+    assert float(re.search(r"recurrax float32 vs recurrax float64 (\S+)\.", report)[1]) < 1e-4
+    assert "recurrax over its floor: prefill" in report
