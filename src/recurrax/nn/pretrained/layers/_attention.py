@@ -24,10 +24,10 @@ Memory: dense rows read their own buffer in place (scores `[B, H, T, L]`). A pac
 positions at a time (scores `[H, N, 256]`; skipped when every sequence starts empty, as in
 a prefill); the parts merge by their log-sum-exp. No token copies its row's buffer.
 
-Sequence parallelism (`length` over P devices, `recurrax.nn.use_mesh`): a parallel pass
-all-gathers the keys and values (each device holds all T of them, `2·B·T·Hkv·D` numbers,
-and scores `[B, H, T/P, T]` for its own T/P queries), so attention crosses shard boundaries
-and packed sequences alike; no ring attention.
+Sequence parallelism (`length` over P devices, `recurrax.nn.use_mesh`): a parallel pass is
+ring attention (`recurrax.nn._ring_attention`): each device keeps its T/P queries, keys and
+values and the key/value blocks go round the mesh axis, so attention crosses shard boundaries
+and packed sequences alike with O(T/P) memory per device (scores `[B, T/P, H, T/P]`).
 
 `HFAttention` is the same layer with `transformers`' options: an explicit head_dim, biases on
 all four projections, rotary on the first `rotary_dim` channels (or none), a score scale
@@ -44,7 +44,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ....varlen import segments
-from ..._sharding import constrain, mesh_axis
+from ..._ring_attention import ring_attention
+from ..._sharding import mesh_axis
 from ._mixer import heads, linear
 from ._rotary import apply_rotary, token_positions
 
@@ -105,10 +106,12 @@ class Attention(nnx.Module):
                 raise ValueError("attention with a cache needs the tokens' positions")
             positions = token_positions(x3, cu_seqlens)
         q, k, v = project(x3, positions)
-        if cache is None and mesh_axis("length", T) is not None:  # sequence-parallel: every shard's keys
-            k, v = (constrain(t, "batch", None, "kv_heads", "head_dim") for t in (k, v))
         seq = None if cu_seqlens is None else segments(cu_seqlens, T).seq_id[None]  # [1, N]
-        if cache is None:
+        sequence = mesh_axis("length", T) if cache is None else None
+        if sequence is not None:  # sequence-parallel: the keys and values go round the ring
+            o = ring_attention(q, k, v, positions, seq, sequence=sequence, window=self.window_size, scale=self.scale)
+            new_cache = None
+        elif cache is None:
             o = self._attend(q, k, v, positions, positions, seq, seq)
             new_cache = None
         else:
