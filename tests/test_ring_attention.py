@@ -76,12 +76,12 @@ def inputs(B: int, T: int, cu_seqlens=None):
 
 
 CASES = {
-    # name: (data, sequence devices, B, T, packed sequence boundaries, window)
-    "causal-gqa": (1, 8, 2, 32, None, None),
-    "rows-over-data": (2, 4, 2, 32, None, None),
-    "window": (1, 8, 1, 32, None, 6),
-    "packed": (1, 8, 1, 32, (0, 3, 3, 17, 30, 32), None),
-    "packed-window": (1, 8, 1, 32, (0, 11, 29, 32), 5),
+    # name: (data, sequence devices, B, T, packed sequence boundaries, window, tile)
+    "causal-gqa": (1, 8, 2, 32, None, None, 2),
+    "rows-over-data": (2, 4, 2, 32, None, None, 512),
+    "window": (1, 8, 1, 32, None, 6, 4),
+    "packed": (1, 8, 1, 32, (0, 3, 3, 17, 30, 32), None, 4),
+    "packed-window": (1, 8, 1, 32, (0, 11, 29, 32), 5, 2),
 }
 FAST = {"rows-over-data", "packed-window"}
 """The default tier's cases: grouped heads, rows over `data`, packed sequences and a window."""
@@ -90,8 +90,8 @@ FAST = {"rows-over-data", "packed-window"}
 @pytest.mark.parametrize("name", by_tier(CASES, FAST))
 def test_ring_equals_one_device(name):
     """Forward and q, k, v gradients; packed sequences cross shard boundaries (4 tokens per
-    device), windows reach into earlier shards."""
-    data, sequence, B, T, cu_seqlens, window = CASES[name]
+    device, in tiles of 2 or 4), windows reach into earlier shards."""
+    data, sequence, B, T, cu_seqlens, window, tile = CASES[name]
     q, k, v, projection, positions, seq_ids = inputs(B, T, cu_seqlens)
     ids = jnp.zeros((B, T), jnp.int32) if seq_ids is None else seq_ids
     want = reference_and_gradients(*(jnp.astype(x, jnp.float64) for x in (q, k, v)), projection, positions, ids,
@@ -99,7 +99,8 @@ def test_ring_equals_one_device(name):
     single = reference_and_gradients(q, k, v, projection, positions, ids, window)
     mesh = device_mesh(data, sequence)
     with rnn.use_mesh(mesh, rnn.logical_rules("data", "sequence")):
-        ring = partial(ring_attention, positions=positions, seq_ids=seq_ids, sequence="sequence", window=window)
+        ring = partial(ring_attention, positions=positions, seq_ids=seq_ids, sequence="sequence", window=window,
+                       tile=tile)
         got = jax.jit(output_and_gradients, static_argnums=0)(ring, q, k, v, projection)
     for label, g, w, s in zip(("o", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1]),
                               (single[0], *single[1])):
