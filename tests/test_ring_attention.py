@@ -110,9 +110,9 @@ def test_ring_equals_one_device(name):
 
 
 def test_memory_holds_no_gathered_keys():
-    """Forward and backward compiled for 8 devices at T = 4096: the ring's program has no
-    all-gather and its temporaries are a fraction of attention over all-gathered keys and
-    values (which holds scores `[T/P, T]` per head)."""
+    """Forward and backward compiled for 8 devices at T = 4096 (tiles of 128): the ring's
+    program has no all-gather and its temporaries are under an eighth of one device's scores
+    `[H, T/P, T]` in attention over all-gathered keys and values (which holds them)."""
     B, T = 1, 4096
     mesh = device_mesh(1, 8)
     tokens = NamedSharding(mesh, Spec(None, "sequence", None, None))
@@ -129,10 +129,10 @@ def test_memory_holds_no_gathered_keys():
         return jnp.sum(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v))), (0, 1, 2))(q, k, v)[0])
 
     with rnn.use_mesh(mesh, rnn.SEQUENCE_PARALLEL):
-        ring = partial(ring_attention, positions=positions, sequence="sequence")
+        ring = partial(ring_attention, positions=positions, sequence="sequence", tile=128)
         compiled = {name: jax.jit(partial(loss, f)).lower(q, k, k).compile()
                     for name, f in (("ring", ring), ("gathered", gathered))}
     assert "all-gather" not in compiled["ring"].as_text() and "collective-permute" in compiled["ring"].as_text()
     temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in compiled.items()}
     scores = B * H * (T // 8) * T * 4  # one device's [H, T/P, T] float32 scores when gathered
-    assert temp["gathered"] >= scores > 2 * temp["ring"], temp
+    assert temp["gathered"] >= scores > 8 * temp["ring"], temp

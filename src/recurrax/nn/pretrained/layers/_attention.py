@@ -27,7 +27,7 @@ a prefill); the parts merge by their log-sum-exp. No token copies its row's buff
 Sequence parallelism (`length` over P devices, `recurrax.nn.use_mesh`): a parallel pass is
 ring attention (`recurrax.nn._ring_attention`): each device keeps its T/P queries, keys and
 values and the key/value blocks go round the mesh axis, so attention crosses shard boundaries
-and packed sequences alike with O(T/P) memory per device (scores `[B, T/P, H, T/P]`).
+and packed sequences alike with O(T/P) memory per device (scores in tiles `[B, 512, H, 512]`).
 
 `HFAttention` is the same layer with `transformers`' options: an explicit head_dim, biases on
 all four projections, rotary on the first `rotary_dim` channels (or none), a score scale
