@@ -118,14 +118,15 @@ def _ring(ring: Ring, q, k, v, positions, seq_ids):
 
 
 def _specs(ring: Ring):
-    """The shard_map specs of heads-shaped arrays `[B, T, H, ·]` and token arrays `[B, T]`."""
-    return Spec(ring.batch, ring.sequence, ring.heads, None), Spec(ring.batch, ring.sequence)
+    """The shard_map specs of heads-shaped arrays `[B, T, H, ·]`, token arrays `[B, T]` and the
+    log-sum-exp `[B, T, H]`."""
+    return (Spec(ring.batch, ring.sequence, ring.heads, None), Spec(ring.batch, ring.sequence),
+            Spec(ring.batch, ring.sequence, ring.heads))
 
 
 def _forward(ring: Ring, q, k, v, positions, seq_ids):
     """`(o, L)`: the output and each query's log-sum-exp `[B, T, H]` (float32)."""
-    heads, tokens = _specs(ring)
-    lse_spec = Spec(ring.batch, ring.sequence, ring.heads)
+    heads, tokens, lse_spec = _specs(ring)
     body = partial(_forward_shard, ring)
     split = jax.shard_map(body, mesh=ring.mesh, in_specs=(heads, heads, heads, tokens, tokens),
                           out_specs=(heads, lse_spec), check_vma=True)
@@ -139,8 +140,7 @@ def _forward_vjp(ring: Ring, q, k, v, positions, seq_ids):
 
 def _backward_vjp(ring: Ring, residuals, do):
     q, k, v, positions, seq_ids, o, lse = residuals
-    heads, tokens = _specs(ring)
-    lse_spec = Spec(ring.batch, ring.sequence, ring.heads)
+    heads, tokens, lse_spec = _specs(ring)
     body = partial(_backward_shard, ring)
     split = jax.shard_map(body, mesh=ring.mesh,
                           in_specs=(heads, heads, heads, tokens, tokens, heads, lse_spec, heads),
