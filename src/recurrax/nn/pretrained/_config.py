@@ -10,7 +10,7 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 from __future__ import annotations
 
 from ._config_checks import check_config
-from .families import _gated_deltanet, _minimax, _olmo_hybrid, _qwen3_next
+from .families import _bailing_hybrid, _gated_deltanet, _kimi_linear, _minimax, _olmo_hybrid, _qwen3_next
 from .families._gla import GatedLinearAttention
 from .families._hgrn2 import HGRN2Attention
 from .families._lightnet import LightNetAttention
@@ -50,6 +50,8 @@ FAMILIES = (
     _qwen3_next,
     _olmo_hybrid,
     _minimax,
+    _kimi_linear,
+    _bailing_hybrid,
 )
 """The family modules of `families/`: adding a family is one module there and one row here."""
 FAMILY_MODULES = {model_type: module for module in FAMILIES for model_type in module.MODEL_TYPES}
@@ -65,7 +67,7 @@ MULTIMODAL = {model_type: module for module in FAMILIES for model_type in module
 SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
 """Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families (gated_deltanet among them), then `transformers`' Mamba-2
 family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2), then the family modules
-(qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid, minimax)."""
+(qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid, minimax, kimi_linear, bailing_hybrid)."""
 
 
 def resolve(config: dict) -> dict:

@@ -140,7 +140,9 @@ class CausalLM(nnx.Module):
     Gated DeltaNet; hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
     `BambaForCausalLM`, `GraniteMoeHybridForCausalLM`, `FalconH1ForCausalLM`,
     `Zamba2ForCausalLM`, `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, the Qwen3.5 MoE
-    text model (`_qwen3_next`) and `OlmoHybridForCausalLM` (`_olmo_hybrid`). Freshly
+    text model (`_qwen3_next`), `OlmoHybridForCausalLM` (`_olmo_hybrid`),
+    `KimiLinearForCausalLM` (`_kimi_linear`) and `BailingHybridForCausalLM` (Ling,
+    `_bailing_hybrid`). Freshly
     initialised (to train from scratch), or filled by `from_pretrained`.
 
     **Arguments:**

@@ -164,25 +164,26 @@ class Attention(nnx.Module):
     def _earlier(self, q, keys, values, positions, seq, starts):
         """Partial attention of packed tokens to their row's entries before `starts`, one row
         and one block of `EARLIER_BLOCK` positions at a time (scores `[N, H, block]`)."""
-        R, L, Hkv, D = keys.shape
+        R, L = keys.shape[:2]
         width = min(L, EARLIER_BLOCK)
         blocks = -(-L // width)
 
         def step(carry, index):
             row, block = index // blocks, index % blocks
             first = jnp.minimum(block * width, L - width)  # the last block overlaps; its repeats are masked
-            k, v = (jax.lax.dynamic_slice(a, (row, first, 0, 0), (1, width, Hkv, D)) for a in (keys, values))
+            k, v = (jax.lax.dynamic_slice(a, (row, first, 0, 0), (1, width, *a.shape[2:])) for a in (keys, values))
             key_pos = (first + jnp.arange(width))[None, None, :]
             visible = self._visible(positions[:, :, None], key_pos) & (key_pos < starts[:, :, None])
             visible &= (key_pos >= block * width) & (seq == row)[:, :, None]
             return _merge(carry, self._partial(q, k, v, visible)), None
 
-        return jax.lax.scan(step, self._nothing_earlier(q), jnp.arange(R * blocks))[0]
+        return jax.lax.scan(step, self._nothing_earlier(q, keys, values), jnp.arange(R * blocks))[0]
 
-    def _nothing_earlier(self, q, *_):
-        B, T, H, D = q.shape
+    def _nothing_earlier(self, q, keys, values, *_):
+        """No partial attention: zeros of the values' head size (MLA's differs from the keys')."""
+        B, T, H, _ = q.shape
         shape = (B, T, self.num_kv_heads, H // self.num_kv_heads)
-        nothing = jnp.zeros((*shape, D), jnp.float32)
+        nothing = jnp.zeros((*shape, values.shape[-1]), jnp.float32)
         return nothing, jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
 
     def _softmax_attention(self, q, k, v, visible):

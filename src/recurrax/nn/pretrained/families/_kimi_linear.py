@@ -1,0 +1,396 @@
+"""Kimi Linear as `transformers` 5.25 computes it: `KimiLinearForCausalLM` (`kimi_linear`). This
+module is the family: its config reading, its blocks and its body; `_config.FAMILY_MODULES`
+registers it by `model_type`. Ling (`families/_bailing_hybrid.py`) reuses its decoder layer, MoE
+and body; its KDA and MLA are the shared `layers/_kda.py` and `layers/_mla.py`.
+
+| symbol   | meaning                                                                  |
+|----------|--------------------------------------------------------------------------|
+| D        | `hidden_size`                                                            |
+| H, K     | KDA heads and head dim (`linear_attn_config`'s `num_heads`, `head_dim`)  |
+| E, k, F  | routed experts `num_experts`, `num_experts_per_token`, `moe_intermediate_size` |
+| G, g     | expert groups `num_expert_group`, groups kept per token `topk_group`     |
+| s        | `routed_scaling_factor`                                                  |
+| N(x)     | RMS norm `x / rms(x) ⊙ w`                                                |
+
+    h = E[tokens]
+    per layer:  h = h + mixer(N(h));  h = h + ffn(N(h))      mixer: KDA or MLA; ffn: MLP or MoE
+    logits = N(h) W_head                                     (W_head = Eᵀ with tie_word_embeddings)
+
+    KDA (`linear_attention` layers): `layers/_kda.KimiDeltaAttention`, low-rank gates (f_a/f_b, g_a/g_b)
+    MLA (`full_attention` layers):  `layers/_mla.LatentAttention` without rotary (Kimi's NoPE)
+    MLP:  W_down(silu(x W_gate) ⊙ x W_up)
+    MoE:  sigmoid scores σ = sigmoid(x W_router); experts chosen on σ + bias among the g best of
+          G groups (each scored by its two best), weighted by σ (÷ their sum with
+          `moe_renormalize`) · s; SwiGLU experts on the routed pairs only (`routed_experts`),
+          plus the shared experts (one SwiGLU MLP of width F · `num_shared_experts`)
+
+Which layers are what: `layer_types`, else `linear_attn_config`'s 1-indexed `kda_layers` and
+`full_attn_layers` (the Hub's spelling), else attention at every 4th layer from the 5th
+(`transformers`' default); `mlp_layer_types` (`dense`/`sparse`), else the first
+`first_k_dense_replace` (default 1) layers dense. The Hub's config names are read as
+`transformers` maps them (`num_experts`, `num_experts_per_token`, `moe_renormalize`,
+`num_expert_group`, `num_shared_experts`, `model_max_length`), as are its own.
+
+`tie_word_embeddings` is read and ignored, as `transformers` 5.25 ignores it: its
+`KimiLinearForCausalLM` declares no tied weights, so its `lm_head.weight` is always its own (and
+saved).
+
+Refused by name at load time: a `hidden_act` other than SiLU; `num_key_value_heads` other
+than `num_attention_heads` (MLA expands every head from the latent); options the Hub's own
+modelling code knows and `transformers` 5.25 ignores, so that no config silently computes
+another model: `mla_use_nope: false` (rotary MLA), `moe_router_activation_func` other than
+sigmoid, `moe_layer_freq` other than 1, `use_grouped_topk: false` with more than one group,
+`linear_attn_config`'s `gate_lower_bound`, `use_full_rank_gate`, and `mla_use_output_gate: true`.
+
+Decoding: a KDA layer's cache is a `MixerCache` (state `[R, H, K, K]`, convolution buffer
+`[R, W − 1, 3·H·K]`); an MLA layer's an `MLACache` (the latent `[R, L, kv_lora_rank]` and the
+rope key `[R, L, qk_rope_head_dim]`, not full keys and values). `transformers`' own cache
+agrees with its parallel forward to float32 rounding (the fixtures' summaries record it).
+
+Checkpoints: the Hub's and `transformers`' `save_pretrained` name them alike (MoE layers under
+`block_sparse_moe.`, each expert's `w1` (gate), `w3` (up), `w2` (down), the forget gate's
+`f_a_proj`, `f_b_proj`, `dt_bias`, `A_log` directly under `self_attn`, three short convolutions
+`q_conv1d`, `k_conv1d`, `v_conv1d`) except for the dense layers' MLP: the Hub's
+`mlp.{gate,up,down}_proj`, `transformers`' `block_sparse_moe.{gate,up,down}_proj`. Both are
+read (`loaded_names`), and `transformers`' model state dict too (`mlp.experts.gate_up_proj
+[E, 2F, D]`, `down_proj [E, D, F]`); this module tree holds `transformers`' model names with
+the experts stacked (`mlp.experts.{gate,up,down}_proj.weight [E, out, in]`), and writes what
+`transformers` writes (`saved_names`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+
+from ..._moe import ExpertWeights as StackedExperts
+from ..._moe import Routing
+from .._config_checks import _check_fields, _is_int, _refuse, decode_floats
+from ..layers._decoder import DecoderBody
+from ..layers._kda import KimiDeltaAttention
+from ..layers._mixer import run_mixer
+from ..layers._mla import LatentAttention
+from ..layers._mlp import ExpertWeights, GatedMLP, NemotronRouter, run_experts
+from ..layers._norm import RMSNorm
+
+MODEL_TYPES = ("kimi_linear",)
+BODY_NAME = "model"
+MULTIMODAL: dict = {}
+
+DEFAULTS = dict(
+    vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+    num_attention_heads=32, num_key_value_heads=None, num_shared_experts=1, routed_scaling_factor=2.446,
+    kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    num_expert_group=1, topk_group=1, num_experts_per_token=8, moe_renormalize=True, hidden_act="silu",
+    model_max_length=1048576, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, num_experts=256,
+    mlp_layer_types=None, layer_types=None, linear_head_dim=128, linear_num_heads=32, linear_conv_kernel_dim=4,
+    first_k_dense_replace=1, linear_attn_config=None)
+"""Defaults of `transformers` 5.25's `KimiLinearConfig` (the keys read here, by their stored names)."""
+
+ALIASES = {"max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
+           "n_group": "num_expert_group", "num_local_experts": "num_experts",
+           "num_experts_per_tok": "num_experts_per_token", "n_shared_experts": "num_shared_experts"}
+"""`KimiLinearConfig.attribute_map`: a name `transformers` also accepts → the name it stores."""
+
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "num_shared_experts", "kv_lora_rank",
+                 "qk_nope_head_dim", "v_head_dim", "num_expert_group", "topk_group", "num_experts_per_token",
+                 "model_max_length", "num_experts", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")
+BOOLS = ("tie_word_embeddings", "attention_bias", "moe_renormalize")
+LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_TYPES = ("dense", "sparse")
+IGNORED_BY_TRANSFORMERS = {  # field: the only value accepted (what transformers 5.25 computes)
+    "mla_use_nope": True, "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1}
+LINEAR_ATTN_REFUSED = {"gate_lower_bound": None, "use_full_rank_gate": False, "mla_use_output_gate": False}
+"""`linear_attn_config` options of later Kimi models that `transformers`' `kimi_linear` ignores."""
+
+
+def canonical(config: dict, aliases: dict, defaults: dict) -> dict:
+    """`config` under its stored names (`aliases` read as what they map to), defaults filled in."""
+    c = dict(decode_floats(config))
+    for alias, stored in aliases.items():
+        if alias in c and stored not in c:
+            c[stored] = c[alias]
+    return {**defaults, **c}
+
+
+def _unsupported(c: dict) -> None:
+    """Options `transformers` 5.25 ignores (or cannot compute), refused by name."""
+    if c["hidden_act"] not in ("silu", "swish"):
+        raise NotImplementedError(f"only hidden_act='silu' is supported (the MLPs and the short convolutions use "
+                                  f"it), got {c['hidden_act']!r}")
+    for field, accepted in IGNORED_BY_TRANSFORMERS.items():
+        if c.get(field, accepted) not in (None, accepted):
+            raise NotImplementedError(f"config field {field!r} = {c[field]!r} is not supported: transformers' "
+                                      f"kimi_linear computes {field}={accepted!r} whatever it says")
+    if c.get("use_grouped_topk") is False and c["num_expert_group"] > 1:
+        raise NotImplementedError("config field 'use_grouped_topk' = False with num_expert_group > 1 is not "
+                                  "supported: transformers' kimi_linear always limits the choice to groups")
+    for field, accepted in LINEAR_ATTN_REFUSED.items():
+        value = (c["linear_attn_config"] or {}).get(field, accepted)
+        if value != accepted:
+            raise NotImplementedError(f"linear_attn_config field {field!r} = {value!r} is not supported "
+                                      f"(transformers' kimi_linear ignores it)")
+
+
+def _check(c: dict) -> None:
+    """Refuse values of the default-filled config `c` that cannot build the model (by field)."""
+    _check_fields(c, POSITIVE_INTS, optional_ints=("q_lora_rank",), numbers=("rms_norm_eps",), bools=BOOLS)
+    _check_fields(c, (), finite=("routed_scaling_factor",))
+    if not (_is_int(c["qk_rope_head_dim"]) and c["qk_rope_head_dim"] >= 0):
+        _refuse("qk_rope_head_dim", "an integer ≥ 0", c["qk_rope_head_dim"])
+    if c["num_key_value_heads"] != c["num_attention_heads"]:
+        _refuse("num_key_value_heads", f"num_attention_heads ({c['num_attention_heads']}): multi-head latent "
+                "attention expands a key and value for every head", c["num_key_value_heads"])
+    if c["linear_conv_kernel_dim"] < 2:
+        _refuse("short_conv_kernel_size", "at least 2", c["linear_conv_kernel_dim"])
+    experts, groups = c["num_experts"], c["num_expert_group"]
+    if experts % groups or experts // groups < 2:
+        _refuse("num_expert_group", f"a divisor of num_experts ({experts}) leaving at least 2 experts per group "
+                "(a group is scored by its two best)", groups)
+    if c["topk_group"] > groups:
+        _refuse("topk_group", f"at most num_expert_group ({groups})", c["topk_group"])
+    if c["num_experts_per_token"] > experts * c["topk_group"] // groups:
+        _refuse("num_experts_per_token", f"at most the experts of topk_group groups "
+                f"({experts * c['topk_group'] // groups})", c["num_experts_per_token"])
+
+
+def _linear_attention(c: dict) -> dict:
+    """`linear_attn_config` read over the top-level `linear_*` fields, as `transformers` reads it."""
+    la = c["linear_attn_config"]
+    if la is None:
+        return c
+    if not isinstance(la, dict):
+        _refuse("linear_attn_config", "an object", la)
+    renamed = dict(head_dim="linear_head_dim", num_heads="linear_num_heads",
+                   short_conv_kernel_size="linear_conv_kernel_dim")
+    return {**c, **{field: la[key] for key, field in renamed.items() if key in la}}
+
+
+def layer_types(c: dict) -> list[str]:
+    """Each layer's mixer: `layer_types`, else `linear_attn_config`'s 1-indexed lists, else every 4th."""
+    L = c["num_hidden_layers"]
+    types, la = c["layer_types"], c["linear_attn_config"] or {}
+    if types is None and "full_attn_layers" in la and "kda_layers" in la:
+        types = [None] * L
+        for field, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            layers = la[field]
+            if not (isinstance(layers, list) and all(_is_int(i) and 1 <= i <= L for i in layers)):
+                _refuse(f"linear_attn_config.{field}", f"a list of layer numbers 1 … {L}", layers)
+            for i in layers:
+                types[i - 1] = kind
+    elif types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(L)]
+    return _checked_types("layer_types", types, LAYER_TYPES, L)
+
+
+def mlp_types(c: dict) -> list[str]:
+    """Each layer's feed-forward: `mlp_layer_types`, else the first `first_k_dense_replace` dense."""
+    types = c["mlp_layer_types"]
+    if types is None:
+        first = c["first_k_dense_replace"]
+        if not (_is_int(first) and first >= 0):
+            _refuse("first_k_dense_replace", "an integer ≥ 0", first)
+        types = ["dense" if i < first else "sparse" for i in range(c["num_hidden_layers"])]
+    return _checked_types("mlp_layer_types", types, MLP_TYPES, c["num_hidden_layers"])
+
+
+def _checked_types(field: str, types, known: tuple[str, ...], layers: int) -> list[str]:
+    if not isinstance(types, list) or len(types) != layers:
+        _refuse(field, f"a list of {layers} layer types", types)
+    unknown = sorted(set(map(str, types)) - set(known))
+    if unknown:
+        raise NotImplementedError(f"unsupported {field} {unknown} (supported: {', '.join(known)})")
+    return list(types)
+
+
+def resolve(config: dict) -> dict:
+    """The layout spec of a Kimi Linear config: widths, each layer's mixer and feed-forward, and
+    the keyword arguments of each layer kind (see the module docstring)."""
+    c = canonical(config, ALIASES, DEFAULTS)
+    if c["num_key_value_heads"] is None:
+        c["num_key_value_heads"] = c["num_attention_heads"]
+    _unsupported(c)
+    c = _linear_attention(c)
+    _check(c)
+    mixers, ffns = layer_types(c), mlp_types(c)
+    spec = dict(
+        family="kimi_linear", vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], eps=float(c["rms_norm_eps"]),
+        tie_word_embeddings=False, max_position_embeddings=c["model_max_length"],  # `transformers` never ties
+        layers=list(zip(mixers, ffns)),
+        linear_attention=dict(num_heads=c["linear_num_heads"], head_dim=c["linear_head_dim"],
+                              conv_kernel=c["linear_conv_kernel_dim"], eps=float(c["rms_norm_eps"]),
+                              low_rank_gates=True, a_log_shape=(1, 1, c["linear_num_heads"], 1)),
+        full_attention=dict(num_heads=c["num_attention_heads"], q_lora_rank=c["q_lora_rank"],
+                            kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+                            qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+                            bias=bool(c["attention_bias"]), rotary="none"),
+        mlp=dict(width=c["intermediate_size"]))
+    if "sparse" in ffns:
+        spec["moe"] = moe_spec(c)
+    return spec
+
+
+def moe_spec(c: dict, *, limits: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """`SparseMoE`'s arguments from a canonical config (Kimi's and Ling's field names)."""
+    return dict(experts=c["num_experts"], width=c["moe_intermediate_size"],
+                shared_width=c["moe_intermediate_size"] * c["num_shared_experts"],
+                router=dict(top_k=c["num_experts_per_token"], n_group=c["num_expert_group"],
+                            topk_group=c["topk_group"], norm_topk_prob=bool(c["moe_renormalize"]),
+                            routed_scaling_factor=float(c["routed_scaling_factor"])))
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+class Experts(nnx.Module):
+    """The routed SwiGLU experts, stacked: `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`."""
+
+    def __init__(self, hidden_size: int, experts: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        stacked = lambda d_out, d_in, axes: ExpertWeights(experts, d_out, d_in, axes=axes, dtype=dtype,  # noqa
+                                                          rngs=rngs)
+        self.gate_proj = stacked(width, hidden_size, ("mlp", "embed"))
+        self.up_proj = stacked(width, hidden_size, ("mlp", "embed"))
+        self.down_proj = stacked(hidden_size, width, ("embed", "mlp"))
+
+    def __call__(self, x: Float[Array, "n D"], routing: Routing, *, all_experts: bool = False):
+        weights = StackedExperts(self.up_proj.weight[...], self.down_proj.weight[...], self.gate_proj.weight[...])
+        return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts)
+
+
+class SparseMoE(nnx.Module):
+    """`gate` (sigmoid, group-limited, score-correction bias: `NemotronRouter`), `experts`,
+    `shared_experts` (one SwiGLU MLP)."""
+
+    def __init__(self, hidden_size: int, *, experts: int, width: int, shared_width: int, router: dict,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        self.gate = NemotronRouter(hidden_size, experts, **router, rngs=rngs)
+        self.experts = Experts(hidden_size, experts, width, dtype=dtype, rngs=rngs)
+        self.shared_experts = GatedMLP(hidden_size, shared_width, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
+        """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
+        flat = x.reshape(-1, x.shape[-1])
+        routed = self.experts(flat, self.gate(flat), all_experts=all_experts).astype(x.dtype)
+        return routed.reshape(x.shape) + self.shared_experts(x)
+
+
+class DecoderLayer(nnx.Module):
+    """`input_layernorm`, `self_attn` (KDA or MLA), `post_attention_layernorm`, `mlp` (MLP or MoE)."""
+
+    def __init__(self, spec: dict, mixer: str, ffn: str, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, eps, common = spec["hidden_size"], spec["eps"], dict(dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
+        self.linear = mixer == "linear_attention"
+        self.self_attn = (KimiDeltaAttention(D, **spec["linear_attention"], **common) if self.linear
+                          else LatentAttention(D, **spec["full_attention"], **common))
+        self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
+        self.mlp = SparseMoE(D, **spec["moe"], **common) if ffn == "sparse" else GatedMLP(D, **spec["mlp"], **common)
+        self.dtype = dtype
+
+    def init_cache(self, rows: int, capacity: int):
+        if self.linear:
+            return self.self_attn.init_cache(rows, jnp.promote_types(self.dtype, jnp.float32))
+        return self.self_attn.init_cache(rows, capacity)
+
+    def __call__(self, h, cache=None, *, cu_seqlens=None, positions=None):
+        context = dict(cu_seqlens=cu_seqlens) if self.linear else dict(cu_seqlens=cu_seqlens, positions=positions)
+        y, new_cache = run_mixer(self.self_attn, self.input_layernorm(h), cache, context)
+        h = h + y
+        return h + self.mlp(self.post_attention_layernorm(h)), new_cache
+
+
+class Body(DecoderBody):
+    """`embed_tokens`, `layers`, `norm`: the `model` of a Kimi Linear (or Ling) `CausalLM`; a
+    layer's cache is KDA's `MixerCache` or MLA's `MLACache`."""
+
+    def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        super().__init__(spec, lambda: [DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
+                                        for mixer, ffn in spec["layers"]], RMSNorm, dtype=dtype, rngs=rngs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint names
+# ----------------------------------------------------------------------------------------------
+
+PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""The Hub's (and `transformers`' saved) expert matrices → this tree's stacked projections."""
+PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>w1|w2|w3)\.weight$")
+FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+FORGET_GATE = re.compile(r"\.self_attn\.(?P<part>f_a_proj\.|f_b_proj\.|f_proj\.|dt_bias$|A_log$)")
+CONVOLUTIONS = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def stack_experts(experts: dict, out: dict, names: dict) -> None:
+    """Per-expert matrices `{(prefix, proj): {e: [out, in]}}` stacked into `out` as
+    `{prefix}.{names[proj]}.weight [E, out, in]`; experts numbered other than 0 … E−1 are left
+    under their own names (the loader then names them)."""
+    for (prefix, proj), values in experts.items():
+        if sorted(values) == list(range(len(values))):
+            out[f"{prefix}.{names[proj]}.weight"] = np.stack([np.asarray(values[e]) for e in range(len(values))])
+        else:
+            out.update({f"{prefix}.{e}.{proj}.weight": value for e, value in values.items()})
+
+
+def split_fused_experts(match: re.Match, value, out: dict) -> None:
+    """`transformers`' model tensors `gate_up_proj [E, 2F, D]` (gate rows, then up) and `down_proj`."""
+    if match["proj"] == "gate_up_proj":
+        gate, up = np.split(np.asarray(value), 2, axis=1)
+        out[f"{match['experts']}.gate_proj.weight"], out[f"{match['experts']}.up_proj.weight"] = gate, up
+    else:
+        out[f"{match['experts']}.down_proj.weight"] = value
+
+
+def stack_convolutions(convs: dict, out: dict) -> None:
+    """Each KDA layer's `q_conv1d`, `k_conv1d`, `v_conv1d` weights `[C, 1, W]` as one `conv1d`."""
+    for prefix, parts in convs.items():
+        if set(parts) == set(CONVOLUTIONS):
+            out[f"{prefix}.conv1d.weight"] = np.concatenate([np.asarray(parts[c]) for c in CONVOLUTIONS])
+        else:
+            out.update({f"{prefix}.{c}.weight": value for c, value in parts.items()})
+
+
+def loaded_names(weights: dict) -> dict:
+    """A checkpoint's tensors (the Hub's, `transformers`' saved or its model's) under this
+    module tree's names (module docstring)."""
+    out, experts, convs = {}, {}, {}
+    for name, value in weights.items():
+        name = FORGET_GATE.sub(lambda m: ".self_attn.forget_gate." + m["part"], name.replace(".block_sparse_moe.",
+                                                                                          ".mlp."))
+        conv = re.match(r"^(?P<prefix>.+\.self_attn)\.(?P<conv>[qkv]_conv1d)\.weight$", name)
+        if conv:
+            convs.setdefault(conv["prefix"], {})[conv["conv"]] = value
+        elif match := PER_EXPERT.match(name):
+            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = value
+        elif match := FUSED.match(name):
+            split_fused_experts(match, value, out)
+        else:
+            out[name] = value
+    stack_experts(experts, out, PROJECTIONS)
+    stack_convolutions(convs, out)
+    return out
+
+
+def saved_names(weights: dict) -> dict:
+    """The state dict as `transformers` 5.25 writes it (module docstring)."""
+    out, saved_projection = {}, {v: k for k, v in PROJECTIONS.items()}
+    for name, value in weights.items():
+        if match := STACKED.match(name):
+            prefix, proj = match["experts"].replace(".mlp.", ".block_sparse_moe."), saved_projection[match["proj"]]
+            out.update({f"{prefix}.{e}.{proj}.weight": np.ascontiguousarray(value[e]) for e in range(value.shape[0])})
+            continue
+        name = name.replace(".mlp.", ".block_sparse_moe.").replace(".self_attn.forget_gate.", ".self_attn.")
+        if name.endswith(".self_attn.conv1d.weight"):
+            prefix = name[: -len("conv1d.weight")]
+            out.update({f"{prefix}{c}.weight": np.ascontiguousarray(part)
+                        for c, part in zip(CONVOLUTIONS, np.split(value, 3))})
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,211 @@
+"""Ling (`recurrax.nn.pretrained._bailing_hybrid`, on Kimi Linear's blocks and the shared `_kda`
+and `_mla`) against `transformers` 5.25.
+
+Every fixture's logits are checked in test_pretrained_transformers.py (and there, with
+`-m ""`, each fixture's decode, packing, `generate` and saving). Here, in the default tier, on
+`bailing_hybrid_safe_gate_groups` (KDA with the bounded gate, MLA with interleaved rotary and
+its per-head output gate, a group-limited sigmoid MoE, a dense first layer; the Hub's config
+spellings), through that file's compiled functions plus one packed prefill: a packed prefill
+then decoding equals the parallel forward (and `transformers`), greedy tokens through that
+cache equal `transformers`' own, `save_pretrained` writes the Hub's names and values. Without
+compiling the model: `transformers`' model state dict loads the same, multi-token-prediction
+layers are dropped, MLA's cache holds the latent, the layer pattern reads as `transformers`
+reads it, unsupported options are refused by name, every parameter has logical axis names.
+
+Error metric: max |ours − reference| / max |reference|.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", reason="recurrax.nn.pretrained needs flax")
+pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip install 'recurrax[pretrained]')")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from _cases import floor_tolerance, max_rel_error  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+from test_pretrained_transformers import FIXTURES, NAMES, TOLERANCE, _rewritten, loaded  # noqa: E402
+
+import recurrax.nn as rnn  # noqa: E402
+from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, state_dict  # noqa: E402
+from recurrax.nn.pretrained._bailing_hybrid import resolve  # noqa: E402
+from recurrax.nn.pretrained._mla import MLACache  # noqa: E402
+
+LING = [name for name in NAMES if name.startswith("bailing_hybrid")]
+MAIN = "bailing_hybrid_safe_gate_groups"
+CAPACITY = 16
+"""Cache positions: the longest prompt (9) plus the new tokens (6), rounded up."""
+needs_fixture = pytest.mark.skipif(MAIN not in NAMES, reason=f"no fixture {MAIN} in tests/fixtures/transformers")
+
+
+def config_of(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def logits_floor(name: str) -> float:
+    """The rounding floor of the fixture's parallel logits (float32 against float64)."""
+    fixture = loaded(name)
+    return fixture.logits_floor(jnp.asarray(fixture.expected["input_ids"]))
+
+
+@needs_fixture
+def test_packed_prefill_then_one_token_at_a_time_equals_the_parallel_forward():
+    """Both rows' first 5 tokens packed into one cache (the conv buffer, the KDA state, the
+    latents and the rotated rope keys cut at the sequence boundary), then one token at a time:
+    the parallel logits within `floor_tolerance` of their float32-vs-float64 error, and
+    `transformers`' logits."""
+    fixture = loaded(MAIN)
+    graphdef = nnx.split(fixture.model)[0]
+    prefill = jax.jit(lambda params, tokens, cu, cache: nnx.merge(graphdef, params)(tokens, cache, cu_seqlens=cu))
+    tokens = jnp.asarray(fixture.expected["input_ids"])
+    B, T = tokens.shape
+    prompt = 5
+    logits, cache = prefill(fixture.params, tokens[:, :prompt].reshape(-1), jnp.arange(B + 1, dtype=jnp.int32) * prompt,
+                            fixture.model.init_cache(B, CAPACITY))
+    pieces = [logits.reshape(B, prompt, -1)]
+    for t in range(prompt, T):
+        logits, cache = fixture.step(fixture.params, tokens[:, t:t + 1], cache)
+        pieces.append(logits)
+    decoded = jnp.concatenate(pieces, axis=1)
+    error = max_rel_error(decoded, fixture.forward(fixture.params, tokens))
+    assert error <= floor_tolerance(logits_floor(MAIN)), (error, logits_floor(MAIN))
+    assert max_rel_error(decoded, fixture.expected["logits"]) < TOLERANCE
+
+
+@needs_fixture
+def test_greedy_tokens_through_the_cache_equal_transformers():
+    """Both prompts in one cache (rows of 5 and 9 tokens, one token per step): `transformers`'
+    greedy continuations."""
+    fixture = loaded(MAIN)
+    prompts = [fixture.expected["prompt_0"].tolist(), fixture.expected["prompt_1"].tolist()]
+    wanted = [fixture.expected["greedy_0"].tolist(), fixture.expected["greedy_1"].tolist()]
+    cache = fixture.model.init_cache(len(prompts), CAPACITY)
+    new = [[] for _ in prompts]
+    fed = [prompt[0] for prompt in prompts]
+    for t in range(max(map(len, prompts)) + len(wanted[0]) - 1):
+        logits, cache = fixture.step(fixture.params, jnp.asarray(fed)[:, None], cache)
+        choices = np.argmax(np.asarray(logits[:, 0]), axis=-1)
+        for row, prompt in enumerate(prompts):
+            if t + 1 < len(prompt):
+                fed[row] = prompt[t + 1]
+            elif len(new[row]) < len(wanted[row]):
+                new[row].append(int(choices[row]))
+                fed[row] = new[row][-1]
+    assert new == wanted
+
+
+@needs_fixture
+def test_save_pretrained_writes_the_hub_names_and_reads_back(tmp_path):
+    """`model.word_embeddings`, `attention.dense`, the forget gate and three convolutions under
+    `attention.`, `mlp.gate.expert_bias`, each expert's matrices: what `transformers` writes
+    (`make_fixtures.py --check-saved` reads such a directory with `transformers` itself)."""
+    fixture = loaded(MAIN)
+    save_pretrained(fixture.model, tmp_path)
+    original, saved = load_file(FIXTURES / MAIN / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert {"model.word_embeddings.weight", "model.layers.1.attention.dense.weight", "model.layers.0.attention.A_log",
+            "model.layers.1.mlp.gate.expert_bias", "model.layers.2.mlp.experts.7.up_proj.weight"} <= set(saved)
+    assert sorted(saved) == sorted(original)
+    assert all(np.array_equal(saved[k], original[k]) for k in original)
+    assert json.loads((tmp_path / "config.json").read_text()) == config_of(MAIN)
+
+
+def _model_state_dict(weights: dict) -> dict:
+    """`transformers`' model state dict: its own names, fused experts, one stacked convolution."""
+    out, E = {}, 8
+    for name, value in weights.items():
+        if ".experts." in name or "_conv1d" in name:
+            continue
+        name = name.replace("model.word_embeddings.", "model.embed_tokens.").replace(".attention.", ".self_attn.")
+        name = name.replace(".self_attn.dense.", ".self_attn.o_proj.").replace("expert_bias", "e_score_correction_bias")
+        for part in ("f_proj.", "dt_bias", "A_log"):
+            name = name.replace(f".self_attn.{part}", f".self_attn.forget_gate.{part}")
+        out[name] = value
+    for layer in (0, 2):
+        out[f"model.layers.{layer}.self_attn.conv1d.weight"] = np.concatenate(
+            [weights[f"model.layers.{layer}.attention.{c}_conv1d.weight"] for c in "qkv"])
+    for layer in (1, 2, 3):
+        expert = lambda e, p: weights[f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight"]  # noqa: E731
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([expert(e, "gate"), expert(e, "up")]) for e in range(E)])
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack([expert(e, "down") for e in range(E)])
+    return out
+
+
+@needs_fixture
+def test_transformers_model_state_dict_and_a_multi_token_prediction_layer_load_the_same(tmp_path):
+    """`transformers`' model names (fused experts, the forget gate module, one convolution) load
+    as the Hub's do; a multi-token-prediction layer stored after the decoder is dropped."""
+    weights = load_file(FIXTURES / MAIN / "model.safetensors")
+    renamed = _model_state_dict(weights)
+    renamed.update({"model.layers.4.eh_proj.weight": np.ones((32, 64), np.float32),
+                    "model.layers.4.enorm.weight": np.ones((32,), np.float32),
+                    "model.layers.4.mlp.gate_proj.weight": np.ones((40, 32), np.float32)})
+    folder = _rewritten(MAIN, tmp_path)
+    save_file(renamed, folder / "model.safetensors")
+    saved = state_dict(from_pretrained(folder))
+    assert sorted(saved) == sorted(weights)
+    assert all(np.array_equal(saved[k], weights[k]) for k in weights)
+
+
+@needs_fixture
+def test_the_latent_attention_cache_holds_the_latent_and_the_rotated_rope_key():
+    fixture = loaded(MAIN)
+    caches = fixture.model.init_cache(2, CAPACITY).layers
+    config = config_of(MAIN)
+    assert [type(c) is MLACache for c in caches] == [False, True, False, True]
+    assert caches[1].latent.shape == (2, CAPACITY, config["kv_lora_rank"])
+    assert caches[1].rope_key.shape == (2, CAPACITY, config["qk_rope_head_dim"])
+
+
+def test_the_layer_pattern_and_transformers_spellings_read_the_same():
+    """`layer_group_size` and `first_k_dense_replace` instead of the listed types; `transformers`'
+    attribute names instead of the stored ones; a top-level `rope_theta` instead of `rope_parameters`."""
+    config = config_of(MAIN)
+    renamed = dict(num_experts="num_local_experts", num_experts_per_token="num_experts_per_tok",
+                   num_expert_group="n_group", num_shared_experts="n_shared_experts",
+                   moe_renormalize="norm_topk_prob", model_max_length="max_position_embeddings")
+    other = {renamed.get(k, k): v for k, v in config.items()
+             if k not in ("layer_types", "mlp_layer_types", "rope_parameters")}
+    assert resolve(other) == resolve(config)
+    spec = resolve(config)
+    assert spec["layers"] == [("linear_attention", "dense"), ("full_attention", "sparse"),
+                              ("linear_attention", "sparse"), ("full_attention", "sparse")]
+    assert spec["full_attention"]["rope_theta"] == 500.0 and spec["linear_attention"]["lower_bound"] == -5.0
+
+
+@pytest.mark.parametrize("edit, error, words", [
+    (dict(hidden_act="gelu"), NotImplementedError, "hidden_act"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), NotImplementedError, "rotary"),
+    (dict(expert_swiglu_limit_list=[0, 7.0, 7.0, 7.0]), NotImplementedError, "'expert_swiglu_limit_list'"),
+    (dict(share_expert_swiglu_limit_list=[0, 0, 0, 7.0]), NotImplementedError, "'share_expert_swiglu_limit_list'"),
+    (dict(rope_interleave=False), NotImplementedError, "'rope_interleave'"),
+    (dict(no_kda_lora=False), NotImplementedError, "'no_kda_lora'"),
+    (dict(gated_attention_proj_granularity_type="element_wise"), NotImplementedError,
+     "'gated_attention_proj_granularity_type'"),
+    (dict(moe_shared_expert_intermediate_size=24), ValueError, "'moe_shared_expert_intermediate_size'"),
+    (dict(kda_lower_bound=0.5), ValueError, "'kda_lower_bound' must be negative"),
+    (dict(num_key_value_heads=1), ValueError, "'num_key_value_heads' must be num_attention_heads"),
+    (dict(qk_rope_head_dim=5), ValueError, "'qk_rope_head_dim' must be an even integer"),
+    (dict(short_conv_kernel_size=1), ValueError, "'short_conv_kernel_size' must be at least 2"),
+    (dict(num_expert_group=3), ValueError, "'num_expert_group' must be a divisor"),
+])
+def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
+    with pytest.raises(error, match=words):
+        CausalLM({**config_of(MAIN), **edit})
+
+
+@pytest.mark.parametrize("name", LING)
+def test_every_parameter_has_logical_axis_names(name):
+    model = nnx.eval_shape(lambda: CausalLM(config_of(name), rngs=nnx.Rngs(0)))
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = variable.get_metadata()["out_sharding"]
+        assert len(names) == len(variable.get_value().shape), path
+        assert set(names) <= set(rnn.LOGICAL_AXES) | {None}, path
