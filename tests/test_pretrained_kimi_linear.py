@@ -20,9 +20,6 @@ Error metric: max |ours − reference| / max |reference|.
 
 from __future__ import annotations
 
-import functools
-import json
-
 import numpy as np
 import pytest
 
@@ -31,20 +28,19 @@ pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip ins
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _cases import floor_tolerance, max_rel_error  # noqa: E402
+from _cases import max_rel_error  # noqa: E402
+from _pretrained import (CAPACITY, check_greedy_tokens_through_the_cache, check_logical_axis_names,  # noqa: E402
+                         check_packed_prefill_then_decoding, check_saved_as_transformers_writes, config_of)
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
-from test_pretrained_transformers import FIXTURES, NAMES, TOLERANCE, _rewritten, loaded  # noqa: E402
+from test_pretrained_transformers import FIXTURES, NAMES, _rewritten, loaded  # noqa: E402
 
-import recurrax.nn as rnn  # noqa: E402
-from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, state_dict  # noqa: E402
-from recurrax.nn.pretrained._kimi_linear import resolve  # noqa: E402
-from recurrax.nn.pretrained._mla import MLACache  # noqa: E402
+from recurrax.nn.pretrained import CausalLM, from_pretrained, state_dict  # noqa: E402
+from recurrax.nn.pretrained.families._kimi_linear import resolve  # noqa: E402
+from recurrax.nn.pretrained.layers._mla import MLACache  # noqa: E402
 
 KIMI = [name for name in NAMES if name.startswith("kimi_linear")]
 MAIN = "kimi_linear_moe_groups"
-CAPACITY = 16
-"""Cache positions: the longest prompt (9) plus the new tokens (6), rounded up."""
 needs_fixture = pytest.mark.skipif(MAIN not in NAMES, reason=f"no fixture {MAIN} in tests/fixtures/transformers")
 
 PUBLISHED = {  # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (its model fields)
@@ -63,66 +59,19 @@ PUBLISHED = {  # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (its mode
     "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839}
 
 
-def config_of(name: str) -> dict:
-    return json.loads((FIXTURES / name / "config.json").read_text())
-
-
-@functools.lru_cache(maxsize=None)
-def logits_floor(name: str) -> float:
-    """The rounding floor of the fixture's parallel logits (float32 against float64)."""
-    fixture = loaded(name)
-    return fixture.logits_floor(jnp.asarray(fixture.expected["input_ids"]))
-
-
-@functools.lru_cache(maxsize=None)
-def packed_prefill(name: str):
-    """The fixture's model called on packed tokens with a cache, compiled."""
-    graphdef = nnx.split(loaded(name).model)[0]
-    return jax.jit(lambda params, tokens, cu, cache: nnx.merge(graphdef, params)(tokens, cache, cu_seqlens=cu))
-
-
 @needs_fixture
 def test_packed_prefill_then_one_token_at_a_time_equals_the_parallel_forward():
     """Both rows' first 5 tokens packed into one cache (the conv buffer, the KDA state and the
     latents cut at the sequence boundary), then one token at a time: the parallel logits within
     `floor_tolerance` of their float32-vs-float64 error, and `transformers`' logits."""
-    fixture = loaded(MAIN)
-    tokens = jnp.asarray(fixture.expected["input_ids"])
-    B, T = tokens.shape
-    prompt = 5
-    logits, cache = packed_prefill(MAIN)(fixture.params, tokens[:, :prompt].reshape(-1),
-                                         jnp.arange(B + 1, dtype=jnp.int32) * prompt,
-                                         fixture.model.init_cache(B, CAPACITY))
-    pieces = [logits.reshape(B, prompt, -1)]
-    for t in range(prompt, T):
-        logits, cache = fixture.step(fixture.params, tokens[:, t:t + 1], cache)
-        pieces.append(logits)
-    decoded = jnp.concatenate(pieces, axis=1)
-    error = max_rel_error(decoded, fixture.forward(fixture.params, tokens))
-    assert error <= floor_tolerance(logits_floor(MAIN)), (error, logits_floor(MAIN))
-    assert max_rel_error(decoded, fixture.expected["logits"]) < TOLERANCE
+    check_packed_prefill_then_decoding(MAIN)
 
 
 @needs_fixture
 def test_greedy_tokens_through_the_cache_equal_transformers():
     """Both prompts in one cache (rows of 5 and 9 tokens, one token per step), each row's next
     token its argmax once its prompt is in: `transformers`' greedy continuations."""
-    fixture = loaded(MAIN)
-    prompts = [fixture.expected["prompt_0"].tolist(), fixture.expected["prompt_1"].tolist()]
-    wanted = [fixture.expected["greedy_0"].tolist(), fixture.expected["greedy_1"].tolist()]
-    cache = fixture.model.init_cache(len(prompts), CAPACITY)
-    new = [[] for _ in prompts]
-    fed = [prompt[0] for prompt in prompts]
-    for t in range(max(map(len, prompts)) + len(wanted[0]) - 1):
-        logits, cache = fixture.step(fixture.params, jnp.asarray(fed)[:, None], cache)
-        choices = np.argmax(np.asarray(logits[:, 0]), axis=-1)
-        for row, prompt in enumerate(prompts):
-            if t + 1 < len(prompt):
-                fed[row] = prompt[t + 1]
-            elif len(new[row]) < len(wanted[row]):
-                new[row].append(int(choices[row]))
-                fed[row] = new[row][-1]
-    assert new == wanted
+    check_greedy_tokens_through_the_cache(MAIN)
 
 
 @needs_fixture
@@ -130,17 +79,9 @@ def test_save_pretrained_writes_transformers_names_and_reads_back(tmp_path):
     """MoE and dense layers under `block_sparse_moe.`, each expert's w1/w2/w3, the forget gate
     and the three convolutions under `self_attn.`, as `transformers` writes them;
     `make_fixtures.py --check-saved` reads such a directory with `transformers` itself."""
-    fixture = loaded(MAIN)
-    save_pretrained(fixture.model, tmp_path)
-    original, saved = load_file(FIXTURES / MAIN / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert {"model.layers.1.block_sparse_moe.experts.3.w2.weight", "model.layers.0.block_sparse_moe.up_proj.weight",
-            "model.layers.0.self_attn.q_conv1d.weight", "model.layers.0.self_attn.A_log"} <= set(saved)
-    assert sorted(saved) == sorted(original)
-    assert all(np.array_equal(saved[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text()) == config_of(MAIN)
-    again = nnx.split(from_pretrained(tmp_path))[1]
-    tokens = jnp.asarray(fixture.expected["input_ids"])
-    assert max_rel_error(fixture.forward(again, tokens), fixture.forward(fixture.params, tokens)) == 0
+    check_saved_as_transformers_writes(MAIN, tmp_path, {
+        "model.layers.1.block_sparse_moe.experts.3.w2.weight", "model.layers.0.block_sparse_moe.up_proj.weight",
+        "model.layers.0.self_attn.q_conv1d.weight", "model.layers.0.self_attn.A_log"})
 
 
 def _hub_names(name: str) -> str:
@@ -273,8 +214,4 @@ def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
 
 @pytest.mark.parametrize("name", KIMI)
 def test_every_parameter_has_logical_axis_names(name):
-    model = nnx.eval_shape(lambda: CausalLM(config_of(name), rngs=nnx.Rngs(0)))
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names = variable.get_metadata()["out_sharding"]
-        assert len(names) == len(variable.get_value().shape), path
-        assert set(names) <= set(rnn.LOGICAL_AXES) | {None}, path
+    check_logical_axis_names(name)
