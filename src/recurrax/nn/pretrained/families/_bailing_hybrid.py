@@ -50,9 +50,8 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from .._config_checks import _check_fields, _is_int, _refuse, _rope
+from ..layers._mlp import per_expert, stacked_experts
 from . import _kimi_linear as kimi
 
 MODEL_TYPES = ("bailing_hybrid",)
@@ -157,8 +156,6 @@ SAVED_NAMES = (
     (re.compile(r"^model\.embed_tokens\."), "model.word_embeddings."),
     (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.expert_bias"),
 )
-PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                        r"\.weight$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 MTP_PARTS = (".eh_proj.", ".enorm.", ".hnorm.")
 
@@ -171,45 +168,22 @@ def _mtp_layers(names) -> set[str]:
 
 def loaded_names(weights: dict) -> dict:
     """A checkpoint's tensors (the Hub's, or `transformers`' model's) under this module tree's names."""
-    out, experts, convs = {}, {}, {}
-    mtp = _mtp_layers(weights)
+    mtp, renamed = _mtp_layers(weights), {}
     for name, value in weights.items():
         if (match := LAYER.match(name)) and match.group(0) in mtp:
             continue
         for pattern, replacement in HUB_NAMES:
             name = pattern.sub(replacement, name)
-        name = kimi.FORGET_GATE.sub(lambda m: ".self_attn.forget_gate." + m["part"], name)
-        conv = re.match(r"^(?P<prefix>.+\.self_attn)\.(?P<conv>[qkv]_conv1d)\.weight$", name)
-        if conv:
-            convs.setdefault(conv["prefix"], {})[conv["conv"]] = value
-        elif match := PER_EXPERT.match(name):
-            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = value
-        elif match := kimi.FUSED.match(name):
-            kimi.split_fused_experts(match, value, out)
-        else:
-            out[name] = value
-    kimi.stack_experts(experts, out, {p: p for p in ("gate_proj", "up_proj", "down_proj")})
-    kimi.stack_convolutions(convs, out)
-    return out
+        renamed[kimi.forget_gate_names(name)] = value
+    return stacked_experts(kimi.stack_convolutions(renamed))
 
 
 def saved_names(weights: dict) -> dict:
     """The state dict under the Hub's names, as `transformers` 5.25 writes it."""
     out = {}
-    for name, value in weights.items():
-        if match := kimi.STACKED.match(name):
-            out.update({f"{match['experts']}.{e}.{match['proj']}.weight": np.ascontiguousarray(value[e])
-                        for e in range(value.shape[0])})
-            continue
-        if name.endswith(".self_attn.conv1d.weight"):
-            prefix = name[: -len("conv1d.weight")]
-            out.update({f"{prefix}{c}.weight": np.ascontiguousarray(part)
-                        for c, part in zip(kimi.CONVOLUTIONS, np.split(value, 3))})
-            continue
-        out[name.replace(".self_attn.forget_gate.", ".self_attn.")] = value
-    renamed = {}
-    for name, value in out.items():
+    for name, value in kimi.split_convolutions(per_expert(weights)).items():
+        name = name.replace(".self_attn.forget_gate.", ".self_attn.")
         for pattern, replacement in SAVED_NAMES:
             name = pattern.sub(replacement, name)
-        renamed[name] = value
-    return renamed
+        out[name] = value
+    return out

@@ -62,20 +62,17 @@ from __future__ import annotations
 
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ..._moe import ExpertWeights as StackedExperts
-from ..._moe import Routing
 from .._config_checks import _check_fields, _is_int, _refuse, decode_floats
 from ..layers._decoder import DecoderBody
 from ..layers._kda import KimiDeltaAttention
 from ..layers._mixer import run_mixer
 from ..layers._mla import LatentAttention
-from ..layers._mlp import ExpertWeights, GatedMLP, NemotronRouter, run_experts
+from ..layers._mlp import GatedMLP, NemotronRouter, StackedSwiGLUExperts, per_expert, stacked_experts
 from ..layers._norm import RMSNorm
 
 MODEL_TYPES = ("kimi_linear",)
@@ -249,21 +246,6 @@ def moe_spec(c: dict, *, limits: tuple[float, float] = (0.0, 0.0)) -> dict:
 # Layers
 # ----------------------------------------------------------------------------------------------
 
-class Experts(nnx.Module):
-    """The routed SwiGLU experts, stacked: `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`."""
-
-    def __init__(self, hidden_size: int, experts: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        stacked = lambda d_out, d_in, axes: ExpertWeights(experts, d_out, d_in, axes=axes, dtype=dtype,  # noqa
-                                                          rngs=rngs)
-        self.gate_proj = stacked(width, hidden_size, ("mlp", "embed"))
-        self.up_proj = stacked(width, hidden_size, ("mlp", "embed"))
-        self.down_proj = stacked(hidden_size, width, ("embed", "mlp"))
-
-    def __call__(self, x: Float[Array, "n D"], routing: Routing, *, all_experts: bool = False):
-        weights = StackedExperts(self.up_proj.weight[...], self.down_proj.weight[...], self.gate_proj.weight[...])
-        return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts)
-
-
 class SparseMoE(nnx.Module):
     """`gate` (sigmoid, group-limited, score-correction bias: `NemotronRouter`), `experts`,
     `shared_experts` (one SwiGLU MLP)."""
@@ -271,7 +253,7 @@ class SparseMoE(nnx.Module):
     def __init__(self, hidden_size: int, *, experts: int, width: int, shared_width: int, router: dict,
                  dtype=jnp.float32, rngs: nnx.Rngs):
         self.gate = NemotronRouter(hidden_size, experts, **router, rngs=rngs)
-        self.experts = Experts(hidden_size, experts, width, dtype=dtype, rngs=rngs)
+        self.experts = StackedSwiGLUExperts(hidden_size, experts, width, dtype=dtype, rngs=rngs)
         self.shared_experts = GatedMLP(hidden_size, shared_width, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
@@ -320,77 +302,64 @@ class Body(DecoderBody):
 # ----------------------------------------------------------------------------------------------
 
 PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-"""The Hub's (and `transformers`' saved) expert matrices → this tree's stacked projections."""
-PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>w1|w2|w3)\.weight$")
-FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+"""The Hub's (and `transformers`' saved) expert matrices → `transformers`' per-expert names."""
+HUB_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w1|w2|w3)\.weight$")
+SAVED_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(gate_proj|up_proj|down_proj)\.weight$")
 FORGET_GATE = re.compile(r"\.self_attn\.(?P<part>f_a_proj\.|f_b_proj\.|f_proj\.|dt_bias$|A_log$)")
+CONVOLUTION = re.compile(r"^(?P<prefix>.+\.self_attn)\.(?P<conv>[qkv]_conv1d)\.weight$")
 CONVOLUTIONS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
-def stack_experts(experts: dict, out: dict, names: dict) -> None:
-    """Per-expert matrices `{(prefix, proj): {e: [out, in]}}` stacked into `out` as
-    `{prefix}.{names[proj]}.weight [E, out, in]`; experts numbered other than 0 … E−1 are left
-    under their own names (the loader then names them)."""
-    for (prefix, proj), values in experts.items():
-        if sorted(values) == list(range(len(values))):
-            out[f"{prefix}.{names[proj]}.weight"] = np.stack([np.asarray(values[e]) for e in range(len(values))])
+def stack_convolutions(weights: dict) -> dict:
+    """`weights` with each KDA layer's `q_conv1d`, `k_conv1d`, `v_conv1d` `[C, 1, W]` as one `conv1d`
+    (a layer without all three keeps its names: the loader then names them)."""
+    out, convs = {}, {}
+    for name, value in weights.items():
+        if match := CONVOLUTION.match(name):
+            convs.setdefault(match["prefix"], {})[match["conv"]] = value
         else:
-            out.update({f"{prefix}.{e}.{proj}.weight": value for e, value in values.items()})
-
-
-def split_fused_experts(match: re.Match, value, out: dict) -> None:
-    """`transformers`' model tensors `gate_up_proj [E, 2F, D]` (gate rows, then up) and `down_proj`."""
-    if match["proj"] == "gate_up_proj":
-        gate, up = np.split(np.asarray(value), 2, axis=1)
-        out[f"{match['experts']}.gate_proj.weight"], out[f"{match['experts']}.up_proj.weight"] = gate, up
-    else:
-        out[f"{match['experts']}.down_proj.weight"] = value
-
-
-def stack_convolutions(convs: dict, out: dict) -> None:
-    """Each KDA layer's `q_conv1d`, `k_conv1d`, `v_conv1d` weights `[C, 1, W]` as one `conv1d`."""
+            out[name] = value
     for prefix, parts in convs.items():
         if set(parts) == set(CONVOLUTIONS):
             out[f"{prefix}.conv1d.weight"] = np.concatenate([np.asarray(parts[c]) for c in CONVOLUTIONS])
         else:
             out.update({f"{prefix}.{c}.weight": value for c, value in parts.items()})
-
-
-def loaded_names(weights: dict) -> dict:
-    """A checkpoint's tensors (the Hub's, `transformers`' saved or its model's) under this
-    module tree's names (module docstring)."""
-    out, experts, convs = {}, {}, {}
-    for name, value in weights.items():
-        name = FORGET_GATE.sub(lambda m: ".self_attn.forget_gate." + m["part"], name.replace(".block_sparse_moe.",
-                                                                                          ".mlp."))
-        conv = re.match(r"^(?P<prefix>.+\.self_attn)\.(?P<conv>[qkv]_conv1d)\.weight$", name)
-        if conv:
-            convs.setdefault(conv["prefix"], {})[conv["conv"]] = value
-        elif match := PER_EXPERT.match(name):
-            experts.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = value
-        elif match := FUSED.match(name):
-            split_fused_experts(match, value, out)
-        else:
-            out[name] = value
-    stack_experts(experts, out, PROJECTIONS)
-    stack_convolutions(convs, out)
     return out
 
 
-def saved_names(weights: dict) -> dict:
-    """The state dict as `transformers` 5.25 writes it (module docstring)."""
-    out, saved_projection = {}, {v: k for k, v in PROJECTIONS.items()}
+def split_convolutions(weights: dict) -> dict:
+    """`weights` with each stacked `conv1d` cut into `q_conv1d`, `k_conv1d`, `v_conv1d`."""
+    out = {}
     for name, value in weights.items():
-        if match := STACKED.match(name):
-            prefix, proj = match["experts"].replace(".mlp.", ".block_sparse_moe."), saved_projection[match["proj"]]
-            out.update({f"{prefix}.{e}.{proj}.weight": np.ascontiguousarray(value[e]) for e in range(value.shape[0])})
-            continue
-        name = name.replace(".mlp.", ".block_sparse_moe.").replace(".self_attn.forget_gate.", ".self_attn.")
         if name.endswith(".self_attn.conv1d.weight"):
             prefix = name[: -len("conv1d.weight")]
             out.update({f"{prefix}{c}.weight": np.ascontiguousarray(part)
                         for c, part in zip(CONVOLUTIONS, np.split(value, 3))})
         else:
             out[name] = value
+    return out
+
+
+def forget_gate_names(name: str) -> str:
+    """The forget gate's tensors, stored under `self_attn.`, under its module `self_attn.forget_gate.`."""
+    return FORGET_GATE.sub(lambda m: ".self_attn.forget_gate." + m["part"], name)
+
+
+def loaded_names(weights: dict) -> dict:
+    """A checkpoint's tensors (the Hub's, `transformers`' saved or its model's) under this
+    module tree's names (module docstring)."""
+    renamed = {}
+    for name, value in weights.items():
+        name = forget_gate_names(name.replace(".block_sparse_moe.", ".mlp."))
+        renamed[HUB_EXPERT.sub(lambda m: m[1] + PROJECTIONS[m[2]] + ".weight", name)] = value
+    return stacked_experts(stack_convolutions(renamed))
+
+
+def saved_names(weights: dict) -> dict:
+    """The state dict as `transformers` 5.25 writes it (module docstring)."""
+    saved_projection = {v: k for k, v in PROJECTIONS.items()}
+    out = {}
+    for name, value in split_convolutions(per_expert(weights)).items():
+        name = SAVED_EXPERT.sub(lambda m: m[1] + saved_projection[m[2]] + ".weight", name)
+        out[name.replace(".mlp.", ".block_sparse_moe.").replace(".self_attn.forget_gate.", ".self_attn.")] = value
     return out
