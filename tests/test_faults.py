@@ -502,7 +502,8 @@ HF_FAMILY_FIXTURES = {"mamba2": "mamba2_groups_limit_tied_bias", "nemotron_h": "
                       "falcon_h1": "falcon_h1_mup", "zamba2": "zamba2_shared_adapters_rope_tied",
                       "qwen3_next": "qwen3_next_moe_grouped", "qwen3_5_text": "qwen3_5_text_dense_tied",
                       "qwen3_5_moe_text": "qwen3_5_moe_text", "olmo_hybrid": "olmo_hybrid_grouped_negeig",
-                      "minimax": "minimax_gqa_rotary_dim_tied"}
+                      "minimax": "minimax_gqa_rotary_dim_tied", "kimi_linear": "kimi_linear_moe_groups",
+                      "bailing_hybrid": "bailing_hybrid_safe_gate_groups"}
 """One `transformers` fixture per family."""
 FLA_TINY = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=2, hidden_ratio=2, expand_ratio=8)
 
