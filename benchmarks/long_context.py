@@ -1,0 +1,300 @@
+"""Long context on TPU, proven by the TPU compiler: one full training step (forward, backward,
+AdamW) of 1B-class models at 32k to 128k tokens per sequence, compiled ahead of time with
+libtpu on this CPU (no TPU) for a v5e-8 slice (2×4 chips, 16 GiB each) and one v6e chip
+(32 GiB); `memory_analysis()` gives the bytes one chip must hold.
+
+    python benchmarks/long_context.py                 # every case: results/long_context.md, .json, .png
+    python benchmarks/long_context.py --tiny --out /tmp/long   # tiny models: a smoke run
+    python benchmarks/long_context.py --models "GLA 1.3B" --lengths 131072   # some cases; other rows kept
+    python benchmarks/long_context.py --report-only   # rewrite the .md and .png from the .json
+
+Needs libtpu (`pip install 'recurrax[compile-tpu]'`); the environment of
+`recurrax.targets.ENVIRONMENT` is set before JAX starts. Each case is compiled in a process of
+its own (a 1.3B step takes minutes on two cores).
+
+The step is `examples/train_sharded.py`'s (`jax.value_and_grad` of `token_losses`, the chunked
+cross entropy, so the `[B, T, vocab]` logits are never held; optax's adamw; parameters and
+optimizer state donated), built on abstract parameters (`nnx.eval_shape`: nothing 1.3B-sized is
+allocated) and the mesh of the TPU topology's devices (`recurrax.targets.topology`).
+`benchmarks/sharded_memory.py`'s `shard_bytes` counts the parameters and optimizer state
+each chip holds. Layouts: the tokens of each row split over `sequence` (the mixers' sequence
+parallelism), batch 1 per `data` shard; the parameters' `embed` axis is split over every axis
+of the mesh (FSDP over `data` × `sequence`: ZeRO-3 over the whole slice), optionally `tensor`.
+Remat: the models' `remat="block"` (each block keeps its input only).
+
+What the hybrid's softmax layers do under sequence parallelism is whatever the library does
+when the script runs (today: K/V all-gathered over `sequence`); rerunning the script after a
+change is the whole re-measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from recurrax.targets import prepare_environment
+
+prepare_environment()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import recurrax.nn as rnn  # noqa: E402
+from recurrax import targets  # noqa: E402
+from recurrax.nn.pretrained import CausalLM  # noqa: E402
+
+from sharded_memory import example, shard_bytes  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GiB = 2**30
+
+GLA_1B3 = dict(
+    model_type="gla", hidden_size=2048, num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1, hidden_ratio=4,
+    intermediate_size=None, vocab_size=32000, tie_word_embeddings=True, use_short_conv=False, use_output_gate=True,
+    norm_eps=1e-6, max_position_embeddings=2048, attn=None)
+"""fla's GLA 1.3B training config (`gla_1B.json`: width 2048, 24 layers, 4 heads)."""
+
+MAMBA2_1B3 = dict(
+    model_type="mamba2", architectures=["Mamba2ForCausalLM"], hidden_size=2048, num_hidden_layers=48, num_heads=64,
+    head_dim=64, expand=2, state_size=128, n_groups=1, conv_kernel=4, chunk_size=256, vocab_size=50288,
+    tie_word_embeddings=True, use_bias=False, use_conv_bias=True, residual_in_fp32=True, layer_norm_epsilon=1e-5,
+    time_step_limit=[0.0, math.inf])
+"""state-spaces/mamba2-1.3b's config (d_model 2048, 48 layers, head dim 64, state 128)."""
+
+HYBRID_1B = dict(
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    tie_word_embeddings=True, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144)
+"""Qwen3.5-shaped (dense), about 1B: Gated DeltaNet layers with every fourth layer softmax
+attention (gated, grouped KV), Qwen3.5's 248k vocabulary, width 2048, 16 layers."""
+
+TINY = {
+    "GLA 1.3B": dict(GLA_1B3, hidden_size=64, num_hidden_layers=2, vocab_size=512),
+    "Mamba-2 1.3B": dict(MAMBA2_1B3, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, state_size=16,
+                         vocab_size=512, chunk_size=64),
+    "Hybrid 1B (Qwen3.5-shaped)": dict(HYBRID_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
+                                       linear_value_head_dim=32, vocab_size=512),
+}
+MODELS = {"GLA 1.3B": GLA_1B3, "Mamba-2 1.3B": MAMBA2_1B3, "Hybrid 1B (Qwen3.5-shaped)": HYBRID_1B}
+LENGTHS = (32768, 65536, 131072)
+SLICES = {"v5e-8": ("v5e:2x4", ["data=1,sequence=8", "data=2,sequence=4"]), "v6e-1": ("v6e:1x1", ["data=1"])}
+"""Each slice: its `recurrax.targets` name and the meshes tried (axes `data`, `tensor`,
+`sequence`; missing ones are 1). FSDP always spans the whole mesh."""
+AXES = ("data", "tensor", "sequence")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    sizes = dict.fromkeys(AXES, 1)
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        sizes[name] = int(size)
+    return sizes
+
+
+def fsdp_rules():
+    """`recurrax.nn.logical_rules("fsdp", "tensor", "sequence")` with the parameters' `embed`
+    axis over `data` and `sequence` together: each chip holds 1 / (data × sequence) of them."""
+    return tuple((name, ("data", "sequence") if name == "embed" else axis)
+                 for name, axis in rnn.logical_rules("fsdp", "tensor", "sequence"))
+
+
+def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | None, length: int) -> dict:
+    """Compile one training step for `layout` on the slice and read its memory per chip."""
+    train = example()
+    target, _ = SLICES[slice_name]
+    sizes = parse_mesh(layout)
+    devices = targets.topology(target).devices
+    if math.prod(sizes.values()) != len(devices):
+        raise SystemExit(f"{layout} does not cover the {len(devices)} chips of {target}")
+    mesh = jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=devices)
+    rules = fsdp_rules()
+    model = nnx.eval_shape(lambda: CausalLM(config, remat=remat, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    optimizer = optax.adamw(1e-4)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    params_sharding = rnn.parameter_shardings(model, mesh, rules)
+    opt_sharding = optax.tree_map_params(optimizer, lambda _, sharding: sharding, opt_state, params_sharding,
+                                         transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+    step = train.jit_step(graphdef, optimizer, mesh, params_sharding, opt_sharding, donate=True)
+    tokens = jax.ShapeDtypeStruct((sizes["data"], length), jnp.int32,
+                                  sharding=NamedSharding(mesh, PartitionSpec("data", "sequence")))
+    started = time.perf_counter()
+    with rnn.use_mesh(mesh, rules):
+        compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
+                              tokens, tokens).lower().compile()
+    memory = compiled.memory_analysis()
+    chip = targets.get_target(target).spec
+    row = dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
+               chips=len(devices), hbm=chip.hbm_bytes,
+               count=sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+               params=shard_bytes(params, params_sharding), opt=shard_bytes(opt_state, opt_sharding),
+               arguments=int(memory.argument_size_in_bytes), outputs=int(memory.output_size_in_bytes),
+               aliased=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
+               seconds=time.perf_counter() - started)
+    row["peak"] = row["arguments"] + row["outputs"] - row["aliased"] + row["temp"]
+    return row
+
+
+def cases(args) -> list[tuple[str, str, str, str | None, int]]:
+    """(model, slice, layout, remat, tokens) of every case asked for."""
+    chosen = []
+    for name in args.models:
+        for slice_name in args.slices:
+            layouts = [l for l in SLICES[slice_name][1] if args.layouts is None or l in args.layouts]
+            for length in args.lengths:
+                chosen += [(name, slice_name, layout, args.remat, length) for layout in layouts]
+    return chosen
+
+
+def key(row: dict) -> tuple:
+    return row["model"], row["slice"], row["layout"], row["remat"], row["tokens"]
+
+
+def run_case(case, args) -> dict | None:
+    """Measure one case in a child process; None (and the error printed) when it fails."""
+    name, slice_name, layout, remat, length = case
+    command = [sys.executable, __file__, "--case", json.dumps([name, slice_name, layout, remat, length])]
+    command += ["--tiny"] if args.tiny else []
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        print(f"{case}: failed (exit {done.returncode})", file=sys.stderr, flush=True)
+        return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
+                    failed=f"exit {done.returncode}")
+    row = json.loads(done.stdout.splitlines()[-1])
+    print(f"{name} {slice_name} {layout} remat={row['remat']} T={length}: peak {row['peak'] / GiB:.2f} GiB "
+          f"(arguments {row['arguments'] / GiB:.2f}, temporaries {row['temp'] / GiB:.2f}; {row['seconds']:.0f} s)",
+          file=sys.stderr, flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny models (a smoke run)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--slices", nargs="+", default=list(SLICES), choices=list(SLICES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS), help="tokens per sequence")
+    parser.add_argument("--layouts", nargs="+", default=None, help="only these meshes of the slices' (default: all)")
+    parser.add_argument("--remat", default="block", type=lambda text: None if text == "none" else text,
+                        help="the models' remat: none, block or dots")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
+    parser.add_argument("--case", default=None, help="internal: measure one case (JSON), print its row")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for long_context.md, .json and .png")
+    args = parser.parse_args(argv)
+    models = TINY if args.tiny else MODELS
+    if args.case is not None:
+        name, slice_name, layout, remat, length = json.loads(args.case)
+        print(json.dumps(measure(name, models[name], slice_name, layout, remat, length)))
+        return 0
+    saved = args.out / "long_context.json"
+    rows = json.loads(saved.read_text())["rows"] if saved.exists() else []
+    if not args.report_only:
+        for case in cases(args):
+            row = run_case(case, args)
+            rows = [r for r in rows if key(r) != key(row)] + [row]
+            args.out.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps({"tiny": args.tiny, "rows": rows}, indent=1) + "\n")
+    (args.out / "long_context.md").write_text(report(rows))
+    plot(rows, args.out / "long_context.png")
+    print(f"wrote {args.out / 'long_context.md'}")
+    return 0
+
+
+def fits(row: dict) -> bool:
+    return "failed" not in row and row["peak"] <= row["hbm"]
+
+
+def best(rows: list[dict]) -> list[dict]:
+    """Per (model, slice, tokens): the measured layout and remat with the smallest peak."""
+    chosen: dict[tuple, dict] = {}
+    for row in rows:
+        if "failed" in row:
+            continue
+        group = row["model"], row["slice"], row["tokens"]
+        if group not in chosen or row["peak"] < chosen[group]["peak"]:
+            chosen[group] = row
+    return sorted(chosen.values(), key=lambda r: (list(MODELS).index(r["model"]), r["slice"], r["tokens"]))
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| model | slice | mesh | remat | tokens / sequence | params + opt / chip GiB | arguments GiB | "
+             "outputs GiB | temporaries GiB | peak / chip GiB | HBM GiB | fits | compile s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['model']} | {r['slice']} | `{r['layout']}` | {r['remat']} | {r['tokens']:,} | "
+                         f"| | | | | | compile failed ({r['failed']}) | |")
+            continue
+        lines.append(f"| {r['model']} | {r['slice']} | `{r['layout']}` | {r['remat']} | {r['tokens']:,} | "
+                     f"{gib(r['params'] + r['opt'])} | {gib(r['arguments'])} | {gib(r['outputs'])} | {gib(r['temp'])} | "
+                     f"**{gib(r['peak'])}** | {r['hbm'] // GiB} | {'yes' if fits(r) else 'NO'} | {r['seconds']:.0f} |")
+    return lines
+
+
+def report(rows: list[dict]) -> str:
+    names = list(dict.fromkeys(r["model"] for r in rows if "count" in r))
+    counts = ", ".join(f"{n} {next(r['count'] for r in rows if r['model'] == n) / 1e9:.2f}B parameters" for n in names)
+    ordered = sorted(rows, key=lambda r: (list(MODELS).index(r["model"]), r["slice"], r["tokens"], r["layout"]))
+    return "\n".join([
+        "# Long context: a training step's memory per TPU chip (libtpu's memory analysis)", "",
+        f"Generated by `python benchmarks/long_context.py` (JAX {jax.__version__}): each step compiled ahead of time "
+        "for the slice by libtpu on a CPU, without a TPU; nothing ran. Models (float32 parameters, compute and "
+        f"AdamW state): {counts}.", "",
+        "One step: forward, backward (`jax.value_and_grad` of the chunked cross entropy `token_losses`: the "
+        "`[B, T, vocab]` logits are never held) and AdamW (optax), parameters and optimizer state donated. "
+        "Batch: one sequence per `data` shard. FSDP: the parameters' `embed` axis is split over the whole mesh "
+        "(`data` × `sequence`). Peak = arguments + outputs − aliased + temporaries (what one chip holds at once, "
+        "per the compiler).", "",
+        "## The best layout per model and length", "", *table(best(rows)), "",
+        "## Every case measured", "", *table(ordered), "",
+        "![max context that fits](long_context.png)", "",
+    ])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (rerun with --report-only where it is)", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        for slice_name, style in (("v5e-8", "o-"), ("v6e-1", "s--")):
+            mine = [r for r in best(rows) if r["model"] == name and r["slice"] == slice_name]
+            if mine:
+                axis.plot([r["tokens"] for r in mine], [r["peak"] / GiB for r in mine], style,
+                          label=f"{name}, {slice_name}")
+    for hbm, label in ((16, "v5e HBM (16 GiB)"), (32, "v6e HBM (32 GiB)")):
+        axis.axhline(hbm, color="k", ls=":", lw=0.8)
+        axis.text(axis.get_xlim()[0] if False else 32768, hbm * 1.03, label, fontsize=8)
+    axis.set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="peak GiB per chip (compiler)",
+             title="Training step memory per chip: a model fits where its line is under its HBM line")
+    axis.set_xticks(LENGTHS, [f"{n // 1024}k" for n in LENGTHS])
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
