@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
+import re
 import subprocess
 import sys
 import time
@@ -145,7 +145,24 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
                aliased=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
                seconds=time.perf_counter() - started)
     row["peak"] = row["arguments"] + row["outputs"] - row["aliased"] + row["temp"]
+    row["largest"] = largest_values(compiled.as_text())
     return row
+
+
+HLO_VALUE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (f32|bf16|s32|u32|f16|pred)\[([\d,]*)\]", re.MULTILINE)
+ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
+
+
+def largest_values(hlo: str, count: int = 5) -> list[list]:
+    """The `count` largest array values of the compiled (per-chip) HLO: [bytes, dtype[shape],
+    instruction], largest first; the buffers that hold a step's memory are among them."""
+    values = {}
+    for name, dtype, dims in HLO_VALUE.findall(hlo):
+        shape = f"{dtype}[{dims}]"
+        size = math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE[dtype]
+        if shape not in values or values[shape][0] < size:
+            values[shape] = [size, shape, name]
+    return sorted(values.values(), reverse=True)[:count]
 
 
 def cases(args) -> list[tuple[str, str, str, str | None, int]]:
@@ -264,8 +281,22 @@ def report(rows: list[dict]) -> str:
         "per the compiler).", "",
         "## The best layout per model and length", "", *table(best(rows)), "",
         "## Every case measured", "", *table(ordered), "",
+        *holders(ordered),
         "![max context that fits](long_context.png)", "",
     ])
+
+
+def holders(rows: list[dict]) -> list[str]:
+    """Where a case does not fit: the largest values of its per-chip program."""
+    missed = [r for r in rows if "largest" in r and not fits(r)]
+    if not missed:
+        return []
+    lines = ["## What holds the memory where a case does not fit", "",
+             "The largest array values of the compiled per-chip HLO (bytes, shape, instruction):", ""]
+    for r in missed:
+        values = "; ".join(f"{size / GiB:.2f} GiB `{shape}` ({name})" for size, shape, name in r["largest"])
+        lines.append(f"- {r['model']}, {r['slice']} `{r['layout']}`, {r['tokens']:,} tokens: {values}")
+    return [*lines, ""]
 
 
 def plot(rows: list[dict], path: Path) -> None:

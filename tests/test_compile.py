@@ -328,3 +328,43 @@ def test_mixture_of_experts_compiles_with_ragged_dot_for_h100(shape):
                                    for shape in MOE_SHAPES])
 def test_mixture_of_experts_compiles_with_ragged_dot_for_v5e(shape):
     check_moe("v5e", *MOE_SHAPES[shape])
+
+
+# ----------------------------------------------------------------------------- a long-context training step (v5e)
+
+
+def test_a_slim_training_step_with_the_chunked_loss_compiles_for_v5e_within_its_bound():
+    """benchmarks/long_context.py's step in small: a tiny model's forward, backward (remat
+    "block", the chunked `token_losses`) and AdamW compiled by libtpu for one v5e chip. The
+    compiler's memory analysis holds the parameters, the optimizer state and the tokens as
+    arguments (their bytes, plus at most half again for the TPU's padding of small arrays to
+    its (8, 128) tiles: 12% here), and the temporaries stay below one copy of the full
+    `[B, T, vocab]` float32 logits, which a loss that materialised them would hold twice (the
+    logits and their gradient)."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from recurrax.nn.pretrained import from_size
+
+    need("v5e")
+    B, T, vocab = 1, 4096, 2048
+    model = nnx.eval_shape(lambda: from_size("tiny", vocab_size=vocab, remat="block", rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    optimizer = optax.adamw(1e-3)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def step(params, opt_state, inputs, targets):
+        loss = lambda p: nnx.merge(graphdef, p).token_losses(inputs, targets).mean()  # noqa: E731
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    compiled = targets.compile_for("v5e", step, params, opt_state, tokens, tokens)
+    memory = compiled.memory()
+    assert memory is not None
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt_state)))
+    exact = state_bytes + 2 * B * T * 4
+    assert exact <= memory.argument_size_in_bytes <= 1.5 * exact
+    assert 0 < memory.temp_size_in_bytes < B * T * vocab * 4
