@@ -71,12 +71,12 @@ MAMBA2_1B3 = dict(
 """state-spaces/mamba2-1.3b's config (d_model 2048, 48 layers, head dim 64, state 128)."""
 
 HYBRID_1B = dict(
-    model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
     num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
     tie_word_embeddings=True, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144)
 """Qwen3.5-shaped (dense), about 1B: Gated DeltaNet layers with every fourth layer softmax
-attention (gated, grouped KV), Qwen3.5's 248k vocabulary, width 2048, 16 layers."""
+attention (gated, grouped KV), Qwen3.5's 248k vocabulary (tied), width 2048, 12 layers (3 attention): 1.19B parameters."""
 
 TINY = {
     "GLA 1.3B": dict(GLA_1B3, hidden_size=64, num_hidden_layers=2, vocab_size=512),
