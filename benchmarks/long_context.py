@@ -76,7 +76,8 @@ HYBRID_1B = dict(
     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
     tie_word_embeddings=True, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144)
 """Qwen3.5-shaped (dense), about 1B: Gated DeltaNet layers with every fourth layer softmax
-attention (gated, grouped KV), Qwen3.5's 248k vocabulary (tied), width 2048, 12 layers (3 attention): 1.19B parameters."""
+attention (gated, grouped KV), Qwen3.5's 248k vocabulary (tied), width 2048, 12 layers
+(3 attention): 1.19B parameters."""
 
 TINY = {
     "GLA 1.3B": dict(GLA_1B3, hidden_size=64, num_hidden_layers=2, vocab_size=512),
