@@ -111,8 +111,12 @@ def fsdp_rules():
                  for name, axis in rnn.logical_rules("fsdp", "tensor", "sequence"))
 
 
-def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | None, length: int) -> dict:
-    """Compile one training step for `layout` on the slice and read its memory per chip."""
+def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | None, length: int,
+            layers: int | None = None) -> dict:
+    """Compile one training step for `layout` on the slice and read its memory per chip (with
+    `layers`, the model cut to that many layers)."""
+    full_depth = config["num_hidden_layers"]
+    config = dict(config, num_hidden_layers=layers or full_depth)
     train = example()
     target, _ = SLICES[slice_name]
     sizes = parse_mesh(layout)
@@ -139,6 +143,7 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     memory = compiled.memory_analysis()
     chip = targets.get_target(target).spec
     row = dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
+               layers=config["num_hidden_layers"], full_depth=full_depth,
                chips=len(devices), hbm=chip.hbm_bytes,
                count=sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
                params=shard_bytes(params, params_sharding), opt=shard_bytes(opt_state, opt_sharding),
@@ -173,26 +178,28 @@ def cases(args) -> list[tuple[str, str, str, str | None, int]]:
         for slice_name in args.slices:
             layouts = [l for l in SLICES[slice_name][1] if args.layouts is None or l in args.layouts]
             for length in args.lengths:
-                chosen += [(name, slice_name, layout, args.remat, length) for layout in layouts]
+                chosen += [(name, slice_name, layout, args.remat, length, layers) for layout in layouts
+                           for layers in args.layers or [None]]
     return chosen
 
 
 def key(row: dict) -> tuple:
-    return row["model"], row["slice"], row["layout"], row["remat"], row["tokens"]
+    return row["model"], row["slice"], row["layout"], row["remat"], row["tokens"], row.get("layers")
 
 
 def run_case(case, args) -> dict | None:
     """Measure one case in a child process; None (and the error printed) when it fails."""
-    name, slice_name, layout, remat, length = case
-    command = [sys.executable, __file__, "--case", json.dumps([name, slice_name, layout, remat, length])]
+    name, slice_name, layout, remat, length, layers = case
+    command = [sys.executable, __file__, "--case", json.dumps(case)]
     command += ["--tiny"] if args.tiny else []
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         print(f"{case}: failed (exit {done.returncode})", file=sys.stderr, flush=True)
         return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
-                    failed=f"exit {done.returncode}")
+                    layers=layers, failed=f"exit {done.returncode}")
     row = json.loads(done.stdout.splitlines()[-1])
-    print(f"{name} {slice_name} {layout} remat={row['remat']} T={length}: peak {row['peak'] / GiB:.2f} GiB "
+    print(f"{name} ({row['layers']} layers) {slice_name} {layout} remat={row['remat']} T={length}: "
+          f"peak {row['peak'] / GiB:.2f} GiB "
           f"(arguments {row['arguments'] / GiB:.2f}, temporaries {row['temp'] / GiB:.2f}; {row['seconds']:.0f} s)",
           file=sys.stderr, flush=True)
     return row
@@ -208,14 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=None, help="only these meshes of the slices' (default: all)")
     parser.add_argument("--remat", default="block", type=lambda text: None if text == "none" else text,
                         help="the models' remat: none, block or dots")
+    parser.add_argument("--layers", nargs="+", type=int, default=None,
+                        help="compile the models cut to these depths (the report extrapolates to the full depth)")
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
     parser.add_argument("--case", default=None, help="internal: measure one case (JSON), print its row")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for long_context.md, .json and .png")
     args = parser.parse_args(argv)
     models = TINY if args.tiny else MODELS
     if args.case is not None:
-        name, slice_name, layout, remat, length = json.loads(args.case)
-        print(json.dumps(measure(name, models[name], slice_name, layout, remat, length)))
+        name, slice_name, layout, remat, length, layers = json.loads(args.case)
+        print(json.dumps(measure(name, models[name], slice_name, layout, remat, length, layers)))
         return 0
     saved = args.out / "long_context.json"
     rows = json.loads(saved.read_text())["rows"] if saved.exists() else []
@@ -242,6 +251,8 @@ def best(rows: list[dict]) -> list[dict]:
         if "failed" in row:
             continue
         group = row["model"], row["slice"], row["tokens"]
+        if row.get("layers", row.get("full_depth")) != row.get("full_depth"):
+            continue  # a cut model (see `extrapolated`)
         if group not in chosen or row["peak"] < chosen[group]["peak"]:
             chosen[group] = row
     return sorted(chosen.values(), key=lambda r: (list(MODELS).index(r["model"]), r["slice"], r["tokens"]))
@@ -251,16 +262,27 @@ def gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
+def extrapolation(rows: list[dict]) -> list[str]:
+    estimates = extrapolated(rows)
+    if not estimates:
+        return []
+    return ["## Full depth, extrapolated from the models cut to two depths", "",
+            "Where the full-depth step's compile did not finish on this machine, the model was compiled cut to "
+            "two depths (every other figure as the full model) and each byte count extended linearly to the full "
+            "depth (see `extrapolated`). Compile s: both compiles.", "", *table(estimates), ""]
+
+
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | slice | mesh | remat | tokens / sequence | params + opt / chip GiB | arguments GiB | "
+    lines = ["| model | layers | slice | mesh | remat | tokens / sequence | params + opt / chip GiB | arguments GiB | "
              "outputs GiB | temporaries GiB | peak / chip GiB | HBM GiB | fits | compile s |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['model']} | {r['slice']} | `{r['layout']}` | {r['remat']} | {r['tokens']:,} | "
-                         f"| | | | | | compile failed ({r['failed']}) | |")
+            lines.append(f"| {r['model']} | {r.get('layers') or 'all'} | {r['slice']} | `{r['layout']}` | "
+                         f"{r['remat']} | {r['tokens']:,} | | | | | | | compile failed ({r['failed']}) | |")
             continue
-        lines.append(f"| {r['model']} | {r['slice']} | `{r['layout']}` | {r['remat']} | {r['tokens']:,} | "
+        depth = f"{r.get('layers') or 'all'}{' (est.)' if 'basis' in r else ''}"
+        lines.append(f"| {r['model']} | {depth} | {r['slice']} | `{r['layout']}` | {r['remat']} | {r['tokens']:,} | "
                      f"{gib(r['params'] + r['opt'])} | {gib(r['arguments'])} | {gib(r['outputs'])} | "
                      f"{gib(r['temp'])} | "
                      f"**{gib(r['peak'])}** | {r['hbm'] // GiB} | {'yes' if fits(r) else 'NO'} | {r['seconds']:.0f} |")
@@ -281,23 +303,50 @@ def report(rows: list[dict]) -> str:
         "Batch: one sequence per `data` shard. FSDP: the parameters' `embed` axis is split over the whole mesh "
         "(`data` × `sequence`). Peak = arguments + outputs − aliased + temporaries (what one chip holds at once, "
         "per the compiler).", "",
-        "## The best layout per model and length", "", *table(best(rows)), "",
+        "## The best layout per model and length", "", *table(best([*rows, *extrapolated(rows)])), "",
+        *extrapolation(rows),
         "## Every case measured", "", *table(ordered), "",
         *holders(ordered),
         "![max context that fits](long_context.png)", "",
     ])
 
 
+def extrapolated(rows: list[dict]) -> list[dict]:
+    """Full-depth estimates where a case was compiled at two depths L1 < L2 short of the full
+    depth L: each byte count b(L) = b(L1) + (L − L1)(b(L2) − b(L1)) / (L2 − L1) (parameters,
+    optimizer state and the blocks' kept inputs grow by the same amount per layer; one layer's
+    recompute and the loss do not grow)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "failed" not in r and r.get("layers", r.get("full_depth")) != r.get("full_depth"):
+            groups.setdefault(key(r)[:-1], []).append(r)
+    estimates = []
+    for cut in groups.values():
+        if len({r["layers"] for r in cut}) < 2:
+            continue
+        low, high = sorted(cut, key=lambda r: r["layers"])[::len(cut) - 1]
+        scale = (low["full_depth"] - low["layers"]) / (high["layers"] - low["layers"])
+        estimate = dict(low, layers=low["full_depth"], seconds=low["seconds"] + high["seconds"],
+                        basis=f"{low['layers']} and {high['layers']} layers", count=None)
+        for field in ("params", "opt", "arguments", "outputs", "aliased", "temp", "peak"):
+            estimate[field] = round(low[field] + scale * (high[field] - low[field]))
+        estimates.append(estimate)
+    return estimates
+
+
 def holders(rows: list[dict]) -> list[str]:
     """Where a case does not fit: the largest values of its per-chip program."""
-    missed = [r for r in rows if "largest" in r and not fits(r)]
+    missed = [r for r in [*rows, *extrapolated(rows)] if not fits(r)]
     if not missed:
         return []
     lines = ["## What holds the memory where a case does not fit", "",
              "The largest array values of the compiled per-chip HLO (bytes, shape, instruction):", ""]
     for r in missed:
+        if "largest" not in r:
+            continue
         values = "; ".join(f"{size / GiB:.2f} GiB `{shape}` ({name})" for size, shape, name in r["largest"])
-        lines.append(f"- {r['model']}, {r['slice']} `{r['layout']}`, {r['tokens']:,} tokens: {values}")
+        lines.append(f"- {r['model']} ({r['layers']} layers), {r['slice']} `{r['layout']}`, {r['tokens']:,} tokens: "
+                     f"{values}")
     return [*lines, ""]
 
 
@@ -313,7 +362,7 @@ def plot(rows: list[dict], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for name in dict.fromkeys(r["model"] for r in rows):
         for slice_name, style in (("v5e-8", "o-"), ("v6e-1", "s--")):
-            mine = [r for r in best(rows) if r["model"] == name and r["slice"] == slice_name]
+            mine = [r for r in best([*rows, *extrapolated(rows)]) if r["model"] == name and r["slice"] == slice_name]
             if mine:
                 axis.plot([r["tokens"] for r in mine], [r["peak"] / GiB for r in mine], style,
                           label=f"{name}, {slice_name}")
