@@ -327,7 +327,8 @@ def extrapolated(rows: list[dict]) -> list[dict]:
         low, high = sorted(cut, key=lambda r: r["layers"])[::len(cut) - 1]
         scale = (low["full_depth"] - low["layers"]) / (high["layers"] - low["layers"])
         estimate = dict(low, layers=low["full_depth"], seconds=low["seconds"] + high["seconds"],
-                        basis=f"{low['layers']} and {high['layers']} layers", count=None)
+                        basis=f"{low['layers']} and {high['layers']} layers", count=None,
+                        largest=high.get("largest", []), largest_from=high["layers"])
         for field in ("params", "opt", "arguments", "outputs", "aliased", "temp", "peak"):
             estimate[field] = round(low[field] + scale * (high[field] - low[field]))
         estimates.append(estimate)
@@ -345,6 +346,7 @@ def holders(rows: list[dict]) -> list[str]:
         if "largest" not in r:
             continue
         values = "; ".join(f"{size / GiB:.2f} GiB `{shape}` ({name})" for size, shape, name in r["largest"])
+        values += f" (in the {r['largest_from']}-layer compile)" if "largest_from" in r else ""
         lines.append(f"- {r['model']} ({r['layers']} layers), {r['slice']} `{r['layout']}`, {r['tokens']:,} tokens: "
                      f"{values}")
     return [*lines, ""]
