@@ -137,9 +137,17 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     tokens = jax.ShapeDtypeStruct((sizes["data"], length), jnp.int32,
                                   sharding=NamedSharding(mesh, PartitionSpec("data", "sequence")))
     started = time.perf_counter()
-    with rnn.use_mesh(mesh, rules):
-        compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
-                              tokens, tokens).lower().compile()
+    try:
+        with rnn.use_mesh(mesh, rules):
+            compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
+                                  tokens, tokens).lower().compile()
+    except jax.errors.JaxRuntimeError as error:
+        needed = HBM_OOM.search(str(error))
+        if needed is None:
+            raise
+        return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
+                    layers=config["num_hidden_layers"], full_depth=full_depth, seconds=time.perf_counter() - started,
+                    failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)")
     memory = compiled.memory_analysis()
     chip = targets.get_target(target).spec
     row = dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
@@ -155,6 +163,8 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     return row
 
 
+HBM_OOM = re.compile(r"CompileTimeHbmOom.*?temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)")
+"""libtpu refuses a program whose temporaries exceed the chip's HBM (the bytes it needed, the HBM)."""
 HLO_VALUE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (f32|bf16|s32|u32|f16|pred)\[([\d,]*)\]", re.MULTILINE)
 ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
 
@@ -198,6 +208,9 @@ def run_case(case, args) -> dict | None:
         return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
                     layers=layers, failed=f"exit {done.returncode}")
     row = json.loads(done.stdout.splitlines()[-1])
+    if "failed" in row:
+        print(f"{case}: {row['failed']}", file=sys.stderr, flush=True)
+        return row
     print(f"{name} ({row['layers']} layers) {slice_name} {layout} remat={row['remat']} T={length}: "
           f"peak {row['peak'] / GiB:.2f} GiB "
           f"(arguments {row['arguments'] / GiB:.2f}, temporaries {row['temp'] / GiB:.2f}; {row['seconds']:.0f} s)",
@@ -279,7 +292,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['model']} | {r.get('layers') or 'all'} | {r['slice']} | `{r['layout']}` | "
-                         f"{r['remat']} | {r['tokens']:,} | | | | | | | compile failed ({r['failed']}) | |")
+                         f"{r['remat']} | {r['tokens']:,} | | | | | | | NO: {r['failed']} | "
+                         f"{'' if r.get('seconds') is None else round(r['seconds'])} |")
             continue
         depth = f"{r.get('layers') or 'all'}{' (est.)' if 'basis' in r else ''}"
         lines.append(f"| {r['model']} | {depth} | {r['slice']} | `{r['layout']}` | {r['remat']} | {r['tokens']:,} | "
