@@ -102,7 +102,7 @@ def test_bfloat16_training_keeps_float32_parameters_and_decodes(capsys):
     assert {x.dtype for x in jax.tree.leaves(params) if np.issubdtype(x.dtype, np.floating)} == {np.dtype("float32")}
     assert history.loss[-1] < 0.85 * history.loss[0]
     report = _demo.decode_check(graphdef, params, config, batch_size=4)
-    assert report.matches and report.max_abs_diff > 0
+    assert report.matches
 
 
 @pytest.mark.slow
