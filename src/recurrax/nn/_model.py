@@ -173,7 +173,8 @@ class LanguageModel(nnx.Module):
         - `cache`: per-block states after the previous tokens (`init_cache(batch)` for none).
         - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
 
-        **Returns:** `logits` `[..., vocab_size]`, or `(logits, new_cache)` with `cache`.
+        **Returns:** `logits` `[..., vocab_size]`, float32 (accumulated so for a bfloat16 model;
+        float64 for a float64 one), or `(logits, new_cache)` with `cache`.
         """
         h, new_caches = self._head_input(tokens, cache, cu_seqlens)
         logits = constrain(tied_logits(self.embed, h), "batch", "length", "vocab")

@@ -5,6 +5,10 @@
 | E      | the embedding table [vocab, D]  |
 
     logits = h · Eᵀ        (what `nnx.Embed.attend` computes)
+    logits = h · W         (an untied head `nnx.Linear` without bias, W [D, vocab])
+
+Both accumulate in float32 (float64 for float64 models) and return it: a bfloat16 model's
+logits are float32, as its loss is.
 """
 
 from __future__ import annotations
@@ -26,4 +30,17 @@ def tied_logits(embed: nnx.Embed, h: Float[Array, "... D"]) -> Float[Array, "...
     """
     table = embed.embedding[...]
     dtype = embed.dtype or jnp.result_type(h, table)
-    return jnp.einsum("...d,vd->...v", h.astype(dtype), table.astype(dtype))
+    return jnp.einsum("...d,vd->...v", h.astype(dtype), table.astype(dtype), preferred_element_type=_wide(dtype))
+
+
+def untied_logits(head: nnx.Linear, h: Float[Array, "... D"]) -> Float[Array, "... vocab"]:
+    """`head(h)` (a `nnx.Linear` without bias; its `dtype`, if set, is the computation dtype),
+    accumulated in float32."""
+    kernel = head.kernel[...]
+    dtype = head.dtype or jnp.result_type(h, kernel)
+    return jnp.einsum("...d,dv->...v", h.astype(dtype), kernel.astype(dtype), preferred_element_type=_wide(dtype))
+
+
+def _wide(dtype):
+    """float32, or float64 for float64."""
+    return jnp.promote_types(jnp.float32, dtype)

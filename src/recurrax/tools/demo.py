@@ -48,6 +48,8 @@ class TrainConfig:
     - `steps`, `batch_size`, `learning_rate`, `warmup`, `weight_decay`: the optimisation
       (AdamW, linear warmup then cosine decay).
     - `seed`: model initialisation and data streams.
+    - `dtype`: the computation dtype (`"float32"` or `"bfloat16"`); the parameters and the
+      optimiser state are float32 either way (mixed precision with `"bfloat16"`).
     """
 
     task: MQARConfig = MQARConfig()
@@ -63,6 +65,7 @@ class TrainConfig:
     warmup: int = 50
     weight_decay: float = 0.01
     seed: int = 0
+    dtype: str = "float32"
 
 
 @dataclasses.dataclass
@@ -87,7 +90,7 @@ def build_model(config: TrainConfig):
     return LanguageModel(
         config.task.vocab_size, config.d_model, config.num_layers, config.num_heads,
         mixer=config.mixer, mlp_ratio=config.mlp_ratio, mixer_options={"conv_size": config.conv_size},
-        rngs=nnx.Rngs(config.seed),
+        dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32, rngs=nnx.Rngs(config.seed),
     )
 
 
@@ -247,11 +250,18 @@ def decode_check(graphdef, params, config: TrainConfig, batch_size: int = 64, re
     _, accuracy = masked_loss_and_accuracy(decoded, batch)
     return DecodeReport(
         max_abs_diff=float(jnp.max(jnp.abs(decoded - parallel))),
-        tolerance=1e-3 * scale,
+        tolerance=decode_tolerance(config.dtype) * scale,
         accuracy=float(accuracy),
         tokens_per_second=batch.tokens.size / min(seconds),
         batch_size=batch_size,
     )
+
+
+def decode_tolerance(dtype: str) -> float:
+    """The largest decode-vs-parallel logit difference accepted, relative to the logits' scale:
+    1e-3 in float32, eight of the computation dtype's epsilons in a lower precision (bfloat16:
+    2⁻⁴; the two orders of summation round differently)."""
+    return max(1e-3, 8 * float(jnp.finfo(jnp.dtype(dtype)).eps))
 
 
 def _decode_all(step: Callable, params, tokens, cache) -> Float[Array, "B T vocab"]:
@@ -308,6 +318,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--conv-size", type=int, default=2, help="short convolution taps, 0 for none (default 2)")
     parser.add_argument("--lr", type=float, help=preset("lr", "peak AdamW learning rate"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="computation dtype; parameters stay float32 (default float32)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     parser.add_argument("--out", default="recurrax_demo.png", help="plot path (default recurrax_demo.png)")
     parser.add_argument("--quick", action="store_true", help="a shorter, easier run (under a minute)")
@@ -324,7 +336,8 @@ def configs_from(args: argparse.Namespace) -> list[TrainConfig]:
     mixers = mixer_names() if args.mixer == "all" else (args.mixer,)
     return [
         TrainConfig(task=task, mixer=mixer, steps=pick("steps"), batch_size=args.batch_size, d_model=args.d_model,
-                    conv_size=args.conv_size, learning_rate=pick("lr"), warmup=preset["warmup"], seed=args.seed)
+                    conv_size=args.conv_size, learning_rate=pick("lr"), warmup=preset["warmup"], seed=args.seed,
+                    dtype=args.dtype)
         for mixer in mixers
     ]
 

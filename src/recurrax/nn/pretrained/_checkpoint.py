@@ -210,10 +210,11 @@ def _language_model_params(model: LanguageModel) -> dict[str, nnx.Variable]:
     return {".".join(map(str, path)): variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def _build_language_model(config: dict, dtype, remat: str | None = None
+def _build_language_model(config: dict, dtype, remat: str | None = None, param_dtype=None
                           ) -> tuple[LanguageModel, dict[str, nnx.Variable]]:
     """An abstract `LanguageModel` built from its config.json (`LanguageModel.config`), and its parameters."""
-    model = nnx.eval_shape(lambda: model_from_config(config, dtype=dtype, remat=remat, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_from_config(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                                     rngs=nnx.Rngs(0)))
     return model, _language_model_params(model)
 
 
@@ -245,7 +246,7 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
                              "allow_nonfinite=True to load it anyway")
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfinite: bool = False,
+def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, allow_nonfinite: bool = False,
                     remat: str | None = None) -> CausalLM | LanguageModel:
     """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
     into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one
@@ -255,7 +256,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfini
     **Arguments:**
     - `path`: a local directory with `config.json` and `model.safetensors`, or sharded
       `model.safetensors.index.json` + its shards.
-    - `dtype`: parameter and computation dtype of the model (weights are cast to it).
+    - `dtype`: computation dtype of the model.
+    - `param_dtype`: its parameters' dtype (default `dtype`; weights are cast to it):
+      `dtype=jnp.bfloat16, param_dtype=jnp.float32` is mixed precision (see `CausalLM`).
     - `allow_nonfinite`: load weights holding NaN or inf (refused by default).
     - `remat`: what a training step keeps of each block for the backward: None (everything),
       `"block"` (its input) or `"dots"` (its projections' outputs); see `CausalLM`.
@@ -282,13 +285,14 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, allow_nonfini
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
     if config.get("model_type") == LANGUAGE_MODEL_TYPE:
         try:
-            model, params = _build_language_model(config, dtype, remat)
+            model, params = _build_language_model(config, dtype, remat, param_dtype)
         except (ValueError, TypeError) as error:
             raise type(error)(f"{config_path}: {error}") from error
         return _fill_language_model(model, params, weights, allow_nonfinite)
     try:
         hf_config = is_hf_config(config)
-        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, remat=remat, rngs=nnx.Rngs(0)))  # shapes only, no init
+        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                                rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
     if hf_config:

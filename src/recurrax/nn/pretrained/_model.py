@@ -39,9 +39,10 @@ from jaxtyping import Array, Bool, Float, Int
 from ...problem import runtime_checks_enabled
 from ...varlen import segments
 from .._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
+from .._precision import compute_view, store_params
 from .._remat import call_block, check_remat
 from .._sharding import RESIDUAL, constrain, param, partitioned
-from .._tied import tied_logits
+from .._tied import tied_logits, untied_logits
 from .._tokens import check_token_ids
 from ._config import FAMILY_MODULES, attention_spec, intermediate_size, native_mixer, resolve
 from ._config_checks import ConfigError, eos_token_ids
@@ -148,7 +149,12 @@ class CausalLM(nnx.Module):
     **Arguments:**
     - `config`: the config.json as a dict (its `model_type` chooses the family; a bad value is
       a `ValueError` naming the field).
-    - `dtype`: parameter and computation dtype (default float32).
+    - `dtype`: computation dtype (default float32).
+    - `param_dtype`: the parameters' dtype (default `dtype`). Mixed precision is
+      `dtype=jnp.bfloat16, param_dtype=jnp.float32`: each call computes on the parameters cast
+      to `dtype` (`recurrax.nn`'s `_precision`), so it equals the model built in `dtype` with
+      rounded weights; recurrent states, gate cumsums, norms' variance, softmax statistics and
+      the logits stay float32, and the gradients are `param_dtype`'s.
     - `remat`: what a training step keeps of each layer for the backward: None (everything
       autodiff saves), `"block"` (the layer's input; the layer is recomputed) or `"dots"` (its
       projections' matmul outputs); gradients are the same up to rounding. A plain attribute:
@@ -160,7 +166,8 @@ class CausalLM(nnx.Module):
     `eos_token_id`, an id or a list) are `generate`'s default stop tokens.
     """
 
-    def __init__(self, config: dict, *, dtype=jnp.float32, remat: str | None = None, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: dict, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,
+                 rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.remat = check_remat(remat)
         family_module = FAMILY_MODULES.get(config.get("model_type")) if isinstance(config, dict) else None
@@ -183,6 +190,7 @@ class CausalLM(nnx.Module):
             self.logits_multiplier, self.tie_word_embeddings = 1.0, bool(full["tie_word_embeddings"])
         self.config_json = json.dumps(config, sort_keys=True)  # as given: save_pretrained writes it back
         self.model_type, self.dtype = family, dtype
+        self.param_dtype = dtype if param_dtype is None else param_dtype
         self.vocab_size, self.max_position_embeddings = spec["vocab_size"], spec["max_position_embeddings"]
         self.eos_token_ids = eos_token_ids(config.get("eos_token_id"), "eos_token_id")
         try:
@@ -192,6 +200,8 @@ class CausalLM(nnx.Module):
                               f"{type(error).__name__}: {error}") from error
         self.lm_head = None if self.tie_word_embeddings else linear(hidden_size, spec["vocab_size"],
                                                                     axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
+        if self.param_dtype != dtype:  # built (and initialised) in dtype, stored in param_dtype
+            store_params(self, self.param_dtype)
 
     @property
     def config(self) -> dict:
@@ -227,13 +237,14 @@ class CausalLM(nnx.Module):
         `(logits, new_cache)`.
         """
         packed = cu_seqlens is not None
-        h, positions, new_caches = self._hidden_states(tokens, cache, cu_seqlens)
+        model = self._computing()
+        h, positions, new_caches = model._hidden_states(tokens, cache, cu_seqlens)
         if logits_to_keep is not None and (packed or not 1 <= logits_to_keep <= tokens.shape[1]):
             raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, "
                              f"got {logits_to_keep}" + (" with cu_seqlens" if packed else ""))
         if logits_to_keep is not None:
             h, positions = h[:, -logits_to_keep:], positions[:, -logits_to_keep:]
-        logits = constrain(self._head(h), "batch", "length", "vocab")
+        logits = constrain(model._head(h), "batch", "length", "vocab")
         capacity = None if cache is None else _capacity(cache)
         if capacity is not None:  # traced positions: the tokens past it get NaN logits
             logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
@@ -266,16 +277,26 @@ class CausalLM(nnx.Module):
         **Returns:** float32 losses shaped like `tokens` (0 where ignored), and with
         `with_predictions` the argmax ids too.
         """
-        h, _, _ = self._hidden_states(tokens, None, cu_seqlens)
-        h = self.body.head_input(h)
+        model = self._computing()
+        h, _, _ = model._hidden_states(tokens, None, cu_seqlens)
+        h = model.body.head_input(h)
         h = h[0] if cu_seqlens is not None else h
-        if self.lm_head is not None:
-            head, tied, dtype = self.lm_head.kernel[...], False, self.lm_head.dtype
+        if model.lm_head is not None:
+            head, tied, dtype = model.lm_head.kernel[...], False, model.lm_head.dtype
         else:
-            head, tied, dtype = self.body.embedding.embedding[...], True, self.body.embedding.dtype
+            head, tied, dtype = model.body.embedding.embedding[...], True, model.body.embedding.dtype
         return chunked_cross_entropy(h, head.astype(dtype or head.dtype), targets, where=where, tied=tied,
                                      logits_scale=self.logits_multiplier, chunk_size=chunk_size,
                                      with_predictions=with_predictions)
+
+    def _computing(self) -> CausalLM:
+        """The model to run the forward with: itself, or (parameters stored in another dtype
+        than `dtype`) a view with its parameters cast to `dtype`."""
+        if self.param_dtype == self.dtype:
+            return self
+        view = compute_view(self, self.dtype)
+        view.param_dtype = self.dtype
+        return view
 
     def _hidden_states(self, tokens, cache, cu_seqlens):
         """The last layer's output `[B, T, D]` (packed: `[1, N, D]`), every token's position,
@@ -329,7 +350,7 @@ class CausalLM(nnx.Module):
     def _head(self, h):
         """Final norm, then the (tied) head: float32 logits (times the family's multiplier)."""
         h = self.body.head_input(h)
-        head = self.lm_head(h) if self.lm_head is not None else tied_logits(self.body.embedding, h)
+        head = untied_logits(self.lm_head, h) if self.lm_head is not None else tied_logits(self.body.embedding, h)
         logits = head.astype(jnp.float32)
         return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
 

@@ -70,30 +70,34 @@ def size_config(name: str, **overrides) -> dict:
     return {**config, **copy.deepcopy(overrides)}
 
 
-def model_from_config(config: dict, *, dtype=jnp.float32, remat: str | None = None,
+def model_from_config(config: dict, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,
                       rngs: nnx.Rngs | None = None) -> LanguageModel | CausalLM:
     """A freshly initialised model of a config.json dict: a `recurrax.nn.LanguageModel` for
     `model_type` `"recurrax_language_model"` (its fields are the constructor's arguments; a
-    missing one is a `ValueError` naming it), else a `CausalLM`; `remat` as theirs."""
+    missing one is a `ValueError` naming it), else a `CausalLM`; `param_dtype` (default
+    `dtype`) and `remat` as theirs."""
     rngs = nnx.Rngs(0) if rngs is None else rngs
     if config.get("model_type") != CONFIG_MODEL_TYPE:
-        return CausalLM(config, dtype=dtype, remat=remat, rngs=rngs)
+        return CausalLM(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
     missing = [k for k in LANGUAGE_MODEL_ARGUMENTS if k not in config]
     if missing:
         raise ValueError(f"a {CONFIG_MODEL_TYPE} config needs the fields {', '.join(missing)}")
     arguments = {k: config[k] for k in LANGUAGE_MODEL_ARGUMENTS}
-    return LanguageModel(**arguments, dtype=dtype, param_dtype=dtype, remat=remat, rngs=rngs)
+    return LanguageModel(**arguments, dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
+                         remat=remat, rngs=rngs)
 
 
-def from_size(name: str, *, dtype=jnp.float32, remat: str | None = None, rngs: nnx.Rngs | None = None,
-              **overrides) -> LanguageModel | CausalLM:
+def from_size(name: str, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,
+              rngs: nnx.Rngs | None = None, **overrides) -> LanguageModel | CausalLM:
     """A freshly initialised model of size `name` (a key of `SIZES`; see the module's table),
     with `overrides` of its config (e.g. `vocab_size`, a LanguageModel's `mixer`).
 
     **Arguments:**
     - `name`: `"tiny"`, `"small"`, `"gla-340m"` or `"mamba2-130m"`.
-    - `dtype`: parameter and computation dtype; `rngs`: initialisation (default seed 0).
+    - `dtype`: computation dtype; `param_dtype`: the parameters' (default `dtype`; float32
+      with a bfloat16 `dtype` is mixed precision); `rngs`: initialisation (default seed 0).
     - `remat`: what a training step keeps of each block for the backward (as `LanguageModel`'s).
     - `overrides`: config fields to change (`size_config`).
     """
-    return model_from_config(size_config(name, **overrides), dtype=dtype, remat=remat, rngs=rngs)
+    return model_from_config(size_config(name, **overrides), dtype=dtype, param_dtype=param_dtype, remat=remat,
+                             rngs=rngs)
