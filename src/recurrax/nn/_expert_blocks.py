@@ -75,6 +75,7 @@ def _split(rows, block_experts, chunk: int, padding_row: int):
     and how many rows were added."""
     blocks = block_experts.shape[0]
     block_size = rows.shape[0] // blocks
+    chunk = min(chunk, blocks)  # a step no longer than the blocks (decoding: a few blocks in all)
     steps = -(-blocks // chunk)
     extra = steps * chunk - blocks
     rows = jnp.pad(rows, (0, extra * block_size), constant_values=padding_row).reshape(steps, chunk, block_size)
@@ -134,7 +135,7 @@ def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
     x, rows, block_experts, gate, up, down, G_all, U_all = residuals
     steps_rows, steps_experts, extra = _split(rows, block_experts, chunk, x.shape[0] - 1)
     B = steps_rows.shape[2]
-    O_bar = jnp.pad(O_bar, ((0, extra), (0, 0))).reshape(steps_rows.shape[0], chunk, B, -1)
+    O_bar = jnp.pad(O_bar, ((0, extra), (0, 0))).reshape(*steps_rows.shape, -1)
     zeros = lambda w: None if w is None else jnp.zeros(w.shape, jnp.float32)  # noqa: E731
     carry = (jnp.zeros(x.shape, jnp.float32), zeros(gate), zeros(up), zeros(down))
     # inside shard_map the sums vary over every axis their terms do (the rows, the experts' shards)

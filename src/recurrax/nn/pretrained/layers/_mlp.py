@@ -25,6 +25,7 @@ oracle the routed path equals, kept for tests.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from jaxtyping import Array, Float
 from ..._moe import ExpertWeights as StackedExperts
 from ..._moe import Routing, route, routed_experts
 from ..._moe import all_experts as every_expert
-from ..._sharding import param
+from ..._sharding import mesh_axis, param
 from ._mixer import linear
 
 
@@ -219,11 +220,22 @@ class GraniteMoE(nnx.Module):
     def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
         """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
         flat = x.reshape(-1, x.shape[-1])
-        gate, up = jnp.split(self.input_linear.weight[...], 2, axis=1)  # [E, F, D] each
-        weights = StackedExperts(up, self.output_linear.weight[...], gate)
-        out = run_experts(flat, self.router(flat), weights, activation(self.act, "hidden_act"), transposed=True,
-                          all_experts=all_experts)
+        act, fused = activation(self.act, "hidden_act"), self.input_linear.weight[...]  # [E, 2F, D]: gate, up
+        if mesh_axis("mlp", fused.shape[1]) is None:
+            # the fused matrix as one ungated projection, act(gate) ⊙ up taken on its output: each
+            # block gathers its expert's rows only (splitting first copies every expert each call)
+            weights, act = StackedExperts(fused, self.output_linear.weight[...]), partial(_glu, act)
+        else:  # the width split over devices: each device's part must hold both gate and up rows
+            gate, up = jnp.split(fused, 2, axis=1)
+            weights = StackedExperts(up, self.output_linear.weight[...], gate)
+        out = run_experts(flat, self.router(flat), weights, act, transposed=True, all_experts=all_experts)
         return out.reshape(x.shape)
+
+
+def _glu(act, gate_up: Float[Array, "... F2"]) -> Float[Array, "... F"]:
+    """`act(gate) ⊙ up` of `[gate | up]` (the two halves of the last axis)."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return act(gate) * up
 
 
 class GraniteSharedMLP(nnx.Module):
