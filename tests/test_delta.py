@@ -241,6 +241,9 @@ def test_packed_3d_with_traced_cu_seqlens_under_grad_of_jit():
         assert got.shape == want.shape and _rel_error(got, want) < 1e-12
 
 
+_STEP_ARGS = ("query", "key", "value", "beta", "g", "gk")
+
+
 @pytest.mark.parametrize("gates", [(), ("g",), ("gk",), ("g", "gk")], ids=["no_decay", "g", "gk", "g_gk"])
 def test_delta_rule_step_matches_the_sequence(gates):
     """One token at a time (`_step.py`: both state reads before the update) equals the token
@@ -250,13 +253,13 @@ def test_delta_rule_step_matches_the_sequence(gates):
     o, final = recurrax.delta_rule(**args, qk_l2norm=True, implementation="reference")
     state, outs = args["initial_state"], []
     for t in range(case.T):
-        token = {n: args[n][:, t] if args.get(n) is not None else None for n in ("query", "key", "value", "beta", "g", "gk")}
+        token = {n: None if args.get(n) is None else args[n][:, t] for n in _STEP_ARGS}
         o_t, state = recurrax.delta_rule_step(**token, state=state, qk_l2norm=True)
         outs.append(o_t)
     np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(state, final, rtol=1e-12, atol=1e-12)
     # several tokens at once: a prefill of 2, then the other 3 in one call
-    prefix = {n: args[n][:, :2] if args.get(n) is not None else None for n in ("query", "key", "value", "beta", "g", "gk")}
+    prefix = {n: None if args.get(n) is None else args[n][:, :2] for n in _STEP_ARGS}
     rest = {n: None if prefix[n] is None else args[n][:, 2:] for n in prefix}
     o_2, state = recurrax.delta_rule_step(**prefix, state=args["initial_state"], qk_l2norm=True)
     o_3, state = recurrax.delta_rule_step(**rest, state=state, qk_l2norm=True)

@@ -15,7 +15,7 @@ logits are float32, as its loss is.
 On the CPU, for a few rows at once (2 ≤ n ≤ `BLOCKED_ROWS`: decoding a small batch), the tied
 head runs over E in blocks of R rows, each block's `E_blk · hᵀ` one matmul, and transposes the
 `[vocab, n]` result: XLA's CPU matmul at such thin shapes runs far below the rate it reaches
-on a cache-sized block (a 248,320 × 1024 table, batch 8: about 1.3× less CPU time blocked).
+on a cache-sized block (a 248,320 × 1024 table, batch 8: 1.2–1.4× less CPU time blocked).
 The same products, summed over D in another order: float32 rounding apart, the same logits.
 One row (a GEMV, already at the read bandwidth), many rows, or a mesh keep the single matmul.
 """
