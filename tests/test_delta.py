@@ -241,20 +241,26 @@ def test_packed_3d_with_traced_cu_seqlens_under_grad_of_jit():
         assert got.shape == want.shape and _rel_error(got, want) < 1e-12
 
 
-def test_delta_rule_step_matches_the_sequence():
-    case = Case(gates=("g", "gk"), Hqk=1, H=2, T=5, qk_l2norm=True)
+_STEP_ARGS = ("query", "key", "value", "beta", "g", "gk")
+
+
+@pytest.mark.parametrize("gates", [(), ("g",), ("gk",), ("g", "gk")], ids=["no_decay", "g", "gk", "g_gk"])
+def test_delta_rule_step_matches_the_sequence(gates):
+    """One token at a time (`_step.py`: both state reads before the update) equals the token
+    loop, with a per-head decay, a per-key-channel one, both, or none."""
+    case = Case(gates=gates, Hqk=1, H=2, T=5, qk_l2norm=True)
     args = make_inputs(case)
     o, final = recurrax.delta_rule(**args, qk_l2norm=True, implementation="reference")
     state, outs = args["initial_state"], []
     for t in range(case.T):
-        token = {n: args[n][:, t] for n in ("query", "key", "value", "beta", "g", "gk")}
+        token = {n: None if args.get(n) is None else args[n][:, t] for n in _STEP_ARGS}
         o_t, state = recurrax.delta_rule_step(**token, state=state, qk_l2norm=True)
         outs.append(o_t)
     np.testing.assert_allclose(np.stack(outs, 1), o, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(state, final, rtol=1e-12, atol=1e-12)
     # several tokens at once: a prefill of 2, then the other 3 in one call
-    prefix = {n: args[n][:, :2] for n in ("query", "key", "value", "beta", "g", "gk")}
-    rest = {n: args[n][:, 2:] for n in prefix}
+    prefix = {n: None if args.get(n) is None else args[n][:, :2] for n in _STEP_ARGS}
+    rest = {n: None if prefix[n] is None else args[n][:, 2:] for n in prefix}
     o_2, state = recurrax.delta_rule_step(**prefix, state=args["initial_state"], qk_l2norm=True)
     o_3, state = recurrax.delta_rule_step(**rest, state=state, qk_l2norm=True)
     np.testing.assert_allclose(np.concatenate([o_2, o_3], 1), o, rtol=1e-10, atol=1e-10)

@@ -6,6 +6,7 @@
 | `_implementations` | `kernel_registry`: the algorithms, their priority and `Support`      |
 | `_problem`    | `DeltaProblem`: validation (reusing `recurrax.problem`'s), β, `qk_l2norm`  |
 | `_reference`  | the token loop (the oracle)                                                |
+| `_step`       | one token for `delta_rule_step`: one read of the state and one write     |
 | `_scan`       | the token loop in blocks, one stored state per block (the fallback)        |
 | `_chunk`      | the chunkwise (WY/UT) algorithm: a triangular solve per chunk, a state scan |
 | `_chunk_vjp`  | its scan over chunks with a custom VJP (recompute each chunk backwards)    |

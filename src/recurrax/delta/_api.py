@@ -10,7 +10,7 @@ from ..problem import _fail, check_values
 from ..registry import Request
 from ._implementations import kernel_registry
 from ._problem import canonicalize_delta, check_beta
-from ._reference import delta_token
+from ._step import delta_token_one_pass
 
 _STATIC = ("softmax_scale", "qk_l2norm", "implementation", "allow_positive_gates")
 
@@ -148,7 +148,7 @@ def _delta_rule_step(query, key, value, beta, g, gk, state, softmax_scale, qk_l2
     a = problem.key_side_decay()
     if a is not None:
         a = a[:, 0] if a.ndim == 4 else a[:, 0, :, None]
-    step = lambda s, q, k, v, b, a: delta_token(s, q, k, v, b, a, scale)  # noqa: E731
+    step = lambda s, q, k, v, b, a: delta_token_one_pass(s, q, k, v, b, a, scale)  # noqa: E731
     value = problem.value.astype(problem.state_dtype)
     output, new_state = jax.vmap(step)(problem.initial_state, q[:, 0], k[:, 0], value[:, 0], problem.beta[:, 0], a)
     return output.astype(problem.query.dtype), new_state
