@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import tempfile
+from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -49,6 +50,7 @@ from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
 from ._hf_checkpoint import loaded_names as hf_loaded_names
 from ._hf_checkpoint import saved_names as hf_saved_names
+from ._mapped_safetensors import mapped_tensors
 from ._model import Backbone, CausalLM
 from ._sizes import model_from_config
 from .families._linear_attn import LinearAttention
@@ -270,7 +272,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     holds a bad value (`ValueError`, naming the field and what it accepts); a tensor in two
     shards (`ValueError`); a tensor of integers or bools (`TypeError`).
     """
-    load_file = _safetensors().load_file
+    load_file = partial(mapped_tensors, fallback=_safetensors().load_file)  # views of the file, not copies
     path = os.fspath(path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
