@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,7 +26,7 @@ def every_dtype() -> dict[str, np.ndarray]:
     return {"f32": rng.standard_normal((3, 5)).astype(np.float32),
             "f64": rng.standard_normal(7),
             "f16": rng.standard_normal((2, 3)).astype(np.float16),
-            "bf16": rng.standard_normal((5, 1)).astype(ml_dtypes.bfloat16),
+            "bf16": rng.standard_normal((5, 1)).astype(jnp.bfloat16),
             "i64": np.arange(-3, 4, dtype=np.int64), "i32": np.arange(3, dtype=np.int32),
             "i16": np.arange(5, dtype=np.int16), "i8": np.arange(-2, 1, dtype=np.int8),
             "u8": np.arange(9, dtype=np.uint8), "bool": np.array([True, False, True]),

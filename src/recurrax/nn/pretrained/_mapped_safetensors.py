@@ -13,7 +13,7 @@ counted from its start, little-endian.
 
 | dtype here | numpy                          |
 |------------|--------------------------------|
-| F64, F32, F16, BF16 | float64, float32, float16, bfloat16 (`ml_dtypes`) |
+| F64, F32, F16, BF16 | float64, float32, float16, bfloat16 (JAX's)         |
 | I64 … I8, U8, BOOL  | the integer types, bool                         |
 
 A file this reader does not fully check out (another dtype, a header or offsets that do not
@@ -28,11 +28,11 @@ import os
 import sys
 from typing import Callable
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-          "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+          "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
           "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
 HEADER_LENGTH_BYTES = 8
 
