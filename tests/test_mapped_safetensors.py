@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-st = pytest.importorskip("safetensors.numpy", reason="checkpoints need safetensors (pip install 'recurrax[pretrained]')")
+st = pytest.importorskip("safetensors.numpy", reason="checkpoints need safetensors (recurrax[pretrained])")
 
 from recurrax.nn.pretrained._mapped_safetensors import mapped_tensors  # noqa: E402
 
@@ -55,7 +55,8 @@ def test_only_empty_tensors(tmp_path):
     path = tmp_path / "model.safetensors"
     st.save_file({"a": np.zeros((0,), np.float32), "b": np.zeros((2, 0), np.float16)}, path)
     ours = mapped_tensors(str(path), no_fallback)
-    assert {name: (v.shape, v.dtype) for name, v in ours.items()} == {"a": ((0,), np.float32), "b": ((2, 0), np.float16)}
+    assert {name: (v.shape, v.dtype) for name, v in ours.items()} == {"a": ((0,), np.float32),
+                                                                      "b": ((2, 0), np.float16)}
 
 
 def header_edited(path, edit) -> None:
@@ -94,9 +95,11 @@ def test_headers_that_do_not_check_out_go_to_the_fallback(tmp_path, edit):
     assert mapped_tensors(str(path), lambda p: {"fallback": p}) == {"fallback": str(path)}
 
 
-@pytest.mark.parametrize("content", [b"", b"\x05", (10**6).to_bytes(8, "little") + b"{}", (2).to_bytes(8, "little") + b"[]",
-                                     (2).to_bytes(8, "little") + b"\xff\xfe"], ids=["empty", "short", "long-header",
-                                                                                    "not-an-object", "not-utf8"])
+BROKEN = {"empty": b"", "short": b"\x05", "long-header": (10**6).to_bytes(8, "little") + b"{}",
+          "not-an-object": (2).to_bytes(8, "little") + b"[]", "not-utf8": (2).to_bytes(8, "little") + b"\xff\xfe"}
+
+
+@pytest.mark.parametrize("content", BROKEN.values(), ids=BROKEN.keys())
 def test_broken_files_go_to_the_fallback(tmp_path, content):
     path = tmp_path / "model.safetensors"
     path.write_bytes(content)
