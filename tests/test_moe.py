@@ -307,6 +307,56 @@ def test_pretrained_moe_routed_equals_its_all_experts_oracle(family):
         assert max_rel(ours, ref) <= floor_tolerance(floor), (max_rel(ours, ref), floor)
 
 
+def copies_of_every_expert(fn, *args, experts: int, size: int) -> list[tuple[str, tuple]]:
+    """(primitive, shape) of each array `fn`'s trace builds (sub-jaxprs included) whose
+    leading axis is the `experts` and which holds at least `size` values: a copy of every
+    expert's matrix (a stack, a split, a cast), where a routed call gathers single experts'."""
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            found.extend((eqn.primitive.name, v.aval.shape) for v in eqn.outvars
+                         if v.aval.shape[:1] == (experts,) and np.prod(v.aval.shape) >= size)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_the_detector_sees_experts_stacked_or_split_per_call():
+    """`copies_of_every_expert` reports what the per-call copies looked like: per-expert
+    matrices stacked (Nemotron-H's former layer) and a fused `[E, 2F, D]` split (Granite's)."""
+    per_expert = [jnp.ones((6, 5), jnp.float32)] * 8
+    assert copies_of_every_expert(lambda ws: jnp.stack(ws), per_expert, experts=8, size=8 * 30)
+    fused = jnp.ones((6, 10, 8), jnp.float32)
+    assert copies_of_every_expert(lambda w: jnp.split(w, 2, axis=1)[0] + 0, fused, experts=6, size=6 * 40)
+
+
+@pytest.mark.parametrize("family", ["granite", "nemotron"])
+def test_pretrained_moe_one_token_call_copies_no_expert_matrices(family):
+    """A decoding step (one token) reads the stacked expert weights in place: no array of
+    every expert's matrices is built (those hold the layer's 3-D `[E, …]` parameters; the
+    smallest sets the size looked for). Nemotron-H's experts carry the `experts` axis."""
+    from recurrax.nn import logical_specs
+
+    layer = pretrained_moe_layers()[family]
+    graph, state = nnx.split(layer)
+    stacked = [leaf for leaf in jax.tree.leaves(state) if leaf.ndim == 3]
+    experts, size = stacked[0].shape[0], min(leaf.size for leaf in stacked)
+    assert len(stacked) == 2 and all(leaf.shape[0] == experts for leaf in stacked)
+    x = jnp.ones((1, 1, 8), jnp.float32)
+    assert copies_of_every_expert(lambda state, x: nnx.merge(graph, state)(x), state, x, experts=experts,
+                                  size=size) == []
+    if family == "nemotron":
+        specs = logical_specs(layer)
+        for proj in ("up_proj", "down_proj"):
+            assert tuple(specs["experts"][proj]["weight"])[0] == "experts"
+
+
 @pytest.mark.slow
 def test_benchmark_quick_run(tmp_path):
     pytest.importorskip("matplotlib")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -207,6 +208,29 @@ def test_state_dict_names_are_transformers_names():
     fixture = loaded("nemotron_h_pattern_moe")
     assert sorted(state_dict(fixture.model)) == sorted(load_file(FIXTURES / "nemotron_h_pattern_moe" /
                                                                  "model.safetensors"))
+
+
+@needs_fixtures
+def test_nemotron_experts_as_transformers_holds_them_load_the_same_weights(tmp_path):
+    """`transformers` 5.x's in-memory state dict (`model.`, each MoE layer's experts fused as
+    `mixer.experts.up_proj [E, F, D]`, `down_proj [E, D, F]`) loads the fixture's weights, and
+    saves them back under the per-expert names."""
+    name = "nemotron_h_pattern_moe"
+    original = load_file(FIXTURES / name / "model.safetensors")
+    fused, per_expert = {}, re.compile(r"^backbone\.(.+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+    for key, value in original.items():
+        if match := per_expert.match(key):
+            fused.setdefault(f"model.{match[1]}.{match[3]}", {})[int(match[2])] = value
+        else:
+            fused[re.sub(r"^backbone\.", "model.", key)] = value  # lm_head.weight as it is
+    fused = {key: np.stack([value[e] for e in sorted(value)]) if isinstance(value, dict) else value
+             for key, value in fused.items()}
+    assert any(key.endswith("mixer.experts.up_proj") and value.ndim == 3 for key, value in fused.items())
+    shutil.copytree(FIXTURES / name, tmp_path, dirs_exist_ok=True)
+    save_file(fused, tmp_path / "model.safetensors")
+    saved = state_dict(from_pretrained(tmp_path))
+    assert sorted(saved) == sorted(original)
+    assert all(np.array_equal(saved[key], original[key]) for key in original)
 
 
 # ----------------------------------------------------------------------------------------------

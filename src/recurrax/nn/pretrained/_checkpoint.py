@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import tempfile
+from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -47,6 +48,9 @@ from .._model import LanguageModel
 from ._config import FAMILY_MODULES, text_model_config
 from ._config_checks import ConfigError, eos_token_ids
 from ._hf_checkpoint import legacy_names
+from ._hf_checkpoint import loaded_names as hf_loaded_names
+from ._hf_checkpoint import saved_names as hf_saved_names
+from ._mapped_safetensors import mapped_tensors
 from ._model import Backbone, CausalLM
 from ._sizes import model_from_config
 from .families._linear_attn import LinearAttention
@@ -146,7 +150,7 @@ def state_dict(model: CausalLM | LanguageModel) -> dict[str, np.ndarray]:
                for name, t in tensors(model).items() if t.saved}
     family_module = FAMILY_MODULES.get(model.model_type)
     if family_module is None:
-        return weights
+        return hf_saved_names(model.model_type, weights)
     buffers = getattr(family_module, "saved_buffers", None)  # config-derived tensors transformers saves
     return {**family_module.saved_names(weights), **({} if buffers is None else buffers(model.config, weights))}
 
@@ -162,7 +166,7 @@ def _host_value(value) -> np.ndarray:
 def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
     """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`);
     a family module's checkpoint names are read as its `loaded_names` reads them (Qwen3-Next:
-    each expert's matrices, or the fused ones).
+    each expert's matrices, or the fused ones), Nemotron-H's experts as `_hf_checkpoint`'s.
 
     Raises a `ValueError` listing missing and unexpected names, or naming a parameter whose
     shape differs (with both shapes) or that holds NaN or inf (unless `allow_nonfinite`), and
@@ -172,7 +176,8 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
     """
     expected = tensors(model)
     family_module = FAMILY_MODULES.get(getattr(model, "model_type", None))
-    given = dict(weights) if family_module is None else family_module.loaded_names(weights)
+    given = (hf_loaded_names(getattr(model, "model_type", None), dict(weights)) if family_module is None
+             else family_module.loaded_names(weights))
     if model.tie_word_embeddings:
         given.pop(TIED_HEAD, None)
     for name, tensor in expected.items():  # a shared tensor may come under its alias only
@@ -267,7 +272,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     holds a bad value (`ValueError`, naming the field and what it accepts); a tensor in two
     shards (`ValueError`); a tensor of integers or bools (`TypeError`).
     """
-    load_file = _safetensors().load_file
+    load_file = partial(mapped_tensors, fallback=_safetensors().load_file)  # views of the file, not copies
     path = os.fspath(path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):

@@ -15,6 +15,7 @@
     SoftmaxRouter   softmax over all E, the top k (renormalised or not): Qwen3-Next's, MiniMax's `gate`
     StackedSwiGLUExperts  SwiGLU experts `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`;
                     their checkpoint names per expert or fused (`stacked_experts`, `per_expert`)
+    StackedPlainExperts   the same without a gate (`up_proj`, `down_proj`): Nemotron-H's experts
 
 The routers and the experts are `recurrax.nn`'s mixture of experts (`route`,
 `routed_experts`): only the routed (token, expert) pairs are computed, as grouped matmuls.
@@ -79,7 +80,7 @@ class GatedMLP(nnx.Module):
 
 
 class PlainMLP(nnx.Module):
-    """`W_down(act(x W_up))` (Nemotron-H's MLP layers, experts and shared experts)."""
+    """`W_down(act(x W_up))` (Nemotron-H's MLP layers and shared experts)."""
 
     def __init__(self, hidden_size: int, width: int, *, bias: bool = False, act: str = "relu2",
                  dtype=jnp.float32, rngs: nnx.Rngs):
@@ -117,14 +118,15 @@ class NemotronRouter(nnx.Module):
 
 
 class NemotronMoE(nnx.Module):
-    """Nemotron-H's MoE layer: `gate`, `experts.{e}.{up,down}_proj`, optional
+    """Nemotron-H's MoE layer: `gate`, `experts` (stacked: `experts.{up,down}_proj`; the
+    checkpoints' `experts.{e}.{up,down}_proj` per expert), optional
     `fc1_latent_proj`/`fc2_latent_proj`, `shared_experts`."""
 
     def __init__(self, hidden_size: int, *, experts: int, width: int, shared_width: int, latent: int | None,
                  bias: bool, act: str, router: dict, dtype=jnp.float32, rngs: nnx.Rngs):
         inner = hidden_size if latent is None else latent
         self.gate = NemotronRouter(hidden_size, experts, **router, rngs=rngs)
-        self.experts = nnx.List([PlainMLP(inner, width, act=act, dtype=dtype, rngs=rngs) for _ in range(experts)])
+        self.experts = StackedPlainExperts(inner, experts, width, act=act, dtype=dtype, rngs=rngs)
         self.shared_experts = PlainMLP(hidden_size, shared_width, bias=bias, act=act, dtype=dtype, rngs=rngs)
         options = dict(bias=bias, dtype=dtype, rngs=rngs)
         self.fc1_latent_proj = None if latent is None else linear(hidden_size, latent, axes=("embed", None), **options)
@@ -134,10 +136,7 @@ class NemotronMoE(nnx.Module):
         """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
         flat = x.reshape(-1, x.shape[-1])
         inner = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        weights = StackedExperts(jnp.stack([expert.up_proj.kernel[...] for expert in self.experts]),
-                                 jnp.stack([expert.down_proj.kernel[...] for expert in self.experts]))
-        routed = run_experts(inner, self.gate(flat), weights, activation(self.experts[0].act, "mlp_hidden_act"),
-                             all_experts=all_experts)
+        routed = self.experts(inner, self.gate(flat), all_experts=all_experts)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed.reshape(x.shape) + self.shared_experts(x)
@@ -205,6 +204,23 @@ class StackedSwiGLUExperts(nnx.Module):
         return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts)
 
 
+class StackedPlainExperts(nnx.Module):
+    """The routed experts without a gate, stacked: `up_proj [E, F, D]`, `down_proj [E, D, F]`;
+    each expert is `W_down act(x W_up)` (Nemotron-H's, relu²)."""
+
+    def __init__(self, hidden_size: int, experts: int, width: int, *, act: str = "relu2", dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.up_proj = ExpertWeights(experts, width, hidden_size, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = ExpertWeights(experts, hidden_size, width, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.act = act
+        activation(act, "mlp_hidden_act")
+
+    def __call__(self, x: Float[Array, "n D"], routing: Routing, *, all_experts: bool = False):
+        weights = StackedExperts(self.up_proj.weight[...], self.down_proj.weight[...])
+        return run_experts(x, routing, weights, activation(self.act, "mlp_hidden_act"), transposed=True,
+                           all_experts=all_experts)
+
+
 class GraniteMoE(nnx.Module):
     """Granite 4.0-H's `block_sparse_moe`: `router`, `input_linear [E, 2F, D]`, `output_linear [E, D, F]`."""
 
@@ -252,18 +268,19 @@ class GraniteSharedMLP(nnx.Module):
         return self.output_linear(activation(self.act, "hidden_act")(a) * b)
 
 
-PER_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                        r"\.weight$")
-FUSED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-STACKED = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+EXPERTS = r"^(?P<experts>.+\.(?:mlp|mixer)\.experts)"  # Nemotron-H's MoE is its layers' `mixer`
+PER_EXPERT = re.compile(EXPERTS + r"\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+FUSED = re.compile(EXPERTS + r"\.(?P<proj>gate_up_proj|up_proj|down_proj)$")
+STACKED = re.compile(EXPERTS + r"\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def stacked_experts(weights: dict) -> dict:
     """`weights` with each expert's matrices (`mlp.experts.{e}.gate_proj.weight`, as
     `transformers` saves them) or the fused ones (`mlp.experts.gate_up_proj [E, 2F, D]`,
     `down_proj [E, D, F]`, as its models hold them) stacked per projection
-    (`mlp.experts.gate_proj.weight [E, F, D]`, …: `StackedSwiGLUExperts`). Experts numbered
-    other than 0 … E−1 are left as they are (the loader then names them)."""
+    (`mlp.experts.gate_proj.weight [E, F, D]`, …: `StackedSwiGLUExperts`); the same under
+    `mixer.experts` with `up_proj` and `down_proj` only (Nemotron-H: `StackedPlainExperts`).
+    Experts numbered other than 0 … E−1 are left as they are (the loader then names them)."""
     out, experts = {}, {}
     for name, value in weights.items():
         if match := PER_EXPERT.match(name):
@@ -273,7 +290,7 @@ def stacked_experts(weights: dict) -> dict:
                 gate, up = np.split(np.asarray(value), 2, axis=1)
                 out[f"{match['experts']}.gate_proj.weight"], out[f"{match['experts']}.up_proj.weight"] = gate, up
             else:
-                out[f"{match['experts']}.down_proj.weight"] = value
+                out[f"{match['experts']}.{match['proj']}.weight"] = value
         else:
             out[name] = value
     for (prefix, proj), values in experts.items():
