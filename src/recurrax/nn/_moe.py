@@ -244,17 +244,17 @@ def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transpo
     block_size = block_size or default_block_size(method, routing.experts.size, num_experts)
     routed = dispatch(routing.experts, num_experts, block_size)
     padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row n: the padding rows' zeros
-    if method == "blocks":  # one pass, each block through its expert's whole FFN (_expert_blocks)
-        out = block_ffn(padded, routed.rows, routed.block_experts, weights.gate, weights.up, weights.down, act=act,
-                        transposed=transposed, chunk=chunk or default_chunk(block_size))
-    else:
-        rows = padded[routed.rows]  # [P, D]
-        options = dict(method=method, transposed=transposed, chunk=chunk)
-        hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed,
-                                    **options))
-        if weights.gate is not None:
-            hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
-        out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
+    if method == "blocks":  # one pass, each block through its expert's whole FFN, combined in it (_expert_blocks)
+        row_weights = jnp.zeros(routed.rows.shape, jnp.float32).at[routed.positions.reshape(-1)].set(
+            routing.weights.reshape(-1).astype(jnp.float32))
+        return block_ffn(padded, routed.rows, row_weights, routed.block_experts, weights.gate, weights.up,
+                         weights.down, act=act, transposed=transposed, chunk=chunk or default_chunk(block_size))
+    rows = padded[routed.rows]  # [P, D]
+    options = dict(method=method, transposed=transposed, chunk=chunk)
+    hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed, **options))
+    if weights.gate is not None:
+        hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
+    out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
     return combine(out, routed.positions, routing.weights)
 
 
