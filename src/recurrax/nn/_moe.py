@@ -24,15 +24,16 @@ each expert's rows are padded to a multiple of B (never to a capacity: no token 
 so every block of B rows belongs to one expert. On GPU and TPU each projection is then a
 grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot` over the sorted rows); on the CPU
 one scan over the blocks runs each block's rows through its expert's whole FFN, gathering
-the rows and the expert's matrices inside the step, with a hand-written VJP
-(`_expert_blocks.py`). The output is
+the rows and the expert's matrices inside the step and adding the block's weighted outputs
+into its tokens' outputs, with a hand-written VJP (`_expert_blocks.py`). The output is
 
     y_t = Σ_{e∈S_t} w_{t,e} · FFN_e(x_t)      FFN_e(x) = W_down,e (act(x W_gate,e) ⊙ x W_up,e)
 
 (or `W_down,e act(x W_up,e)` without a gate), which is the all-experts computation masked by
 the routing (`all_experts`) up to float rounding: the same products, fewer of them. Shapes
 are static (P bounds the padded rows), so it runs under `jit`, `grad` and `vmap`; the work
-and the activations grow with m + E·B, not with n·E.
+grows with m + E·B, not with n·E, and the CPU's forward holds no per-row buffer (its saved
+activations for the backward, `[P, F]`, grow with m + E·B).
 """
 
 from __future__ import annotations
