@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recurrax.nn import LanguageModel
+from recurrax.nn import MIXERS, LanguageModel
 from recurrax.nn.pretrained import generate
 
 
@@ -42,15 +42,16 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--d-model", type=int, default=64, help="model width")
     parser.add_argument("--num-layers", type=int, default=2, help="number of blocks")
     parser.add_argument("--num-heads", type=int, default=4, help="attention heads per mixer")
-    parser.add_argument("--mixer", default="gla", choices=["gla", "retnet", "lightning", "linear"], help="token mixer of every block")
+    parser.add_argument("--mixer", default="gla", choices=list(MIXERS), help="token mixer of every block")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the printed run (0: greedy)")
     parser.add_argument("--tolerance", type=float, default=1e-3, help="largest accepted logit shortfall")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)
 
+    grouped = (dict(num_v_heads=2 * args.num_heads) if args.mixer == "gated_deltanet"  # grouped value heads
+               else dict(num_kv_heads=max(1, args.num_heads // 2)))                    # grouped key/value heads
     model = LanguageModel(args.vocab_size, args.d_model, args.num_layers, args.num_heads, mixer=args.mixer,
-                          mixer_options=dict(num_kv_heads=max(1, args.num_heads // 2), conv_size=4),
-                          rngs=nnx.Rngs(args.seed))
+                          mixer_options=dict(grouped, conv_size=4), rngs=nnx.Rngs(args.seed))
     rng = np.random.default_rng(args.seed)
     lengths = [args.prompt_len] + rng.integers(1, args.prompt_len + 1, args.batch_size - 1).tolist()
     prompts = [rng.integers(0, args.vocab_size, n).tolist() for n in lengths]   # ragged token-id lists

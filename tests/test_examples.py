@@ -88,9 +88,10 @@ def test_multiprocess():
 @pytest.mark.slow  # .ci/run runs every slow example test after the suite
 @NEEDS_SCRIPTS
 @NEEDS_FLAX
-def test_generate():
+@pytest.mark.parametrize("mixer", ["gla", "gated_deltanet"])
+def test_generate(mixer):
     output = run_example("generate.py", "--new-tokens", "4", "--prompt-len", "8", "--batch-size", "2",
-                         "--num-layers", "1", "--d-model", "32", "--num-heads", "2")
+                         "--num-layers", "1", "--d-model", "32", "--num-heads", "2", "--mixer", mixer)
     shortfall = float(re.search(r"max logit shortfall \(generate vs parallel\) ([-+.\deE]+)", output).group(1))
     assert shortfall <= 1e-4
     assert output.count("-> generated") == 2

@@ -193,7 +193,7 @@ def test_routed_equals_all_experts_forward_and_gradients(n, D, F, E, k, options,
 
     def routed(x, router, weights):
         return routed_experts(x, route(x @ router, k, **options), weights, act=act_fn, transposed=transposed,
-                              method=method, block_size=block, chunk=1)
+                              method=method, block_size=block)
 
     def reference(x, router, weights):
         experts, w = reference_weights(x @ router, chosen, **options)

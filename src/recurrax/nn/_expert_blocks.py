@@ -1,36 +1,42 @@
-"""The routed experts' FFNs on the CPU: one pass over blocks of sorted rows, each block through
-its expert's whole FFN, with a hand-written VJP; and the combine of each token's routed rows.
+"""The routed experts' FFNs on the CPU: a loop over the experts that have rows, and inside it
+over each expert's blocks of sorted rows, each block through the expert's whole FFN and added,
+weighted, into its tokens' outputs; with a hand-written VJP.
 
 | symbol | meaning                                                                  |
 |--------|--------------------------------------------------------------------------|
 | n, D   | tokens, model width (`x` carries one more row of zeros: the padding row) |
 | F, E   | an expert's hidden width, experts                                        |
-| B, c   | rows per block, blocks per step                                          |
-| P      | padded rows, `P = blocks · B` (`recurrax.nn.dispatch`)                   |
+| B      | rows per block (`recurrax.nn.dispatch`: each block belongs to one expert) |
+| P      | padded rows, `P = blocks · B`                                            |
+| c_e    | expert e's blocks, `group_sizes[e] / B` (they follow one another)        |
 | r_b    | the token of each row of block b (n for a padding row)                   |
-| e_b    | block b's expert                                                         |
+| w_b    | each row's combine weight (0 for a padding row)                          |
 
-Forward, per block b (its rows gathered inside the step, so the `[P, D]` rows and the `[P, F]`
-activations of three separate grouped matmuls are never all live between passes):
+Forward, for each expert e with c_e > 0 (its matrices sliced once), for each of its blocks b
+(the rows gathered and the outputs added inside the step, so neither the `[P, D]` rows nor
+their outputs are ever held: the temporaries do not grow with E):
 
     X = x[r_b]                           [B, D]
     G = X Wg_e,  U = X Wu_e              [B, F]     (ungated: G absent, H = act(U))
     H = act(G) ⊙ U
     O_b = H Wd_e                         [B, D]
+    y[r_b] += w_b · O_b                  (float32 or wider; y_t = Σ_{e∈S_t} w_{t,e} FFN_e(x_t))
 
-Backward, from Ō (the combine's cotangent of each row's output), per block, G and U saved:
+Backward, from ȳ, in the same order, G and U saved by the forward (O_b recomputed: one more
+matmul, no `[P, D]` saved):
 
+    Ō_b = w_b · ȳ[r_b],   w̄_b = Σ_D ȳ[r_b] ⊙ O_b
     H̄ = Ō_b Wd_eᵀ,   W̄d_e += Hᵀ Ō_b
     Ū = H̄ ⊙ act(G),  Ḡ = act'(G)ᵀ (H̄ ⊙ U)     (ungated: Ū = act'(U)ᵀ H̄)
     W̄u_e += Xᵀ Ū,    W̄g_e += Xᵀ Ḡ
     x̄[r_b] += Ū Wu_eᵀ + Ḡ Wg_eᵀ
 
-The weight cotangents accumulate in float32 over the blocks (a scatter-add by expert: blocks
-of one step may share an expert) and are cast to the weights' dtype at the end. Inside
-`jax.shard_map` each cotangent is summed over the mesh axes its terms vary over and its
-primal does not (x̄ over the shards of the experts' width, W̄ over the shards of the rows). A padding row
-gathers zeros, so it contributes nothing either way. Weights in PyTorch's `[E, out, in]`
-layout (`transposed`) are used, and their cotangents built, in that layout.
+Each expert's W̄ sums its blocks in float32 and is written once, cast to the weights' dtype at
+the end; an expert without rows gets zeros. The blocks past the routed ones (the static bound
+P holds up to E(B − 1)/B of them) are never visited. Inside `jax.shard_map` each cotangent is
+summed over the mesh axes its terms vary over and its primal does not (x̄ and w̄ over the
+shards of the experts' width, W̄ over the shards of the rows). Weights in PyTorch's
+`[E, out, in]` layout (`transposed`) are used, and their cotangents built, in that layout.
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ from jaxtyping import Array, Float, Int
 from ..kernels._driver import vary_over, varying_axes
 
 
-def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], block_experts: Int[Array, " blocks"],
-              gate: Float[Array, "E D F"] | None, up: Float[Array, "E D F"], down: Float[Array, "E F D"], *,
-              act: Callable, transposed: bool, chunk: int) -> Float[Array, "P D"]:
-    """`O [P, D]`: row p of `x[rows]` through the FFN of its block's expert (module docstring).
-    `x` ends with a zero row that padding rows (`rows == n`) point to."""
-    return _block_ffn(act, transposed, chunk, x, rows, block_experts, gate, up, down)
+def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], row_weights: Float[Array, " P"],
+              group_sizes: Int[Array, " E"], gate: Float[Array, "E D F"] | None, up: Float[Array, "E D F"],
+              down: Float[Array, "E F D"], *, act: Callable, transposed: bool, block_size: int) -> Float[Array, "n D"]:
+    """`y [n, D]`: `y_t = Σ_{p: rows[p] = t} row_weights[p] · FFN_{e(p)}(x_t)`, row p through
+    the FFN of the expert whose padded group (`group_sizes`, multiples of `block_size`, in
+    expert order) holds it (module docstring). `x` ends with a zero row that padding rows
+    (`rows == n`) point to."""
+    return _block_ffn(act, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down)
 
 
 def combine(out: Float[Array, "P D"], positions: Int[Array, "n k"], weights: Float[Array, "n k"]) -> Float[Array, "n D"]:
@@ -64,115 +72,138 @@ def combine(out: Float[Array, "P D"], positions: Int[Array, "n k"], weights: Flo
     return total
 
 
-def _matrix(weights, experts, transposed: bool):
-    """The chosen experts' matrices `[c, in, out]` (from `[E, in, out]` or, transposed, `[E, out, in]`)."""
-    chosen = weights[experts]
-    return jnp.swapaxes(chosen, 1, 2) if transposed else chosen
+class _Plan:
+    """The loops' bounds: the experts with rows (`order[:active]`), each one's first block and
+    block count, and the rows and weights as `[blocks, B]`."""
+
+    def __init__(self, rows, row_weights, group_sizes, block_size: int):
+        counts = group_sizes // block_size
+        self.first, self.counts = jnp.cumsum(counts) - counts, counts
+        self.active = jnp.sum(counts > 0)
+        self.order = jnp.nonzero(counts > 0, size=counts.shape[0], fill_value=0)[0]
+        self.rows = rows.reshape(-1, block_size)
+        self.weights = row_weights.reshape(-1, block_size)
+
+    def over_experts(self, body, carry):
+        """`body(e, carry)` for each expert with rows, in expert order."""
+        return jax.lax.fori_loop(0, self.active, lambda i, carry: body(self.order[i], carry), carry)
+
+    def over_blocks(self, e, body, carry):
+        """`body(b, carry)` for each block of expert e."""
+        return jax.lax.fori_loop(self.first[e], self.first[e] + self.counts[e], body, carry)
 
 
-def _split(rows, block_experts, chunk: int, padding_row: int):
-    """Rows `[steps, c, B]` and experts `[steps, c]`, the last step filled with padding rows,
-    and how many rows were added."""
-    blocks = block_experts.shape[0]
-    block_size = rows.shape[0] // blocks
-    chunk = min(chunk, blocks)  # a step no longer than the blocks (decoding: a few blocks in all)
-    steps = -(-blocks // chunk)
-    extra = steps * chunk - blocks
-    rows = jnp.pad(rows, (0, extra * block_size), constant_values=padding_row).reshape(steps, chunk, block_size)
-    experts = jnp.pad(block_experts, (0, extra)).reshape(steps, chunk)
-    return rows, experts, extra * block_size
+def _accumulator(dtype):
+    """The sums' dtype: float32, or the inputs' if wider (float64 models)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
-def _forward_step(x, gate, up, down, act, transposed, rows, experts):
-    """One step's `(O, G, U)` for `c` blocks."""
-    X = x[rows]  # [c, B, D]
-    U = jnp.einsum("cbd,cdf->cbf", X, _matrix(up, experts, transposed).astype(X.dtype))
-    G = None if gate is None else jnp.einsum("cbd,cdf->cbf", X, _matrix(gate, experts, transposed).astype(X.dtype))
-    H = act(U) if gate is None else act(G) * U
-    O = jnp.einsum("cbf,cfd->cbd", H, _matrix(down, experts, transposed).astype(H.dtype))
-    return O, G, U
+def _matrices(gate, up, down, e, transposed: bool, dtype):
+    """Expert e's `(Wg [D, F] or None, Wu [D, F], Wd [F, D])`, in `dtype`."""
+    def take(w):
+        if w is None:
+            return None
+        chosen = w[e].astype(dtype)
+        return chosen.T if transposed else chosen
+    return take(gate), take(up), take(down)
 
 
-def _needed(step_rows, padding_row: int):
-    """Whether a step holds any routed row. Every expert's blocks start with one of its rows
-    (its < B padding rows come last), so the steps past the last expert's rows are padding
-    alone (up to E(B − 1)/B blocks of the bound P): skipped, not computed."""
-    return step_rows[0, 0] < padding_row
+def _hidden(X, Wg, Wu, act):
+    """`(H, G, U)` of a block's rows (G None without a gate)."""
+    U = X @ Wu
+    if Wg is None:
+        return act(U), None, U
+    G = X @ Wg
+    return act(G) * U, G, U
 
 
-def _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down):
-    steps_rows, steps_experts, extra = _split(rows, block_experts, chunk, x.shape[0] - 1)
+def _run_forward(act, transposed, block_size, save: bool, x, rows, row_weights, group_sizes, gate, up, down):
+    plan = _Plan(rows, row_weights, group_sizes, block_size)
+    acc = _accumulator(x.dtype)
+    F = up.shape[1 if transposed else 2]
+    blocks = plan.rows.shape[0]
+    saved = () if not save else tuple(jnp.zeros((blocks, block_size, F), x.dtype) for _ in range(2 - (gate is None)))
+    axes = varying_axes(x, row_weights, gate, up, down)
+    carry = vary_over(axes, jnp.zeros(x.shape, acc), *saved)
 
-    def step(_, inputs):
-        compute = partial(_forward_step, x, gate, up, down, act, transposed, *inputs)
-        axes = varying_axes(x, gate, up, down, *inputs)
-        skip = lambda: vary_over(axes, *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),  # noqa: E731
-                                                     jax.eval_shape(compute)))
-        return None, jax.lax.cond(_needed(inputs[0], x.shape[0] - 1), lambda: vary_over(axes, *compute()), skip)
+    def expert(e, carry):
+        Wg, Wu, Wd = _matrices(gate, up, down, e, transposed, x.dtype)
 
-    _, (O, G, U) = jax.lax.scan(step, None, (steps_rows, steps_experts))
-    O = O.reshape(-1, x.shape[1])
-    return O[: O.shape[0] - extra], (G, U)
+        def block(b, carry):
+            y, *saved = carry
+            r = plan.rows[b]
+            H, G, U = _hidden(x[r], Wg, Wu, act)
+            O = (H @ Wd) * plan.weights[b][:, None].astype(H.dtype)
+            y = y.at[r].add(O.astype(acc))
+            if save:
+                saved = [s.at[b].set(a) for s, a in zip(saved, (U,) if G is None else (U, G))]
+            return (y, *saved)
+
+        return plan.over_blocks(e, block, carry)
+
+    y, *saved = plan.over_experts(expert, carry)
+    return y[: x.shape[0] - 1].astype(x.dtype), saved
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _block_ffn(act, transposed, chunk, x, rows, block_experts, gate, up, down):
-    return _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down)[0]
+def _block_ffn(act, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down):
+    return _run_forward(act, transposed, block_size, False, x, rows, row_weights, group_sizes, gate, up, down)[0]
 
 
-def _block_ffn_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down):
-    O, (G, U) = _run_forward(act, transposed, chunk, x, rows, block_experts, gate, up, down)
-    return O, (x, rows, block_experts, gate, up, down, G, U)
+def _block_ffn_forward(act, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down):
+    y, saved = _run_forward(act, transposed, block_size, True, x, rows, row_weights, group_sizes, gate, up, down)
+    return y, (x, rows, row_weights, group_sizes, gate, up, down, saved)
 
 
-def _accumulate(total, experts, product, transposed: bool):
-    """`total[e] += product` for each block's expert, `product [c, in, out]` turned to the layout."""
-    product = jnp.swapaxes(product, 1, 2) if transposed else product
-    return total.at[experts].add(product.astype(jnp.float32))
-
-
-def _block_ffn_backward(act, transposed, chunk, residuals, O_bar):
-    x, rows, block_experts, gate, up, down, G_all, U_all = residuals
-    steps_rows, steps_experts, extra = _split(rows, block_experts, chunk, x.shape[0] - 1)
-    B = steps_rows.shape[2]
-    O_bar = jnp.pad(O_bar, ((0, extra), (0, 0))).reshape(*steps_rows.shape, -1)
-    zeros = lambda w: None if w is None else jnp.zeros(w.shape, jnp.float32)  # noqa: E731
-    carry = (jnp.zeros(x.shape, jnp.float32), zeros(gate), zeros(up), zeros(down))
+def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
+    x, rows, row_weights, group_sizes, gate, up, down, saved = residuals
+    plan = _Plan(rows, row_weights, group_sizes, block_size)
+    acc = _accumulator(x.dtype)
+    y_bar = jnp.concatenate([y_bar, jnp.zeros((1, y_bar.shape[1]), y_bar.dtype)])  # the padding row's
+    zeros = lambda w: None if w is None else jnp.zeros(w.shape, acc)  # noqa: E731
     # inside shard_map the sums vary over every axis their terms do (the rows, the experts' shards)
-    carry = vary_over(varying_axes(x, gate, up, down, O_bar, G_all, U_all), *carry)
+    axes = varying_axes(x, row_weights, gate, up, down, y_bar, *saved)
+    carry = vary_over(axes, jnp.zeros(x.shape, acc), jnp.zeros(plan.rows.shape, acc),
+                      zeros(gate), zeros(up), zeros(down))
 
-    def step(carry, inputs):
-        return jax.lax.cond(_needed(inputs[0], x.shape[0] - 1), _backward_step, lambda carry, _: carry,
-                            carry, inputs), None
+    def expert(e, carry):
+        x_bar, w_bar, gate_bar, up_bar, down_bar = carry
+        Wg, Wu, Wd = _matrices(gate, up, down, e, transposed, x.dtype)
+        sums = vary_over(axes, *(None if W is None else jnp.zeros(W.shape, acc) for W in (Wg, Wu, Wd)))
 
-    def _backward_step(carry, inputs):
-        x_bar, gate_bar, up_bar, down_bar = carry
-        r, e, O_b, G, U = inputs
-        X = x[r]
-        Wd = _matrix(down, e, transposed).astype(O_b.dtype)
-        H_bar = jnp.einsum("cbd,cfd->cbf", O_b, Wd)
-        if gate is None:
-            H, act_vjp = jax.vjp(act, U)
-            U_bar = act_vjp(H_bar)[0]
-        else:
-            A, act_vjp = jax.vjp(act, G)
-            H = A * U
-            U_bar = H_bar * A
-            G_bar = act_vjp(H_bar * U)[0]
-        down_bar = _accumulate(down_bar, e, jnp.einsum("cbf,cbd->cfd", H, O_b), transposed)
-        up_bar = _accumulate(up_bar, e, jnp.einsum("cbd,cbf->cdf", X, U_bar), transposed)
-        X_bar = jnp.einsum("cbf,cdf->cbd", U_bar, _matrix(up, e, transposed).astype(U_bar.dtype))
-        if gate is not None:
-            gate_bar = _accumulate(gate_bar, e, jnp.einsum("cbd,cbf->cdf", X, G_bar), transposed)
-            X_bar = X_bar + jnp.einsum("cbf,cdf->cbd", G_bar, _matrix(gate, e, transposed).astype(G_bar.dtype))
-        x_bar = x_bar.at[r.reshape(-1)].add(X_bar.reshape(-1, X_bar.shape[-1]).astype(jnp.float32))
-        return x_bar, gate_bar, up_bar, down_bar
+        def block(b, carry):
+            x_bar, w_bar, *sums = carry
+            r, w = plan.rows[b], plan.weights[b]
+            X, Y_bar, U = x[r], y_bar[r], saved[0][b]
+            if Wg is None:
+                H, act_vjp = jax.vjp(act, U)
+            else:
+                A, act_vjp = jax.vjp(act, saved[1][b])
+                H = A * U
+            O = H @ Wd
+            w_bar = w_bar.at[b].set(jnp.sum(Y_bar * O, axis=-1).astype(acc))
+            O_bar = Y_bar * w[:, None].astype(Y_bar.dtype)
+            H_bar = O_bar @ Wd.T
+            if Wg is None:
+                U_bar, G_bar = act_vjp(H_bar)[0], None
+            else:
+                U_bar, G_bar = H_bar * A, act_vjp(H_bar * U)[0]
+            X_bar = U_bar @ Wu.T
+            products = (None if G_bar is None else X.T @ G_bar, X.T @ U_bar, H.T @ O_bar)
+            if G_bar is not None:
+                X_bar = X_bar + G_bar @ Wg.T
+            sums = [None if s is None else s + p.astype(acc) for s, p in zip(sums, products)]
+            x_bar = x_bar.at[r].add(X_bar.astype(acc))
+            return (x_bar, w_bar, *sums)
 
-    G_steps = None if gate is None else G_all
-    (x_bar, gate_bar, up_bar, down_bar), _ = jax.lax.scan(
-        step, carry, (steps_rows, steps_experts, O_bar, G_steps, U_all))
+        x_bar, w_bar, *sums = plan.over_blocks(e, block, (x_bar, w_bar, *sums))
+        store = lambda total, s: None if s is None else total.at[e].set(s.T if transposed else s)  # noqa: E731
+        return (x_bar, w_bar, store(gate_bar, sums[0]), store(up_bar, sums[1]), store(down_bar, sums[2]))
+
+    x_bar, w_bar, gate_bar, up_bar, down_bar = plan.over_experts(expert, carry)
     cast = lambda bar, w: None if w is None else _sum_to_vary_like(bar, w).astype(w.dtype)  # noqa: E731
-    return (cast(x_bar, x), None, None, cast(gate_bar, gate), cast(up_bar, up), cast(down_bar, down))
+    return (cast(x_bar, x), None, cast(w_bar.reshape(-1), row_weights), None, cast(gate_bar, gate),
+            cast(up_bar, up), cast(down_bar, down))
 
 
 def _sum_to_vary_like(bar, primal):

@@ -24,15 +24,16 @@ each expert's rows are padded to a multiple of B (never to a capacity: no token 
 so every block of B rows belongs to one expert. On GPU and TPU each projection is then a
 grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot` over the sorted rows); on the CPU
 one scan over the blocks runs each block's rows through its expert's whole FFN, gathering
-the rows and the expert's matrices inside the step, with a hand-written VJP
-(`_expert_blocks.py`). The output is
+the rows and the expert's matrices inside the step and adding the block's weighted outputs
+into its tokens' outputs, with a hand-written VJP (`_expert_blocks.py`). The output is
 
     y_t = Σ_{e∈S_t} w_{t,e} · FFN_e(x_t)      FFN_e(x) = W_down,e (act(x W_gate,e) ⊙ x W_up,e)
 
 (or `W_down,e act(x W_up,e)` without a gate), which is the all-experts computation masked by
 the routing (`all_experts`) up to float rounding: the same products, fewer of them. Shapes
 are static (P bounds the padded rows), so it runs under `jit`, `grad` and `vmap`; the work
-and the activations grow with m + E·B, not with n·E.
+grows with m + E·B, not with n·E, and the CPU's forward holds no per-row buffer (its saved
+activations for the backward, `[P, F]`, grow with m + E·B).
 """
 
 from __future__ import annotations
@@ -218,15 +219,15 @@ class ExpertWeights(NamedTuple):
 
 def routed_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeights, *,
                    act: Callable = jax.nn.silu, transposed: bool = False, method: str | None = None,
-                   block_size: int | None = None, chunk: int | None = None) -> Float[Array, "n D"]:
+                   block_size: int | None = None) -> Float[Array, "n D"]:
     """`Σ_{e∈S_t} w_{t,e} FFN_e(x_t)` over the routed pairs only (see the module docstring).
     `transposed`: `weights` in PyTorch's `[E, out, in]` layout; `method`: `"blocks"` or
-    `"ragged"` (default: by backend); `block_size` (default by method); `chunk`: blocks per step.
+    `"ragged"` (default: by backend); `block_size` (default by method).
 
     Under a mesh whose rules map the `experts` axis to a mesh axis (`logical_rules("expert")`,
     `use_mesh`), the experts run split over it, each pair sent to its expert's device
     (`recurrax.nn._expert_parallel`); the result is the same up to float rounding."""
-    options = dict(act=act, transposed=transposed, method=method, block_size=block_size, chunk=chunk)
+    options = dict(act=act, transposed=transposed, method=method, block_size=block_size)
     axis = expert_axis(weights.up.shape[0])
     if axis is not None:
         def local(rows, experts, weights):  # each received row through its one expert, weight 1
@@ -237,24 +238,24 @@ def routed_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeig
     return _routed_experts(x, routing, weights, **options)
 
 
-def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transposed, method, block_size, chunk):
+def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transposed, method, block_size):
     """`routed_experts` on the devices at hand (each holding every expert it is given)."""
     method = method or default_method()
     num_experts = weights.up.shape[0]
     block_size = block_size or default_block_size(method, routing.experts.size, num_experts)
     routed = dispatch(routing.experts, num_experts, block_size)
     padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row n: the padding rows' zeros
-    if method == "blocks":  # one pass, each block through its expert's whole FFN (_expert_blocks)
-        out = block_ffn(padded, routed.rows, routed.block_experts, weights.gate, weights.up, weights.down, act=act,
-                        transposed=transposed, chunk=chunk or default_chunk(block_size))
-    else:
-        rows = padded[routed.rows]  # [P, D]
-        options = dict(method=method, transposed=transposed, chunk=chunk)
-        hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed,
-                                    **options))
-        if weights.gate is not None:
-            hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
-        out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
+    if method == "blocks":  # one pass, each block through its expert's whole FFN, combined in it (_expert_blocks)
+        row_weights = jnp.zeros(routed.rows.shape, routing.weights.dtype).at[routed.positions.reshape(-1)].set(
+            routing.weights.reshape(-1))
+        return block_ffn(padded, routed.rows, row_weights, routed.group_sizes, weights.gate, weights.up,
+                         weights.down, act=act, transposed=transposed, block_size=block_size)
+    rows = padded[routed.rows]  # [P, D]
+    options = dict(method=method, transposed=transposed)
+    hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed, **options))
+    if weights.gate is not None:
+        hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
+    out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
     return combine(out, routed.positions, routing.weights)
 
 
@@ -281,7 +282,7 @@ class MixtureOfExperts(nnx.Module):
     - router options, as `route`: `score`, `renormalize`, `n_group`, `topk_group`,
       `routed_scaling`; `selection_bias`: learn a score-correction bias `[E]` (choice only).
     - `shared_width`: the shared expert's hidden width (0: none).
-    - `method`, `block_size`, `chunk`: the grouped matmul (`routed_experts`).
+    - `method`, `block_size`: the grouped matmul (`routed_experts`).
     - `dtype`, `rngs`.
 
     Parameters: `router [D, E]`, `gate`, `up [E, D, F]`, `down [E, F, D]` (logical axes
@@ -292,7 +293,7 @@ class MixtureOfExperts(nnx.Module):
     def __init__(self, d_model: int, num_experts: int, expert_width: int, top_k: int, *, score: str = "softmax",
                  renormalize: bool = True, n_group: int = 1, topk_group: int | None = None,
                  routed_scaling: float = 1.0, selection_bias: bool = False, shared_width: int = 0,
-                 method: str | None = None, block_size: int | None = None, chunk: int | None = None, dtype=jnp.float32,
+                 method: str | None = None, block_size: int | None = None, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
         D, E, F = d_model, num_experts, expert_width
@@ -308,7 +309,7 @@ class MixtureOfExperts(nnx.Module):
         self.shared_width = shared_width
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.n_group, self.topk_group, self.routed_scaling = n_group, topk_group, float(routed_scaling)
-        self.method, self.block_size, self.chunk = method, block_size, chunk
+        self.method, self.block_size = method, block_size
         route(jnp.zeros((1, E)), top_k, score=score, n_group=n_group, topk_group=topk_group)  # check options
 
     def routing(self, x: Float[Array, "n D"]) -> Routing:
@@ -325,7 +326,7 @@ class MixtureOfExperts(nnx.Module):
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         flat = x.reshape(-1, x.shape[-1])
         y = routed_experts(flat, self.routing(flat), self.expert_weights(), method=self.method,
-                           block_size=self.block_size, chunk=self.chunk)
+                           block_size=self.block_size)
         if self.shared_width:
             shared = jax.nn.silu(flat @ self.shared_gate[...]) * (flat @ self.shared_up[...])
             y = y + shared @ self.shared_down[...]
