@@ -140,7 +140,7 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     try:
         with rnn.use_mesh(mesh, rules):
             compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
-                                  tokens, tokens).lower().compile()
+                                  tokens, tokens).lower().compile(compiler_options=targets.TPU_TRAINING_OPTIONS)
     except jax.errors.JaxRuntimeError as error:
         needed = HBM_OOM.search(str(error))
         if needed is None:
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for case in cases(args):
             row = run_case(case, args)
+            rows = json.loads(saved.read_text())["rows"] if saved.exists() else []  # another run's rows kept
             rows = [r for r in rows if key(r) != key(row)] + [row]
             args.out.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps({"tiny": args.tiny, "rows": rows}, indent=1) + "\n")
