@@ -150,7 +150,8 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
             raise
         return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
                     layers=config["num_hidden_layers"], full_depth=full_depth, seconds=time.perf_counter() - started,
-                    failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)")
+                    failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)",
+                    compiler_options=targets.TPU_TRAINING_OPTIONS)
     memory = compiled.memory_analysis()
     chip = targets.get_target(target).spec
     row = dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
