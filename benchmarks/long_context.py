@@ -20,7 +20,10 @@ allocated) and the mesh of the TPU topology's devices (`recurrax.targets.topolog
 each chip holds. Layouts: the tokens of each row split over `sequence` (the mixers' sequence
 parallelism), batch 1 per `data` shard; the parameters' `embed` axis is split over every axis
 of the mesh (FSDP over `data` × `sequence`: ZeRO-3 over the whole slice), optionally `tensor`.
-Remat: the models' `remat="block"` (each block keeps its input only).
+Remat: the models' `remat="block"` (each block keeps its input only). Compiled with
+`recurrax.targets.TPU_TRAINING_OPTIONS` (no windowed einsums: with them libtpu held every
+layer's collective-matmul output buffers through the whole backward, 1 GiB per GLA layer at
+128k).
 
 What the hybrid's softmax layers do under sequence parallelism is whatever the library does
 when the script runs (today: K/V all-gathered over `sequence`); rerunning the script after a
@@ -140,14 +143,15 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     try:
         with rnn.use_mesh(mesh, rules):
             compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
-                                  tokens, tokens).lower().compile()
+                                  tokens, tokens).lower().compile(compiler_options=targets.TPU_TRAINING_OPTIONS)
     except jax.errors.JaxRuntimeError as error:
         needed = HBM_OOM.search(str(error))
         if needed is None:
             raise
         return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
                     layers=config["num_hidden_layers"], full_depth=full_depth, seconds=time.perf_counter() - started,
-                    failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)")
+                    failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)",
+                    compiler_options=targets.TPU_TRAINING_OPTIONS)
     memory = compiled.memory_analysis()
     chip = targets.get_target(target).spec
     row = dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
@@ -157,7 +161,7 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
                params=shard_bytes(params, params_sharding), opt=shard_bytes(opt_state, opt_sharding),
                arguments=int(memory.argument_size_in_bytes), outputs=int(memory.output_size_in_bytes),
                aliased=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
-               seconds=time.perf_counter() - started)
+               seconds=time.perf_counter() - started, compiler_options=targets.TPU_TRAINING_OPTIONS)
     row["peak"] = row["arguments"] + row["outputs"] - row["aliased"] + row["temp"]
     row["largest"] = largest_values(compiled.as_text())
     return row
@@ -244,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for case in cases(args):
             row = run_case(case, args)
+            rows = json.loads(saved.read_text())["rows"] if saved.exists() else []  # another run's rows kept
             rows = [r for r in rows if key(r) != key(row)] + [row]
             args.out.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps({"tiny": args.tiny, "rows": rows}, indent=1) + "\n")
@@ -317,12 +322,24 @@ def report(rows: list[dict]) -> str:
         "Batch: one sequence per `data` shard. FSDP: the parameters' `embed` axis is split over the whole mesh "
         "(`data` × `sequence`). Peak = arguments + outputs − aliased + temporaries (what one chip holds at once, "
         "per the compiler).", "",
+        *defaults(rows),
         "## The best layout per model and length", "", *table(best([*rows, *extrapolated(rows)])), "",
         *extrapolation(rows),
         "## Every case measured", "", *table(ordered), "",
         *holders(ordered),
         "![max context that fits](long_context.png)", "",
     ])
+
+
+def defaults(rows: list[dict]) -> list[str]:
+    """The cases compiled with libtpu's default options (before `TPU_TRAINING_OPTIONS`)."""
+    older = [f"{r['model']} ({r.get('layers') or 'all'} layers, {r['tokens']:,} tokens)" for r in rows
+             if "compiler_options" not in r]
+    if not older:
+        return []
+    return [f"Compiled with `recurrax.targets.TPU_TRAINING_OPTIONS` (no windowed einsums), except with libtpu's "
+            f"defaults (windowed einsums on, which held every layer's collective-matmul outputs through the "
+            f"backward: more memory per layer): {', '.join(older)}.", ""]
 
 
 def extrapolated(rows: list[dict]) -> list[dict]:

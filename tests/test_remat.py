@@ -7,7 +7,8 @@ parameters cast up). The default tier checks a one-block GLA `LanguageModel`'s g
 (its mixer on the `scan` algorithm), and the
 saved residuals of it and of a Zamba2 `CausalLM` (shared attention blocks fed the
 embeddings, Mamba-2 layers); `-m slow` checks the gradients of Zamba2, the gated delta
-rule, fla's GLA/attention hybrid and Bamba.
+rule, fla's GLA/attention hybrid and Bamba. Under `"block"` a second GLA layer adds exactly
+its input and its parameters to the saved residuals (counted, no bound to tune).
 """
 
 from __future__ import annotations
@@ -138,3 +139,17 @@ def test_cached_call_ignores_remat():
     logits, cache = model(tokens, model.init_cache(2))
     np.testing.assert_array_equal(logits, plain)
     jax.tree.map(np.testing.assert_array_equal, cache, plain_cache)
+
+
+def test_block_remat_keeps_only_each_block_input(capsys):
+    """Under `"block"` a second layer adds exactly its input `[B, T, D]` and its parameters to
+    what the backward keeps: none of its mixer's internals (the recurrent kernels' custom_vjp
+    residuals, per-chunk states among them) outlive the layer."""
+    import jax.ad_checkpoint  # noqa: F401  (print_saved_residuals)
+
+    B, T, D = 2, 32, 16
+    tokens = jnp.zeros((B, T), jnp.int32)
+    models = [language_model("gla", remat="block", num_layers=n) for n in (1, 2)]
+    saved = [saved_elements(model, tokens, capsys) for model in models]
+    sizes = [sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) for model in models]
+    assert saved[1] - saved[0] == B * T * D + sizes[1] - sizes[0], (saved, sizes)

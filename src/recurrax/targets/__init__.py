@@ -42,6 +42,7 @@ limits), not numbers or speed.
 from ._chips import TARGETS, GpuSpec, Target, TpuSpec, get_target
 from ._compile import (
     ENVIRONMENT,
+    TPU_TRAINING_OPTIONS,
     CompiledProgram,
     compile_for,
     mesh_for,
@@ -55,6 +56,7 @@ from ._ptxas import KernelResources, captured_fd, captured_fd1, parse_ptxas
 __all__ = [
     "ENVIRONMENT",
     "TARGETS",
+    "TPU_TRAINING_OPTIONS",
     "CompiledProgram",
     "GpuSpec",
     "KernelResources",

@@ -32,6 +32,17 @@ the CPU backend at run time; the CUDA plugin loads without a GPU (it would stop 
 failed" checking versions); libtpu does not look for a TPU's metadata server, and several
 processes may load it at once (compiling uses no TPU)."""
 
+TPU_TRAINING_OPTIONS = {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+"""libtpu options (`jax.jit(..., compiler_options=...)` on a TPU, or `.compile(compiler_options=...)`)
+for a training step with FSDP and `remat`: no windowed einsums. libtpu turns an all-gathered
+weight's matmul and a reduce-scattered gradient's matmul into loops over the shards whose
+output buffers (`AllocateBuffer`) it schedules at the start of the backward, every layer's at
+once: under `remat="block"` each layer then held about 8 block inputs' worth of bytes
+through the whole backward (GLA 1.3B at 128k tokens on a v5e-8: 1 GiB per layer per chip,
+`benchmarks/long_context.py`). Without them the gathers are plain all-gathers, issued
+layer by layer."""
+
 
 def prepare_environment() -> None:
     """Set `ENVIRONMENT`'s variables where unset; call before JAX initialises its backends."""
