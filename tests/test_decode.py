@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cases import GATE_COMBOS, Case, make_inputs, max_rel_error
+from _cases import GATE_COMBOS, Case, float64, floor_tolerance, make_inputs, max_rel_error
 
 import recurrax
 from recurrax.decode import recurrent_step
@@ -139,6 +139,25 @@ def test_one_step_gradient_matches_finite_differences():
             minus = loss({**diff, name: jnp.asarray((flat - bump).reshape(x.shape))})
             numeric[i] = (plus - minus) / (2 * eps)
         assert max_rel_error(np.asarray(grads[name]).ravel(), numeric) < 1e-7, name
+
+
+FLOAT32_CASES = [Case(T=1, K=16, V=12, gates=gates, dtype="float32") for gates in GATE_COMBOS] + [
+    Case(T=1, H=6, Hqk=1, K=32, V=8, gates=("g_head",), dtype="float32"),  # Mamba-2's layout
+]
+
+
+@pytest.mark.parametrize("case", FLOAT32_CASES, ids=str)
+def test_float32_step_within_the_rounding_floor_of_the_float64_step(case):
+    """The step's reads come before its update (its sums in another order than the token
+    loop's): in float32, within the rounding floor of the token loop's float32 reference."""
+    kwargs = make_inputs(case, seed=10)
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}  # float32 (the case's dtype)
+    exact = reference({**kwargs, **float64(arrays)}, float64(arrays["initial_state"]))
+    floor = reference(kwargs, kwargs["initial_state"])
+    o, state = jax.jit(call_step)(token(kwargs, 0), kwargs["initial_state"])
+    assert o.dtype == jnp.float32 and state.dtype == jnp.float32
+    for got, expected, rounded in ((o, exact[0][:, 0], floor[0][:, 0]), (state, exact[1], floor[1])):
+        assert max_rel_error(got, expected) <= floor_tolerance(max_rel_error(rounded, expected))
 
 
 def test_under_jit_with_bfloat16_inputs():

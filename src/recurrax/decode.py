@@ -12,6 +12,18 @@ One token updates the state exactly as one step of `recurrent` does:
     h ← diag(exp(a)) · h · diag(exp(b)) + k ⊗ v        a = g + g_gamma + gk,  b = gv
     o = softmax_scale · qᵀ h
 
+The step passes over the state twice, the least XLA fuses it into: h_new in one fused pass
+(h read, h_new written, into `state`'s buffer when it is donated), then h_new read for the
+output. That read is a reduction over K rather than a dot: XLA on the CPU runs the batched
+matrix-vector dot on one thread and the reduction on every core. The query is formed as
+[B, H, K] first (an optimisation barrier): XLA otherwise may broadcast a query shared by
+the heads to h's whole shape before reducing, a state-sized temporary. Mamba-2-130m's step at
+batch 64 (24 heads, K = 128, V = 64, state donated), on 2 cores: 3.4–4.0 ms against 5.6–5.9 ms
+wall per layer, the whole model's decode step 257 against 304 ms wall (JAX 0.12; 241 against
+276 ms with JAX 0.10), CPU time 3–6% lower. Reading h before its update (o = ((e^a ⊙ q)ᵀ h) ⊙
+e^b + (q · k) v, as `delta_rule_step` does, where it saves passes) saves no pass here and made
+XLA copy a donated state first (JAX 0.10; JAX 0.12 unless fenced by a barrier).
+
 The arguments are validated by the same code as `recurrent`'s (a time axis of 1 is added
 to one-token inputs), and the update runs on the canonical form, without a scan. Several
 tokens at once are handed to the registered algorithms, exactly as
@@ -20,6 +32,7 @@ tokens at once are handed to the registered algorithms, exactly as
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -107,7 +120,8 @@ def one_step(problem: Problem, scale: float) -> tuple[Float[Array, "B 1 H V"], F
     if problem.log_decay_value is not None:
         state = state * jnp.exp(problem.log_decay_value[:, 0])[..., None, :]  # [B, H, 1, V]
     state = state + key[..., :, None] * value[..., None, :]
-    output = scale * jnp.einsum("bhk,bhkv->bhv", query, state)
+    query = jax.lax.optimization_barrier(query)  # [B, H, K] formed, not broadcast to h's shape
+    output = scale * jnp.sum(query[..., :, None] * state, axis=-2)  # qᵀ h as a reduction, not a dot
     return output[:, None].astype(problem.query.dtype), state
 
 
