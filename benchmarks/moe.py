@@ -189,8 +189,9 @@ def write_markdown(out: Path, run: dict) -> None:
         "| method | seconds | GFLOP/s (useful) |", "|---|---:|---:|",
     ]
     lines += [f"| {name} | {s:.3f} | {rate:.1f} |" for name, (s, rate) in run["choices"].items()]
-    lines += ["", "The routed layer (`method=\"blocks\"`) runs each block of the sorted rows through its expert's "
-              "whole FFN in one scan, with a hand-written VJP (block size "
+    lines += ["", "The routed layer (`method=\"blocks\"`) runs the sorted rows in a loop over the experts "
+              "that have rows and, inside it, over each one's blocks, each block through the expert's whole FFN, "
+              "with a hand-written VJP (block size "
               f"{default_block_size('blocks', tokens * 8, 64)} at 64 experts top-8, "
               f"{default_block_size('blocks', tokens * 10, 512)} at 512 top-10 by `default_block_size`).", "",
               "## One layer", "", "| experts, top-k | pass | routed (s) | all experts (s) | speed-up |",
@@ -209,7 +210,7 @@ def write_markdown(out: Path, run: dict) -> None:
     routed_growth = memory[(512, 8, "routed")] / memory[(64, 8, "routed")]
     every_growth = memory[(512, 8, "all")] / memory[(64, 8, "all")]
     lines += ["", "The routed forward holds no per-row buffer: each block's rows are gathered, run through "
-              "their expert and added, weighted, into the `[n, D]` output inside one scan step. Its "
+              "their expert and added, weighted, into the `[n, D]` output inside the loop. Its "
               "temporaries are that output, the routing's index arrays (a few bytes per padded row) and the "
               "router's `[n, E]` logits: from 64 to 512 experts at top-8 they grow "
               f"×{routed_growth:.2f} (the logits and indices), every expert's ×{every_growth:.1f}.", ""]
