@@ -55,3 +55,15 @@ def compile_once_quickly(jitted, *args):
     """`jitted` (a `jax.jit` function) compiled for `args`' shapes at XLA's optimisation level
     0: a float64 computation run once or twice for a rounding floor compiles ~35% faster so."""
     return jitted.lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside its equations' parameters (scan,
+    cond, custom_vjp, pallas_call, shard_map bodies), depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from equations(sub)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cases import DIFF_ARGS, Case, floor_tolerance, make_inputs, max_rel_error, split_args
+from _cases import DIFF_ARGS, Case, equations, floor_tolerance, make_inputs, max_rel_error, split_args
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -144,20 +144,8 @@ def _kernel_output_axes(fn, case: Case) -> list[frozenset]:
     """The mesh axes every kernel launch's outputs vary over, in the sharded forward and
     backward traced with `check_vma=True` on two devices."""
     sharded, args = _vjp(fn, make_inputs(case), _mesh(2))
-    found = []
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.extend(v.aval.manual_axis_type.varying for v in eqn.outvars)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-                    if hasattr(sub, "eqns"):
-                        visit(sub)
-
-    visit(jax.make_jaxpr(sharded)(*args).jaxpr)
-    return found
+    return [v.aval.manual_axis_type.varying for eqn in equations(jax.make_jaxpr(sharded)(*args).jaxpr)
+            if eqn.primitive.name == "pallas_call" for v in eqn.outvars]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["rows", "packed-heads"])

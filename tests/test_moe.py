@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cases import float64, floor_tolerance
+from _cases import equations, float64, floor_tolerance
 
 from recurrax.nn import MixtureOfExperts
 from recurrax.nn._moe import (
@@ -311,20 +311,8 @@ def copies_of_every_expert(fn, *args, experts: int, size: int) -> list[tuple[str
     """(primitive, shape) of each array `fn`'s trace builds (sub-jaxprs included) whose
     leading axis is the `experts` and which holds at least `size` values: a copy of every
     expert's matrix (a stack, a split, a cast), where a routed call gathers single experts'."""
-    found = []
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            found.extend((eqn.primitive.name, v.aval.shape) for v in eqn.outvars
-                         if v.aval.shape[:1] == (experts,) and np.prod(v.aval.shape) >= size)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-                    if hasattr(sub, "eqns"):
-                        visit(sub)
-
-    visit(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(eqn.primitive.name, v.aval.shape) for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr)
+            for v in eqn.outvars if v.aval.shape[:1] == (experts,) and np.prod(v.aval.shape) >= size]
 
 
 def test_the_detector_sees_experts_stacked_or_split_per_call():
