@@ -213,24 +213,29 @@ def check_against_one_device(one_device, family, device_mesh, rules, packed, exp
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_short_convolution_split_over_the_sequence_axis(packed):
-    """Taps and new buffer with the tokens over 4 devices equal one device's, from a non-zero
-    buffer (a prefill continuing a cache), packed sequences crossing shard boundaries."""
-    from recurrax.nn._conv import causal_taps
+    """Outputs, new buffer and their gradients (inputs, buffer, kernel) with the tokens over 4
+    devices equal one device's, from a non-zero buffer (a prefill continuing a cache), packed
+    sequences crossing shard boundaries."""
+    from recurrax.nn._conv import causal_conv
 
-    keys = jax.random.split(jax.random.key(3), 2)
+    keys = jax.random.split(jax.random.key(3), 5)
     width, C = 4, 3
     x = jax.random.normal(keys[0], (1, 16, C) if packed else (2, 16, C), jnp.float32)
     cu = jnp.array([0, 2, 2, 9, 16], jnp.int32) if packed else None
     buffer = jax.random.normal(keys[1], (4 if packed else 2, width - 1, C), jnp.float32)
-    want = causal_taps(x, buffer, cu, width)
-    device_mesh = mesh(2, 1, 4)
-    with rnn.use_mesh(device_mesh, rnn.logical_rules("data", "sequence")):
-        got = jax.jit(causal_taps, static_argnums=3)(x, buffer, cu, width)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    lags = np.stack([np.roll(np.asarray(x), lag, axis=1) for lag in range(width)])  # by hand, dense row 0
-    if not packed:
-        np.testing.assert_array_equal(np.asarray(got[0])[:, 0, width:], lags[:, 0, width:])
+    kernel = jax.random.normal(keys[2], (width, C), jnp.float32)
+
+    @jax.jit
+    def outputs_and_gradients(x, buffer, kernel):
+        out, pull = jax.vjp(lambda *a: causal_conv(a[0], a[1], cu, a[2]), x, buffer, kernel)
+        cotangents = tuple(jax.random.normal(key, o.shape, o.dtype) for key, o in zip(keys[3:], out))
+        return out, pull(cotangents)
+
+    want = outputs_and_gradients(x, buffer, kernel)
+    with rnn.use_mesh(mesh(2, 1, 4), rnn.logical_rules("data", "sequence")):
+        got = outputs_and_gradients(x, buffer, kernel)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # the kernel's sums split over shards
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
 HYBRID = FIXTURES / "fla" / "gla_hybrid_attn"   # GLA layers and one softmax-attention layer (a KV cache)

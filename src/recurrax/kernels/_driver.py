@@ -238,6 +238,14 @@ def vary_over(axes: frozenset, *arrays) -> tuple:
     return tuple(cast(x) for x in arrays)
 
 
+def sum_to_vary_like(bar, primal):
+    """`bar` summed over the mesh axes it varies over and `primal` does not (inside shard_map:
+    e.g. a replicated weight's cotangent from each shard's terms), as autodiff's transpose of
+    the implicit broadcast would; unchanged outside shard_map."""
+    extra = tuple(sorted(varying_axes(bar) - varying_axes(primal)))
+    return lax.psum(bar, extra) if extra else bar
+
+
 def vary_alike(*arrays) -> tuple:
     """`arrays` made to vary over the union of their mesh axes, so a kernel's outputs (and
     their gradients) vary like all of its inputs. Identity outside `jax.shard_map`."""

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float, Int
 
+from ..kernels._driver import sum_to_vary_like, vary_over, varying_axes
 from ..parallel import _shard_map
 from ._sharding import mesh_axis, param
 
@@ -69,10 +70,15 @@ class _Convolution(nnx.Module):
             buffer = self.empty_buffer(rows, x.dtype)
         elif buffer.shape != (rows, self.kernel_size - 1, self.channels):
             raise ValueError(f"buffer must be [{rows}, {self.kernel_size - 1}, {self.channels}], got {buffer.shape}")
-        taps, new_buffer = causal_taps(x, buffer.astype(x.dtype), cu_seqlens, self.kernel_size)
-        return self._combine(taps, x), new_buffer
+        y, new_buffer = causal_conv(x, buffer.astype(x.dtype), cu_seqlens, self._kernel_by_lag())
+        return self._finish(y, x), new_buffer
 
-    def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+    def _kernel_by_lag(self) -> Float[Array, "W C"]:
+        """The kernel with lag l at index l (`kernel[W − 1 − l]`)."""
+        return self.kernel[...][::-1]
+
+    def _finish(self, y: Float[Array, "B T C"], x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        """The layer's output from the convolution `y` (float32 or wider)."""
         raise NotImplementedError
 
     def empty_buffer(self, rows: int, dtype=jnp.float32) -> Buffer:
@@ -93,9 +99,11 @@ class ShortConvolution(_Convolution):
         self._make_kernel(channels, kernel_size, param_dtype, "inner", rngs, "kernel_size")
         self.dtype = dtype
 
-    def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        kernel = self.kernel[...].astype(self.dtype)[::-1]  # [W, C], lag l ↦ w[W−1−l]
-        return jax.nn.silu(depthwise(taps, kernel).astype(self.dtype))
+    def _kernel_by_lag(self) -> Float[Array, "W C"]:
+        return self.kernel[...].astype(self.dtype)[::-1]
+
+    def _finish(self, y: Float[Array, "B T C"], x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        return jax.nn.silu(y.astype(self.dtype))
 
 
 class CausalConv1d(_Convolution):
@@ -117,8 +125,7 @@ class CausalConv1d(_Convolution):
         self.bias = param(jnp.zeros((channels,), dtype), axis) if bias else None
         self.activation = activation
 
-    def _combine(self, taps: Taps, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        y = depthwise(taps, self.kernel[...][::-1])  # lag l ↦ kernel[W−1−l]
+    def _finish(self, y: Float[Array, "B T C"], x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)  # float32, or float64 in a float64 model
         if self.activation is not None:
@@ -132,31 +139,81 @@ def depthwise(taps: Taps, kernel: Float[Array, "W C"]) -> Float[Array, "... C"]:
     An unrolled sum of W products, which XLA fuses into one elementwise pass; an `einsum`
     over the lag axis becomes C tiny batched matmuls on CPU (10× slower at [8, 512, 1792]).
     """
-    dtype = jnp.promote_types(jnp.result_type(taps, kernel), jnp.float32)
+    dtype = _accumulator(taps, kernel)
     return sum(taps[lag].astype(dtype) * kernel[lag].astype(dtype) for lag in range(taps.shape[0]))
 
 
-def causal_taps(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"] | None,
-                width: int) -> tuple[Taps, Buffer]:
-    """Lagged copies `[W, B, T, C]` (lag l at index l, never crossing a sequence start) and the
-    new buffer; split over the mesh axis of `length` when there is one (module docstring)."""
-    B, T = x.shape[:2]
+def causal_conv(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"] | None,
+                kernel: Float[Array, "W C"]) -> tuple[Float[Array, "B T C"], Buffer]:
+    """`Σ_l kernel[l] ⊙ x_{t−l}` (lag l at index l; float32 or wider), the lags never crossing
+    a sequence start, and the new buffer; split over the mesh axis of `length` when there is
+    one (module docstring)."""
+    width, T = kernel.shape[0], x.shape[1]
     sequence = mesh_axis("length", T)
     if sequence is not None and T // jax.sharding.get_abstract_mesh().shape[sequence] >= width - 1:
-        return _split_taps(x, buffer, cu_seqlens, width, sequence)
+        return _split_conv(x, buffer, cu_seqlens, kernel, sequence)
     if cu_seqlens is None:
-        return _dense_taps(x, buffer, width)
+        return _dense_conv(x, buffer, kernel)
     previous = jnp.zeros((width - 1, x.shape[-1]), x.dtype)
-    taps = _packed_taps(x[0], buffer, cu_seqlens, width, previous, 0)
-    return taps[:, None], _finish_buffer(_packed_buffer(x[0], cu_seqlens, width, 0), buffer, cu_seqlens, width)
+    y = depthwise(_packed_taps(x[0], buffer, cu_seqlens, width, previous, 0), kernel)[None]
+    return y, _finish_buffer(_packed_buffer(x[0], cu_seqlens, width, 0), buffer, cu_seqlens, width)
 
 
-def _dense_taps(x: Float[Array, "B T C"], previous: Float[Array, "B W_minus_1 C"], width: int):
-    """Lagged copies `[W, B, T, C]` after `previous` (the W − 1 inputs before x) and the last W − 1 inputs."""
-    T = x.shape[1]
+def _dense_conv(x: Float[Array, "B T C"], previous: Float[Array, "B W_minus_1 C"], kernel: Float[Array, "W C"]):
+    """`causal_conv` of rows `x` after `previous` (the W − 1 inputs before them), and their
+    last W − 1 inputs."""
     window = jnp.concatenate([previous, x], axis=1)  # [B, W − 1 + T, C]
-    taps = jnp.stack([window[:, width - 1 - lag : width - 1 - lag + T] for lag in range(width)])
-    return taps, window[:, window.shape[1] - (width - 1) :]
+    return window_depthwise(window, kernel), window[:, x.shape[1]:]
+
+
+@jax.custom_vjp
+def window_depthwise(window: Float[Array, "B T_plus_W_minus_1 C"], kernel: Float[Array, "W C"]) -> Float[Array, "B T C"]:
+    """`y_t = Σ_l kernel[l] ⊙ window[t + W − 1 − l]` (float32 or wider): the convolution of
+    the last T rows of `window`, each after the W − 1 rows before it.
+
+    Its VJP saves `window` (T + W − 1 rows), not the W lagged copies `[W, B, T, C]` that
+    autodiff of `depthwise` keeps (W× the input: for W = 4 the largest buffer of a Mamba-2
+    training step at 128k tokens, benchmarks/results/long_context.md):
+
+        k̄[l] = Σ_{b,t} window[t + W − 1 − l] ⊙ ȳ_t
+        w̄[s] = Σ_l kernel[l] ⊙ ȳ_{s − (W − 1 − l)}      (terms outside t = 0 … T − 1 absent)
+    """
+    return _window_products(window, kernel)
+
+
+def _accumulator(*arrays):
+    """The sums' dtype: float32, or the inputs' if wider."""
+    return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
+
+
+def _lagged(window, lag: int, width: int):
+    """`x_{t − lag}` for t = 0 … T − 1: rows `W − 1 − lag …` (T of them) of `window`."""
+    start = width - 1 - lag
+    return jax.lax.slice_in_dim(window, start, start + window.shape[1] - (width - 1), axis=1)
+
+
+def _window_products(window, kernel):
+    dtype, width = _accumulator(window, kernel), kernel.shape[0]
+    return sum(_lagged(window, lag, width).astype(dtype) * kernel[lag].astype(dtype) for lag in range(width))
+
+
+def _window_depthwise_forward(window, kernel):
+    return _window_products(window, kernel), (window, kernel)
+
+
+def _window_depthwise_backward(residuals, y_bar):
+    window, kernel = residuals
+    dtype, width = _accumulator(window, kernel), kernel.shape[0]
+    y_bar = y_bar.astype(dtype)
+    kernel_bar = jnp.stack([jnp.sum(_lagged(window, lag, width).astype(dtype) * y_bar, axis=(0, 1))
+                            for lag in range(width)])
+    window_bar = sum(jnp.pad(y_bar * kernel[lag].astype(dtype), ((0, 0), (width - 1 - lag, lag), (0, 0)))
+                     for lag in range(width))
+    (window_bar,) = vary_over(varying_axes(window), window_bar.astype(window.dtype))
+    return window_bar, sum_to_vary_like(kernel_bar, kernel).astype(kernel.dtype)
+
+
+window_depthwise.defvjp(_window_depthwise_forward, _window_depthwise_backward)
 
 
 def _packed_taps(x: Float[Array, "L C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"], width: int,
@@ -200,28 +257,27 @@ def _last_offsets(cu_seqlens: Int[Array, " S_plus_1"], width: int) -> Int[Array,
     return lengths[:, None] - (width - 1) + jnp.arange(width - 1)
 
 
-def _split_taps(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens, width: int, sequence: str):
-    """`causal_taps` with the token axis split over the mesh axis `sequence` (shard_map)."""
+def _split_conv(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens, kernel: Float[Array, "W C"], sequence: str):
+    """`causal_conv` with the token axis split over the mesh axis `sequence` (shard_map); each
+    shard convolves its own tokens, so what the backward keeps is its window, not W lagged copies."""
     mesh = jax.sharding.get_abstract_mesh()
-    P = mesh.shape[sequence]
+    P, width = mesh.shape[sequence], kernel.shape[0]
     packed = cu_seqlens is not None
     batch = None if packed else mesh_axis("batch", x.shape[0])
     batch = None if batch == sequence else batch
 
-    def body(x, buffer, cu_seqlens):
+    def body(x, buffer, cu_seqlens, kernel):
         index = jax.lax.axis_index(sequence)
         tail = x[:, x.shape[1] - (width - 1):]  # [B, W − 1, C], this shard's last inputs
         received = jax.lax.ppermute(tail, sequence, [(p, p + 1) for p in range(P - 1)])  # zeros on shard 0
         if not packed:
-            taps, last = _dense_taps(x, jnp.where(index == 0, buffer, received), width)
-            return taps, jax.lax.psum(jnp.where(index == P - 1, last, jnp.zeros_like(last)), sequence)
+            y, last = _dense_conv(x, jnp.where(index == 0, buffer, received), kernel)
+            return y, jax.lax.psum(jnp.where(index == P - 1, last, jnp.zeros_like(last)), sequence)
         first = index * x.shape[1]
-        taps = _packed_taps(x[0], buffer, cu_seqlens, width, received[0], first)[:, None]
+        y = depthwise(_packed_taps(x[0], buffer, cu_seqlens, width, received[0], first), kernel)[None]
         from_x = jax.lax.psum(_packed_buffer(x[0], cu_seqlens, width, first), sequence)
-        return taps, _finish_buffer(from_x, buffer, cu_seqlens, width)
+        return y, _finish_buffer(from_x, buffer, cu_seqlens, width)
 
-    rows = Spec(batch, None, None)
-    specs = (Spec(batch, sequence, None), rows, Spec())
-    split = _shard_map(body, mesh, specs, (Spec(None, batch, sequence, None), rows))
-    return split(x, buffer, jnp.zeros((0,), jnp.int32) if cu_seqlens is None else cu_seqlens)
-
+    rows, tokens = Spec(batch, None, None), Spec(batch, sequence, None)
+    split = _shard_map(body, mesh, (tokens, rows, Spec(), Spec()), (tokens, rows))
+    return split(x, buffer, jnp.zeros((0,), jnp.int32) if cu_seqlens is None else cu_seqlens, kernel)

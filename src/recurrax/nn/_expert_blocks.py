@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..kernels._driver import vary_over, varying_axes
+from ..kernels._driver import sum_to_vary_like, vary_over, varying_axes
 
 
 def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], row_weights: Float[Array, " P"],
@@ -201,17 +201,9 @@ def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
         return (x_bar, w_bar, store(gate_bar, sums[0]), store(up_bar, sums[1]), store(down_bar, sums[2]))
 
     x_bar, w_bar, gate_bar, up_bar, down_bar = plan.over_experts(expert, carry)
-    cast = lambda bar, w: None if w is None else _sum_to_vary_like(bar, w).astype(w.dtype)  # noqa: E731
+    cast = lambda bar, w: None if w is None else sum_to_vary_like(bar, w).astype(w.dtype)  # noqa: E731
     return (cast(x_bar, x), None, cast(w_bar.reshape(-1), row_weights), None, cast(gate_bar, gate),
             cast(up_bar, up), cast(down_bar, down))
-
-
-def _sum_to_vary_like(bar, primal):
-    """`bar` summed over the mesh axes it varies over and `primal` does not (inside shard_map:
-    e.g. x̄'s terms from each `tensor` shard of the experts' width), as autodiff's transpose of
-    the implicit broadcast would."""
-    extra = tuple(sorted(varying_axes(bar) - varying_axes(primal)))
-    return jax.lax.psum(bar, extra) if extra else bar
 
 
 _block_ffn.defvjp(_block_ffn_forward, _block_ffn_backward)
