@@ -1,6 +1,8 @@
+import gc
 import os
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Eight host devices for the sequence-parallel tests; everything else runs on device 0.
@@ -16,7 +18,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("explore", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(__import__("os").environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -25,3 +27,24 @@ def pytest_xdist_auto_num_workers(config):
     stay whole on one worker (`--dist loadfile`), so a file's shared compiled functions and
     fixtures are built once."""
     return max(1, min(os.cpu_count() or 1, 4))
+
+
+MAPS = "/proc/self/maps"
+MAX_MAPS = "/proc/sys/vm/max_map_count"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs(request):
+    """After each test file, drop JAX's caches of traced and compiled functions. A pytest-xdist
+    worker lives through half the suite, and every program XLA's CPU JIT compiles keeps its
+    code and data sections mapped while an executable holds it: left alone, a worker reached
+    Linux's 65,530 memory mappings (`vm.max_map_count`) near the suite's end and LLVM aborted
+    ("Unable to allocate section memory!") or crashed inside a compile. Where Linux tells, a
+    file that leaves more than half that many mappings behind fails here, by name."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    if os.path.exists(MAPS) and os.path.exists(MAX_MAPS):
+        with open(MAPS) as maps, open(MAX_MAPS) as limit:
+            count, allowed = sum(1 for _ in maps), int(limit.read())
+        assert count <= allowed // 2, f"{request.module.__name__} left {count} memory mappings (the limit: {allowed})"
