@@ -12,7 +12,10 @@ Measured, float32, the default implementation of each side (`chunk` on a CPU):
   (fwd+bwd) and of `jit(recurrent)` (fwd), at B = 2, T = 2048, H = 8, K = V = 64;
 - memory: `memory_analysis().temp_size_in_bytes` of the compiled fwd+bwd at B = 1,
   T = 16,384, H = 4, K = V = 64 (deterministic for a given JAX: measured once per side);
-per gate kind: `g` per head, `gk` per key channel, `none`, `gk+gv`. `--quick` shrinks both
+per gate kind: `g` per head, `gk` per key channel, `none`, `gk+gv`; and `short_conv` (not in
+the default set): `recurrax.nn.ShortConvolution` (4 taps, SiLU) over the same B and T with
+C = H·(2K + V) channels, a layer's q, k, v convolution (fwd+bwd: the gradients of <y, dy> for
+the input and kernel; it needs flax). `--quick` shrinks both
 shapes to a few hundred tokens (a smoke run of the tool itself, not a measurement).
 
 The report (markdown, printed and written to `--out`) gives each side's median over the
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 GATES = ("g", "gk", "none", "gk+gv")
+WORKLOADS = (*GATES, "short_conv")
 TIME_SHAPE = dict(B=2, T=2048, H=8, K=64, V=64)
 MEMORY_SHAPE = dict(B=1, T=16384, H=4, K=64, V=64)
 QUICK_SHAPE = dict(B=1, T=256, H=2, K=16, V=16)
@@ -85,13 +89,43 @@ def _median_seconds(fn, args, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _conv_inputs(B: int, T: int, H: int, K: int, V: int):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    C = H * (2 * K + V)
+    x, d_output = (jax.random.normal(key, (B, T, C), jnp.float32) for key in keys[:2])
+    return (x, jax.random.normal(keys[2], (4, C), jnp.float32) / 2), (d_output,)
+
+
+def _conv_programs():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import recurrax.nn as rnn
+
+    def convolution(x, kernel):
+        layer = rnn.ShortConvolution(x.shape[-1], kernel.shape[0], rngs=nnx.Rngs(0))
+        layer.kernel[...] = kernel  # the initialiser's draw is dead code under jit
+        return layer(x)[0]
+
+    def loss(x, kernel, d_output):
+        return jnp.sum(convolution(x, kernel) * d_output)
+
+    return jax.jit(convolution), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
 def child(gate: str, repeats: int, quick: bool) -> dict:
-    """One side's measurements of one gate kind (run in a child process)."""
-    forward, gradient = _programs()
-    arrays, cotangents = _inputs(gate, **(QUICK_SHAPE if quick else TIME_SHAPE))
+    """One side's measurements of one workload (run in a child process)."""
+    programs, inputs = (_conv_programs, lambda _, **shape: _conv_inputs(**shape)) if gate == "short_conv" \
+        else (_programs, _inputs)
+    forward, gradient = programs()
+    arrays, cotangents = inputs(gate, **(QUICK_SHAPE if quick else TIME_SHAPE))
     result = {"fwd_ms": 1e3 * _median_seconds(forward, arrays, repeats),
               "fwd_bwd_ms": 1e3 * _median_seconds(gradient, (*arrays, *cotangents), repeats)}
-    arrays, cotangents = _inputs(gate, **(QUICK_SHAPE if quick else MEMORY_SHAPE))
+    arrays, cotangents = inputs(gate, **(QUICK_SHAPE if quick else MEMORY_SHAPE))
     analysis = gradient.lower(*arrays, *cotangents).compile().memory_analysis()
     result["temp_mib"] = analysis.temp_size_in_bytes / 2**20
     return result
@@ -162,9 +196,9 @@ def main(argv=None) -> int:
     if not args.against:
         parser.error("--against REVISION is required")
     gates = tuple(args.gates.split(","))
-    unknown = sorted(set(gates) - set(GATES))
+    unknown = sorted(set(gates) - set(WORKLOADS))
     if unknown:
-        parser.error(f"--gates: unknown kinds {unknown}; choose from {list(GATES)}")
+        parser.error(f"--gates: unknown kinds {unknown}; choose from {list(WORKLOADS)}")
     label = "this tree"
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
