@@ -38,6 +38,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,10 +141,12 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     tokens = jax.ShapeDtypeStruct((sizes["data"], length), jnp.int32,
                                   sharding=NamedSharding(mesh, PartitionSpec("data", "sequence")))
     started = time.perf_counter()
+    dump = tempfile.TemporaryDirectory()
+    options = dict(targets.TPU_TRAINING_OPTIONS, xla_dump_to=dump.name, xla_dump_hlo_as_text=True)
     try:
         with rnn.use_mesh(mesh, rules):
             compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
-                                  tokens, tokens).lower().compile(compiler_options=targets.TPU_TRAINING_OPTIONS)
+                                  tokens, tokens).lower().compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as error:
         needed = HBM_OOM.search(str(error))
         if needed is None:
@@ -163,26 +166,28 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
                aliased=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
                seconds=time.perf_counter() - started, compiler_options=targets.TPU_TRAINING_OPTIONS)
     row["peak"] = row["arguments"] + row["outputs"] - row["aliased"] + row["temp"]
-    row["largest"] = largest_values(compiled.as_text())
+    row["allocations"] = largest_allocations(Path(dump.name))
+    dump.cleanup()
     return row
 
 
 HBM_OOM = re.compile(r"CompileTimeHbmOom.*?temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)")
 """libtpu refuses a program whose temporaries exceed the chip's HBM (the bytes it needed, the HBM)."""
-HLO_VALUE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (f32|bf16|s32|u32|f16|pred)\[([\d,]*)\]", re.MULTILINE)
-ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
+ALLOCATION = re.compile(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)([KMG]i)?B;\s*\d+;\s*\d+;\s*(.+)$", re.MULTILINE)
+UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 
 
-def largest_values(hlo: str, count: int = 5) -> list[list]:
-    """The `count` largest array values of the compiled (per-chip) HLO: [bytes, dtype[shape],
-    instruction], largest first; the buffers that hold a step's memory are among them."""
-    values = {}
-    for name, dtype, dims in HLO_VALUE.findall(hlo):
-        shape = f"{dtype}[{dims}]"
-        size = math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE[dtype]
-        if shape not in values or values[shape][0] < size:
-            values[shape] = [size, shape, name]
-    return sorted(values.values(), reverse=True)[:count]
+def largest_allocations(dump: Path, count: int = 6) -> list[list]:
+    """The `count` largest allocations of libtpu's buffer assignment for the step (its dumped
+    memory-usage report): [bytes, the values placed in it over the step]. An allocation names
+    every value that takes its bytes in turn (an instruction's output and the bitcasts and
+    in-place updates of it), which the program's largest single values do not."""
+    reports = sorted(dump.glob("*jit_step*memory-usage-report.txt"))
+    if not reports:
+        return []
+    report = reports[-1].read_text()
+    allocations = [[round(float(size) * UNITS[unit]), values.strip()] for size, unit, values in ALLOCATION.findall(report)]
+    return sorted(allocations, key=lambda allocation: -allocation[0])[:count]
 
 
 def cases(args) -> list[tuple[str, str, str, str | None, int]]:
@@ -273,7 +278,12 @@ def best(rows: list[dict]) -> list[dict]:
             continue  # a cut model (see `extrapolated`)
         if group not in chosen or row["peak"] < chosen[group]["peak"]:
             chosen[group] = row
-    return sorted(chosen.values(), key=lambda r: (list(MODELS).index(r["model"]), r["slice"], r["tokens"]))
+    return sorted(chosen.values(), key=order)
+
+
+def order(row: dict) -> tuple:
+    """Rows by model (as `MODELS` lists them), slice, tokens."""
+    return list(MODELS).index(row["model"]), row["slice"], row["tokens"]
 
 
 def gib(n: int) -> str:
@@ -287,7 +297,7 @@ def extrapolation(rows: list[dict]) -> list[str]:
     return ["## Full depth, extrapolated from the models cut to two depths", "",
             "Where the full-depth step's compile did not finish on this machine, the model was compiled cut to "
             "two depths (every other figure as the full model) and each byte count extended linearly to the full "
-            "depth (see `extrapolated`). Compile s: both compiles.", "", *table(estimates), ""]
+            "depth (see `extrapolated`). Compile s: both compiles.", "", *table(sorted(estimates, key=order)), ""]
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -346,7 +356,9 @@ def extrapolated(rows: list[dict]) -> list[dict]:
     """Full-depth estimates where a case was compiled at two depths L1 < L2 short of the full
     depth L: each byte count b(L) = b(L1) + (L − L1)(b(L2) − b(L1)) / (L2 − L1) (parameters,
     optimizer state and the blocks' kept inputs grow by the same amount per layer; one layer's
-    recompute and the loss do not grow)."""
+    recompute and the loss do not grow). No estimate where the deeper model's temporaries are
+    smaller (each layer keeps at least its block input: the two compiles were scheduled
+    differently, and a line through them says nothing)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if "failed" not in r and r.get("layers", r.get("full_depth")) != r.get("full_depth"):
@@ -356,10 +368,12 @@ def extrapolated(rows: list[dict]) -> list[dict]:
         if len({r["layers"] for r in cut}) < 2:
             continue
         low, high = sorted(cut, key=lambda r: r["layers"])[::len(cut) - 1]
+        if high["temp"] < low["temp"]:
+            continue  # fewer temporaries at the greater depth: libtpu scheduled the two differently
         scale = (low["full_depth"] - low["layers"]) / (high["layers"] - low["layers"])
         estimate = dict(low, layers=low["full_depth"], seconds=low["seconds"] + high["seconds"],
                         basis=f"{low['layers']} and {high['layers']} layers", count=None,
-                        largest=high.get("largest", []), largest_from=high["layers"])
+                        allocations=high.get("allocations", []), allocations_from=high["layers"])
         for field in ("params", "opt", "arguments", "outputs", "aliased", "temp", "peak"):
             estimate[field] = round(low[field] + scale * (high[field] - low[field]))
         estimates.append(estimate)
@@ -367,17 +381,16 @@ def extrapolated(rows: list[dict]) -> list[dict]:
 
 
 def holders(rows: list[dict]) -> list[str]:
-    """Where a case does not fit: the largest values of its per-chip program."""
-    missed = [r for r in [*rows, *extrapolated(rows)] if not fits(r) and r.get("largest")]
+    """Where a case does not fit: the largest allocations of its buffer assignment."""
+    missed = [r for r in [*rows, *extrapolated(rows)] if not fits(r) and r.get("allocations")]
     if not missed:
         return []
     lines = ["## What holds the memory where a case does not fit", "",
-             "The largest array values of the compiled per-chip HLO (bytes, shape, instruction):", ""]
+             "The largest allocations of libtpu's buffer assignment for the step (its memory-usage report: bytes, "
+             "and the values placed in each in turn):", ""]
     for r in missed:
-        if "largest" not in r:
-            continue
-        values = "; ".join(f"{size / GiB:.2f} GiB `{shape}` ({name})" for size, shape, name in r["largest"])
-        values += f" (in the {r['largest_from']}-layer compile)" if "largest_from" in r else ""
+        values = "; ".join(f"{size / GiB:.2f} GiB ({shapes})" for size, shapes in r["allocations"])
+        values += f" (in the {r['allocations_from']}-layer compile)" if "allocations_from" in r else ""
         lines.append(f"- {r['model']} ({r['layers']} layers), {r['slice']} `{r['layout']}`, {r['tokens']:,} tokens: "
                      f"{values}")
     return [*lines, ""]
@@ -405,6 +418,9 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="peak GiB per chip (compiler)",
              title="Training step memory per chip: a model fits where its line is under its HBM line")
     axis.set_xticks(LENGTHS, [f"{n // 1024}k" for n in LENGTHS])
+    axis.set_xticks([], minor=True)
+    axis.set_yticks([2, 4, 8, 16, 32, 64], ["2", "4", "8", "16", "32", "64"])
+    axis.set_yticks([], minor=True)
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
     figure.tight_layout()
