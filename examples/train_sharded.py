@@ -157,14 +157,19 @@ def state_shardings(model, optimizer, mesh, fsdp: bool):
 
 def jit_step(graphdef, optimizer, mesh, params_sharding, opt_sharding, donate: bool = False):
     """`train_step` jitted for the mesh: tokens `[B, T]` split over (`data`, `sequence`), the
-    state kept in its shardings. Call (and trace) it inside `recurrax.nn.use_mesh(mesh, rules)`."""
+    state kept in its shardings. Call (and trace) it inside `recurrax.nn.use_mesh(mesh, rules)`.
+    On TPUs it compiles with `recurrax.targets.TPU_TRAINING_OPTIONS` (without them libtpu keeps
+    every layer's FSDP collective-matmul buffers through the backward)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from recurrax.targets import TPU_TRAINING_OPTIONS
+
     tokens = NamedSharding(mesh, PartitionSpec("data", "sequence"))
+    on_tpu = mesh.devices.flat[0].platform == "tpu"
     return jax.jit(train_step(graphdef, optimizer), in_shardings=(params_sharding, opt_sharding, tokens, tokens),
                    out_shardings=(params_sharding, opt_sharding, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=(0, 1) if donate else ())
+                   donate_argnums=(0, 1) if donate else (), compiler_options=TPU_TRAINING_OPTIONS if on_tpu else None)
 
 
 def to_mesh(host_tree, shardings):
