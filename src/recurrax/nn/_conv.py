@@ -133,14 +133,15 @@ class CausalConv1d(_Convolution):
         return y.astype(x.dtype)
 
 
-def depthwise(taps: Taps, kernel: Float[Array, "W C"]) -> Float[Array, "... C"]:
+def depthwise(taps: Taps | list, kernel: Float[Array, "W C"]) -> Float[Array, "... C"]:
     """Σ_l taps[l] ⊙ kernel[l] in float32 or wider (taps[l] `[..., C]`: the inputs at lag l).
 
     An unrolled sum of W products, which XLA fuses into one elementwise pass; an `einsum`
     over the lag axis becomes C tiny batched matmuls on CPU (10× slower at [8, 512, 1792]).
     """
-    dtype = _accumulator(taps, kernel)
-    return sum(taps[lag].astype(dtype) * kernel[lag].astype(dtype) for lag in range(taps.shape[0]))
+    taps = list(taps)  # `[W, …]` stacked, or W arrays (`_lags`)
+    dtype = _accumulator(*taps, kernel)
+    return sum(tap.astype(dtype) * kernel[lag].astype(dtype) for lag, tap in enumerate(taps))
 
 
 def causal_conv(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens: Int[Array, " S_plus_1"] | None,
@@ -178,7 +179,7 @@ def window_depthwise(window: Float[Array, "B T_plus_W_minus_1 C"], kernel: Float
         k̄[l] = Σ_{b,t} window[t + W − 1 − l] ⊙ ȳ_t
         w̄[s] = Σ_l kernel[l] ⊙ ȳ_{s − (W − 1 − l)}      (terms outside t = 0 … T − 1 absent)
     """
-    return _window_products(window, kernel)
+    return depthwise(_lags(window, kernel.shape[0]), kernel)
 
 
 def _accumulator(*arrays):
@@ -186,27 +187,21 @@ def _accumulator(*arrays):
     return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
 
 
-def _lagged(window, lag: int, width: int):
-    """`x_{t − lag}` for t = 0 … T − 1: rows `W − 1 − lag …` (T of them) of `window`."""
-    start = width - 1 - lag
-    return jax.lax.slice_in_dim(window, start, start + window.shape[1] - (width - 1), axis=1)
-
-
-def _window_products(window, kernel):
-    dtype, width = _accumulator(window, kernel), kernel.shape[0]
-    return sum(_lagged(window, lag, width).astype(dtype) * kernel[lag].astype(dtype) for lag in range(width))
+def _lags(window, width: int) -> list:
+    """`x_{t − l}` for t = 0 … T − 1, for each lag l < W: rows `W − 1 − l …` (T of them) of `window`."""
+    T = window.shape[1] - (width - 1)
+    return [jax.lax.slice_in_dim(window, width - 1 - lag, width - 1 - lag + T, axis=1) for lag in range(width)]
 
 
 def _window_depthwise_forward(window, kernel):
-    return _window_products(window, kernel), (window, kernel)
+    return depthwise(_lags(window, kernel.shape[0]), kernel), (window, kernel)
 
 
 def _window_depthwise_backward(residuals, y_bar):
     window, kernel = residuals
     dtype, width = _accumulator(window, kernel), kernel.shape[0]
     y_bar = y_bar.astype(dtype)
-    kernel_bar = jnp.stack([jnp.sum(_lagged(window, lag, width).astype(dtype) * y_bar, axis=(0, 1))
-                            for lag in range(width)])
+    kernel_bar = jnp.stack([jnp.sum(tap.astype(dtype) * y_bar, axis=(0, 1)) for tap in _lags(window, width)])
     window_bar = sum(jnp.pad(y_bar * kernel[lag].astype(dtype), ((0, 0), (width - 1 - lag, lag), (0, 0)))
                      for lag in range(width))
     (window_bar,) = vary_over(varying_axes(window), window_bar.astype(window.dtype))
