@@ -89,7 +89,7 @@ def _median_seconds(fn, args, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _conv_inputs(B: int, T: int, H: int, K: int, V: int):
+def _conv_inputs(gate: str, B: int, T: int, H: int, K: int, V: int):
     import jax
     import jax.numpy as jnp
 
@@ -119,8 +119,7 @@ def _conv_programs():
 
 def child(gate: str, repeats: int, quick: bool) -> dict:
     """One side's measurements of one workload (run in a child process)."""
-    programs, inputs = (_conv_programs, lambda _, **shape: _conv_inputs(**shape)) if gate == "short_conv" \
-        else (_programs, _inputs)
+    programs, inputs = (_conv_programs, _conv_inputs) if gate == "short_conv" else (_programs, _inputs)
     forward, gradient = programs()
     arrays, cotangents = inputs(gate, **(QUICK_SHAPE if quick else TIME_SHAPE))
     result = {"fwd_ms": 1e3 * _median_seconds(forward, arrays, repeats),

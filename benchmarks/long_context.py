@@ -141,20 +141,22 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
     tokens = jax.ShapeDtypeStruct((sizes["data"], length), jnp.int32,
                                   sharding=NamedSharding(mesh, PartitionSpec("data", "sequence")))
     started = time.perf_counter()
-    dump = tempfile.TemporaryDirectory()
-    options = dict(targets.TPU_TRAINING_OPTIONS, xla_dump_to=dump.name, xla_dump_hlo_as_text=True)
-    try:
-        with rnn.use_mesh(mesh, rules):
-            compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
-                                  tokens, tokens).lower().compile(compiler_options=options)
-    except jax.errors.JaxRuntimeError as error:
-        needed = HBM_OOM.search(str(error))
-        if needed is None:
-            raise
-        return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
-                    layers=config["num_hidden_layers"], full_depth=full_depth, seconds=time.perf_counter() - started,
-                    failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)",
-                    compiler_options=targets.TPU_TRAINING_OPTIONS)
+    with tempfile.TemporaryDirectory() as dump:  # libtpu's buffer assignment, for `largest_allocations`
+        try:  # the step carries TPU_TRAINING_OPTIONS (`jit_step` on TPU devices); these add the dump
+            with rnn.use_mesh(mesh, rules):
+                compiled = step.trace(train.abstract(params, params_sharding), train.abstract(opt_state, opt_sharding),
+                                      tokens, tokens).lower().compile(
+                    compiler_options=dict(xla_dump_to=dump, xla_dump_hlo_as_text=True))
+        except jax.errors.JaxRuntimeError as error:
+            needed = HBM_OOM.search(str(error))
+            if needed is None:
+                raise
+            return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
+                        layers=config["num_hidden_layers"], full_depth=full_depth,
+                        seconds=time.perf_counter() - started,
+                        failed=f"libtpu: HLO temporaries {needed[1]}iB exceed the HBM available ({needed[2]}iB)",
+                        compiler_options=targets.TPU_TRAINING_OPTIONS)
+        allocations = largest_allocations(Path(dump))
     memory = compiled.memory_analysis()
     chip = targets.get_target(target).spec
     row = dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
@@ -166,8 +168,7 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
                aliased=int(memory.alias_size_in_bytes), temp=int(memory.temp_size_in_bytes),
                seconds=time.perf_counter() - started, compiler_options=targets.TPU_TRAINING_OPTIONS)
     row["peak"] = row["arguments"] + row["outputs"] - row["aliased"] + row["temp"]
-    row["allocations"] = largest_allocations(Path(dump.name))
-    dump.cleanup()
+    row["allocations"] = allocations
     return row
 
 
