@@ -110,12 +110,55 @@ CASES = [
     # packed input: empty sequences, a sequence across chunks, boundaries inside a chunk
     Case(**SMALL, gates=("g_head", "gk"), cu_seqlens=(0, 3, 3, 4, 30), packed_3d=True),
     Case(**SMALL, gates=("g_channel",), cu_seqlens=(0, 0, 17, 20), reverse=True),
+    # query/key heads shared by groups of value heads (Mamba-2), read through the index maps
+    Case(B=2, T=33, Hqk=2, H=4, K=16, V=32, gates=("g_head", "g_gamma"), reverse=True, dtype="float32"),
+    Case(T=30, Hqk=1, H=2, K=16, V=16, gates=("g_channel",), cu_seqlens=(0, 3, 3, 17, 30), dtype="float32"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_tpu_interpret_matches_reference(case):
     _assert_within(errors(case), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
+
+
+def _pallas_operand_shapes(jaxpr, results: bool = False) -> list[tuple]:
+    """The operand (or result) shapes of every pallas_call in `jaxpr`, nested jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            shapes += [tuple(v.aval.shape) for v in (eqn.outvars if results else eqn.invars)]
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    shapes += _pallas_operand_shapes(inner, results)
+    return shapes
+
+
+def test_no_kernel_array_has_a_minor_dimension_of_one():
+    """TPU layouts pad an array's minor dimension to 128 lanes, so a [B, H, Tp, 1] decay column
+    or a [.., K, 1] boundary term would take 128 times its bytes in HBM: the kernels read the
+    per-head decay as a row and write the boundary terms as rows."""
+    case = Case(T=40, B=1, H=2, Hkv=2, K=16, V=32, gates=("g_head",), dtype="float32")
+    diff, rest = split_args(make_inputs(case))
+    loss = lambda d: sum(jnp.sum(x) for x in call(TPU_INTERPRET, **d, **rest))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(diff).jaxpr
+    shapes = _pallas_operand_shapes(jaxpr) + _pallas_operand_shapes(jaxpr, results=True)
+    assert (1, 2, 1, 48) in shapes  # the decay row
+    assert not [shape for shape in shapes if len(shape) > 2 and shape[-1] == 1], shapes
+
+
+def test_shared_query_key_reaches_the_kernels_unrepeated():
+    """Forward and backward kernels take one query/key head shared by four value heads as it
+    is: no operand of theirs holds a per-value-head copy of q or k ([B, H, Tp, K] or
+    [B, H, K, Tp]); their index maps read head h // 4."""
+    case = Case(T=40, Hqk=1, H=4, K=16, V=32, gates=("g_head",), dtype="float32")
+    diff, rest = split_args(make_inputs(case))
+    loss = lambda d: sum(jnp.sum(x) for x in call(TPU_INTERPRET, **d, **rest))  # noqa: E731
+    shapes = _pallas_operand_shapes(jax.make_jaxpr(jax.grad(loss))(diff).jaxpr)
+    B, Tp = case.B, 48  # chunk 16
+    assert (B, 1, Tp, 16) in shapes and (B, 1, 16, Tp) in shapes  # q, k and their transposes, one head
+    assert not {(B, 4, Tp, 16), (B, 4, 16, Tp)} & set(shapes), shapes
 
 
 @pytest.mark.slow
@@ -177,12 +220,12 @@ T_EXPORT = 200  # two chunks of 128, the second partial
 CU_SEQLENS = (0, 50, 50, 200)  # an empty sequence, a boundary inside a chunk
 
 
-def export_tpu(gate_set: str, dtype: str, K: int, V: int, varlen: bool, reverse: bool, tiles=None):
+def export_tpu(gate_set: str, dtype: str, K: int, V: int, varlen: bool, reverse: bool, tiles=None, Hqk=None):
     """Lower value_and_grad of a loss through the TPU kernels for platforms=["tpu"]; the
-    StableHLO text of the exported module."""
+    StableHLO text of the exported module (`Hqk`: query/key heads shared by the 2 value heads)."""
     case = Case(
         B=1 if varlen else 2, T=T_EXPORT, H=2, Hkv=1, K=K, V=V, gates=GATE_SETS[gate_set], dtype=dtype,
-        reverse=reverse, cu_seqlens=CU_SEQLENS if varlen else None,
+        reverse=reverse, cu_seqlens=CU_SEQLENS if varlen else None, Hqk=Hqk,
     )
     kwargs = make_inputs(case)
     diff, rest = split_args(kwargs)
@@ -207,6 +250,12 @@ GATES_X_DTYPES = list(itertools.product(GATE_SETS, DTYPES))
 @pytest.mark.parametrize(("gate_set", "dtype"), GATES_X_DTYPES, ids=["-".join(p) for p in GATES_X_DTYPES])
 def test_export_gates_and_dtypes(gate_set, dtype):
     _assert_lowered(export_tpu(gate_set, dtype, 128, 128, varlen=False, reverse=False))
+
+
+@pytest.mark.parametrize("gate_set", ["head", "channel"])
+def test_export_shared_query_key(gate_set):
+    """One query/key head shared by both value heads (index maps h // 2) lowers to Mosaic."""
+    _assert_lowered(export_tpu(gate_set, "bfloat16", 128, 64, varlen=True, reverse=False, Hqk=1))
 
 
 FAST_DIMS = ((64, 64), (128, 256), (256, 128))

@@ -101,8 +101,9 @@ class PallasBackend:
       only for sequences that own a chunk), and the states entering every chunk
       [B, H, N, K, V] float32 if `emit_states`.
     - `backward(q, k, v, a, do, states, h_T, dh_T, table, *, static)`: `(dq, dk, dv, dh0,
-      boundary)`, float32: dq and dk [B, Tp, H, K] with respect to q and k (summed over value
-      blocks), dv [B, Tp, H, V], dh0 [R, H, K, V] (packed: written only for sequences that own
+      boundary)`, float32: dq and dk [B, Tp, H, K] with respect to each value head's q and k
+      (summed over value blocks; with shared query/key heads, q and k [B, Tp, G, K], each
+      value head's share, which the driver sums over the groups), dv [B, Tp, H, V], dh0 [R, H, K, V] (packed: written only for sequences that own
       a chunk), and `boundary` [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the
       gate gradient's carry (`gate_gradient`; None without decay).
     - `chip_tiles(problem)`: the tiles of a call on the backend's chip.
@@ -210,6 +211,7 @@ def _chunk_bwd(call: KernelCall, residuals, cotangents):
     if empty is not None:
         dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
     dg = None if g is None else gate_gradient(clean_tokens(q), clean_tokens(k), dq, dk, boundary, call).astype(g.dtype)
+    dq, dk = (sum_groups(x, q.shape[2]) for x in (dq, dk))
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype))
     return grads + (None, None)
 
@@ -269,10 +271,12 @@ def missing_module(module: str, reason: str) -> str | None:
     return None
 
 
-def kernel_support(dtypes: set[str], check: Callable[[Request], str | None]) -> Support:
+def kernel_support(dtypes: set[str], check: Callable[[Request], str | None], shared_query_key: bool = False) -> Support:
     """A backend's `Support`: its `dtypes` and `check`, and what the driver gives every backend:
-    per-head and per-key-channel decays (not `gv`) and packed input."""
-    return Support(dtypes=frozenset(dtypes), gates=frozenset({Gate.HEAD, Gate.KEY}), varlen=True, check=check)
+    per-head and per-key-channel decays (not `gv`) and packed input; `shared_query_key` where
+    the backend's kernels read query/key heads shared by groups of value heads unrepeated."""
+    return Support(dtypes=frozenset(dtypes), gates=frozenset({Gate.HEAD, Gate.KEY}), varlen=True, check=check,
+                   shared_query_key=shared_query_key)
 
 
 def head_dims_refusal(request: Request, allowed, words: str) -> str | None:
@@ -290,16 +294,27 @@ def chunk_local_cumsum(g, chunk: int):
     return jnp.cumsum(blocks, axis=2).reshape(g.shape)
 
 
+def sum_groups(x, qk_heads: int):
+    """Per-value-head gradients [B, Tp, H, K] summed over the groups sharing each of the
+    `qk_heads` query/key heads: [B, Tp, G, K] (unchanged when G = H)."""
+    B, Tp, H, K = x.shape
+    return x if qk_heads == H else x.reshape(B, Tp, qk_heads, H // qk_heads, K).sum(3)
+
+
 def gate_gradient(q, k, dq, dk, boundary, call: KernelCall):
     """dg by the chunk-local reverse-cumsum identity (module docstring).
 
-    **Arguments:** `q`, `k` [B, Tp, H, K]; `dq`, `dk` their float32 gradients; `boundary`
-    [B, H, N, K] = Σ_V S_{n+1} ⊙ dS_{n+1} per chunk. **Returns** [B, Tp, H] (per-head
-    decay) or [B, Tp, H, K] (per channel), float32.
+    **Arguments:** `q`, `k` [B, Tp, G, K] (G = H, or query/key heads shared by groups of
+    value heads); `dq`, `dk` [B, Tp, H, K] their float32 gradients per value head (each
+    head's share, before the groups are summed); `boundary` [B, H, N, K] = Σ_V S_{n+1} ⊙
+    dS_{n+1} per chunk. **Returns** [B, Tp, H] (per-head decay) or [B, Tp, H, K] (per
+    channel), float32.
     """
-    B, Tp, H, K = q.shape
-    C = call.chunk
-    dB = q.astype(F32) * dq - k.astype(F32) * dk  # [B, Tp, H, K]
+    B, Tp, H, K = dq.shape
+    C, G = call.chunk, q.shape[2]
+    grouped = lambda x: x.reshape(B, Tp, G, H // G, K)  # noqa: E731
+    shared = lambda x: x.astype(F32)[:, :, :, None, :]  # [B, Tp, G, 1, K]: broadcast, not copied  # noqa: E731
+    dB = (shared(q) * grouped(dq) - shared(k) * grouped(dk)).reshape(B, Tp, H, K)
     within = lax.cumsum(dB.reshape(B, Tp // C, C, H, K), axis=2, reverse=True)  # Σ_{t ≤ s < chunk end}
     dg = (within + jnp.transpose(boundary, (0, 2, 1, 3))[:, :, None]).reshape(B, Tp, H, K)
     return dg.sum(-1) if call.static.gate is Gate.HEAD else dg

@@ -18,7 +18,8 @@ with T. Products run on the MXU with bf16 operands for bf16 inputs and float32 a
 tests, forward and backward): float32, bfloat16 and float16 inputs (float16 is upcast to
 float32: TPUs have no float16 matmul); no decay, per head (`g` per head, `g_gamma`), per key
 channel (`g` per channel, `gk`) and their sums, not `gv`; head dims K, V ∈ {64, 128, 256};
-packed `cu_seqlens`, `reverse`, initial states, any T; tiles C = 128, c = 16,
+packed `cu_seqlens`, `reverse`, initial states, any T; query/key heads shared by groups of
+value heads (Mamba-2), read unrepeated by the index maps (`_tiles`); tiles C = 128, c = 16,
 BV = min(V, 128); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on a CPU,
 `recurrax compile`); on other generations dispatch runs `chunk`. A chunk of 64 cannot be made legal (the transposed [K, C] blocks need C to
 be a multiple of 128) and is refused at trace time.
@@ -80,8 +81,8 @@ def _generation_refusal(request: Request) -> str | None:
             f"and tested for {GENERATIONS}")
 
 
-SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _head_dims_and_generation)
-INTERPRET_SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, None)
+SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _head_dims_and_generation, shared_query_key=True)
+INTERPRET_SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, None, shared_query_key=True)
 """`recurrent` in interpret mode: the dtypes and gates of `SUPPORT`, any head dims, any device."""
 
 _DELTA_DTYPES = frozenset({"float32", "bfloat16"})

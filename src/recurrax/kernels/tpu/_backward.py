@@ -21,8 +21,8 @@ forward's chunk equations (`_forward`), with ⊙ broadcasting a decay over its a
 and at a sequence's first chunk dS is d(initial state). dq and dk contract over V, so
 each value block writes a partial sum ([nV, B, H, Tp, K]) that the wrapper adds up. The
 kernel also writes, per chunk, the boundary term Σ_V S⁺ ⊙ dS of the gate gradient
-(`recurrax.kernels._driver.gate_gradient`), as a [K, 1] column (a lane reduction; no
-transpose).
+(`recurrax.kernels._driver.gate_gradient`), as a [1, K] row (a lane reduction, turned into a
+row by a masked sublane sum: no transpose; a [K, 1] column would be padded to 128 lanes in HBM).
 
 **Transposes avoided.** The sums over i ≥ j are computed directly in transposed form,
 Pᵀ = k̃ q̃ᵀ and dPᵀ = v doᵀ (`a @ bᵀ` matmuls), and Σ_i q̃_i do_iᵀ reads q in the [K, C]
@@ -119,7 +119,7 @@ def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     q_ref, k_ref, qT_ref, v_ref = refs[:4]
     del refs[:4]
     has_decay = static.gate is not None
-    a_ref, aT_ref = [refs.pop(0) for _ in range(2)] if has_decay else (None, None)
+    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = refs[:8]
     del refs[:8]
     boundary_ref = refs.pop(0) if has_decay else None
@@ -140,10 +140,9 @@ def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
 
     S, dS = states_ref[...], dS_ref[...]
     if boundary_ref is not None:
-        boundary_ref[...] = jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1]
+        boundary_ref[...] = tiles.row_of(jnp.sum(after_ref[...] * dS, axis=1, keepdims=True))  # [1, K]
     q, k, qT, v, do = (tiles.f32(r) for r in (q_ref, k_ref, qT_ref, v_ref, do_ref))
-    a = None if a_ref is None else tiles.f32(a_ref)
-    aT = None if aT_ref is None else tiles.f32(aT_ref)
+    a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:
         C, c = q.shape[0], static.tiles.sub
         a_last = pick_row(a, C - 1)  # [1, K]
@@ -169,7 +168,7 @@ def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
     """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_driver.py`);
     inputs go head-major (float16 upcast), per-value-block partial dq, dk and boundary terms are
-    summed here."""
+    summed here (dq, dk stay per value head: shared query/key heads are summed by the driver)."""
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
     s = tiles.shapes_of(q, v, static)
@@ -179,7 +178,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     has_decay = static.gate is not None
 
     inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(q), tiles.head_major(v)]
-    in_specs = [specs.rows(s.K), specs.rows(s.K), specs.cols(s.K), specs.rows_v()]
+    in_specs = [specs.qk_rows(), specs.qk_rows(), specs.qk_cols(), specs.rows_v()]
     inputs += tiles.decay_layouts(a, static.gate)
     in_specs += specs.decay(static.gate)
     inputs += [tiles.head_major(do), states, h_T.astype(F32), dh_T.astype(F32)]
@@ -193,8 +192,8 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
         output_type((R, s.H, s.K, s.V), F32, q),
     ]
     if has_decay:
-        out_specs.append(specs.partial_column())
-        out_shape.append(output_type((s.nV, s.B, s.H, s.N, s.K, 1), F32, q))
+        out_specs.append(specs.partial_row())  # a row: a [K, 1] column is padded to 128 lanes in HBM
+        out_shape.append(output_type((s.nV, s.B, s.H, s.N, 1, s.K), F32, q))
     scratch = [pltpu.VMEM((s.K, s.BV), F32), pltpu.VMEM((s.K, s.BV), F32)]  # dS, S⁺
     dq, dk, dv, dh0, *boundary = pl.pallas_call(
         functools.partial(_backward_kernel, static=static, specs=specs),
@@ -205,5 +204,5 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
         name="recurrax_tpu_chunk_bwd",
     )(*(([meta] if meta is not None else []) + inputs))
     dq, dk = (tiles.token_major(x.sum(0)) for x in (dq, dk))
-    boundary = boundary[0].sum(0)[..., 0] if boundary else None
+    boundary = boundary[0].sum(0)[..., 0, :] if boundary else None
     return dq, dk, tiles.token_major(dv), dh0, boundary

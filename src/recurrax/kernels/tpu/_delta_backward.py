@@ -163,7 +163,7 @@ def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref = refs[:6]
     del refs[:6]
     has_decay = static.gate is not None
-    decay_refs = [refs.pop(0) for _ in range(2)] if has_decay else None
+    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
     do_ref, states_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dh0_ref = refs[:8]
     del refs[:8]
     da_ref = refs.pop(0) if has_decay else None
@@ -179,7 +179,7 @@ def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     def _():
         dE_ref[...] = dhT_ref[...].astype(F32)
 
-    decay = None if decay_refs is None else tuple(tiles.f32(r) for r in decay_refs)
+    decay = tiles.read_decay(decay_refs, static.gate)
     q, k, qT, kT, v, beta, do = (tiles.f32(r) for r in (q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref, do_ref))
     dq, dk, dv, d_beta, da, dS_entering = delta_chunk_bwd(
         q, k, qT, kT, v, beta, decay, states_ref[...], do, dE_ref[...], gate=static.gate, c=static.tiles.sub,

@@ -176,7 +176,7 @@ def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
     k_ref, kT_ref, v_ref, beta_ref = refs[:4]
     del refs[:4]
-    decay_refs = [refs.pop(0) for _ in range(2)] if static.gate is not None else None
+    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
     h0_ref = refs.pop(0)
     o_ref = refs.pop(0) if emit_output else None
     hT_ref = refs.pop(0)
@@ -196,7 +196,7 @@ def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_
     S = S_ref[...]
     if emit_states:
         states_ref[...] = S
-    decay = None if decay_refs is None else tuple(tiles.f32(r) for r in decay_refs)
+    decay = tiles.read_decay(decay_refs, static.gate)
     q = None if q_ref is None else tiles.f32(q_ref)
     k, kT, v, beta = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref, beta_ref))
     o, S_next = delta_chunk(q, k, kT, v, beta, decay, S, gate=static.gate, c=static.tiles.sub,

@@ -113,7 +113,7 @@ def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
     k_ref, kT_ref, v_ref = refs[:3]
     del refs[:3]
-    decay_refs = [refs.pop(0) for _ in range(2)] if static.gate is not None else [None, None]
+    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
     h0_ref = refs.pop(0)
     o_ref = refs.pop(0) if emit_output else None
     hT_ref = refs.pop(0)
@@ -136,9 +136,7 @@ def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output
         states_ref[...] = S
     q = None if q_ref is None else tiles.f32(q_ref)
     k, kT, v = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref))
-    a_ref, aT_ref = decay_refs
-    a = None if a_ref is None else tiles.f32(a_ref)
-    aT = None if aT_ref is None else tiles.f32(aT_ref)
+    a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:
         c = static.tiles.sub
         S_next = key_chunk(q, k, kT, v, a, aT, S, o_ref, c=c, scale=static.scale, dtype=dtype)
@@ -167,9 +165,9 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_outpu
     R = h0.shape[0]
 
     inputs = [tiles.head_major(q)] if emit_output else []
-    in_specs = [specs.rows(s.K)] if emit_output else []
+    in_specs = [specs.qk_rows()] if emit_output else []
     inputs += [tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v)]
-    in_specs += [specs.rows(s.K), specs.cols(s.K), specs.rows_v()]
+    in_specs += [specs.qk_rows(), specs.qk_cols(), specs.rows_v()]
     inputs += tiles.decay_layouts(a, static.gate)
     in_specs += specs.decay(static.gate)
     inputs.append(h0.astype(F32))

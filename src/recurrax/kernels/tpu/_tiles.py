@@ -2,7 +2,8 @@
 
 | symbol | meaning                                                               |
 |--------|-----------------------------------------------------------------------|
-| B, H   | batch rows, heads (grouped heads already expanded)                    |
+| B, H   | batch rows, heads (grouped key/value heads already expanded)          |
+| G      | query/key heads: H, or fewer shared by groups of H / G value heads    |
 | Tp, N  | tokens padded to a multiple of C; chunks per row, N = Tp / C          |
 | K, V   | key/query and value head dimensions                                   |
 | C, c   | chunk length (one grid step), sub-block length (per-channel decays)   |
@@ -19,12 +20,19 @@ types) and D is the whole head dimension.
 two forms JAX's own TPU attention kernels use). The chunk-state updates need `kᵀ v` and
 `qᵀ do`, contractions over the token axis, so k and q (and a per-channel decay) are also
 passed transposed, [B, H, D, Tp], as [D, C] blocks: legal when C is a multiple of 128 or
-the whole padded length. A per-head decay comes both as a column [B, H, Tp, 1] (scales
-rows) and a row [B, H, 1, Tp] (scales columns), so the [C, C] decay matrix is a plain
-broadcast difference. Products whose natural form has a transposed operand are computed
+the whole padded length. A per-head decay comes as a row [B, H, 1, Tp] (scales columns);
+its [C, 1] column (scales rows) is formed in VMEM by a masked lane sum (`column_of`), so the
+[C, C] decay matrix is a plain broadcast difference. (Arrays whose minor dimension is 1 are
+kept out of HBM: TPU layouts pad the minor dimension to 128 lanes, so a [B, H, Tp, 1]
+column would take as many bytes as a [B, H, Tp, 128] array.) Products whose natural form has a transposed operand are computed
 transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or columns (an
 anchor, the chunk's last decay) are taken by masked sums (`pick_row`, `pick_col`), and
 sub-block slices start at multiples of c = 16, so no slice needs a sublane shift.
+
+**Shared query/key heads** (Mamba-2's layout, G < H): q and k keep their G heads; value
+head h reads query/key head h // (H / G) through the index maps of their blocks (`qk_rows`,
+`qk_cols`), so no per-value-head copy of them is made. dq and dk are written per value head
+(each head's share; the driver sums the groups after the gate gradient has read them).
 
 **Grid.** (b, h, value block j, chunk n), the chunk axis last and sequential ("arbitrary"):
 the state lives in a VMEM scratch across it, so VMEM use does not grow with T. The
@@ -103,6 +111,12 @@ class Shapes:
     BV: int
     C: int
     c: int
+    G: int | None = None  # query/key heads (None: H)
+
+    @property
+    def groups(self) -> int:
+        """Value heads per query/key head."""
+        return 1 if self.G is None else self.H // self.G
 
     @property
     def N(self) -> int:
@@ -114,15 +128,15 @@ class Shapes:
 
 
 def shapes_of(q, v, static: KernelConfig) -> Shapes:
-    B, Tp, H, K = q.shape
-    V = v.shape[-1]
-    return Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub)
+    B, Tp, G, K = q.shape
+    H, V = v.shape[-2:]
+    return Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G)
 
 
 def mosaic_problems(s: Shapes, dtype) -> list[str]:
     """Why these tiles are not legal Mosaic TPU blocks (empty when they are).
 
-    Blocks are [C, K], [C, BV], [K, C], [C, 1], [1, C], [K, BV], [K, 1]: the second-minor
+    Blocks are [C, K], [C, BV], [K, C], [1, C], [K, BV], [1, K]: the second-minor
     block dim must be a multiple of 8 (16 for 16-bit inputs) or the full dimension, the
     minor one a multiple of 128 or the full dimension.
     """
@@ -178,11 +192,11 @@ def token_major(x):
 
 
 def decay_layouts(a, gate: Gate) -> tuple:
-    """The decay as the kernels read it: per head (column [B, H, Tp, 1], row [B, H, 1, Tp]);
-    per channel (head-major [B, H, Tp, K], transposed [B, H, K, Tp]); none: ()."""
+    """The decay as the kernels read it: per head, the row [B, H, 1, Tp] only (the column is
+    formed in VMEM, `read_decay`: in HBM a [B, H, Tp, 1] column is padded to 128 lanes, 128
+    times its size); per channel (head-major [B, H, Tp, K], transposed [B, H, K, Tp]); none: ()."""
     if gate is Gate.HEAD:
-        a = jnp.transpose(a, (0, 2, 1))  # [B, H, Tp]
-        return a[..., None], a[:, :, None, :]
+        return (jnp.transpose(a, (0, 2, 1))[:, :, None, :],)
     if gate is Gate.KEY:
         return head_major(a), head_major_t(a)
     return ()
@@ -219,6 +233,18 @@ class Specs:
     def rows(self, width: int):  # [B, H, Tp, width] -> [C, width], width the whole last dim
         return _block_spec((None, None, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
 
+    def qk_head(self, h):
+        """The query/key head value head h reads (h ≥ 0: truncating division is floor)."""
+        return h if self.s.groups == 1 else lax.div(h, jnp.int32(self.s.groups))
+
+    def qk_rows(self):  # [B, G, Tp, K] -> [C, K] of value head h's query/key head
+        return _block_spec((None, None, self.s.C, self.s.K),
+                           lambda b, h, j, n, *m: (b, self.qk_head(h), self.chunk(n), 0))
+
+    def qk_cols(self):  # [B, G, K, Tp] -> [K, C] of value head h's query/key head
+        return _block_spec((None, None, self.s.K, self.s.C),
+                           lambda b, h, j, n, *m: (b, self.qk_head(h), 0, self.chunk(n)))
+
     def rows_v(self):  # [B, H, Tp, V] -> [C, BV]
         return _block_spec((None, None, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
 
@@ -239,14 +265,14 @@ class Specs:
         width = self.s.K if width is None else width
         return _block_spec((None, None, None, self.s.C, width), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
 
-    def partial_column(self):  # [nV, B, H, N, K, 1] -> [K, 1] of this chunk and value block
+    def partial_row(self):  # [nV, B, H, N, 1, K] -> [1, K] of this chunk and value block
         return _block_spec(
-            (None, None, None, None, self.s.K, 1), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
+            (None, None, None, None, 1, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
         )
 
     def decay(self, gate: Gate) -> list:
         if gate is Gate.HEAD:
-            return [self.rows(1), self.cols(1)]
+            return [self.cols(1)]
         if gate is Gate.KEY:
             return [self.rows(self.s.K), self.cols(self.s.K)]
         return []
@@ -323,3 +349,24 @@ def pick_col(x, j):
 
 def f32(ref):
     return ref[...].astype(F32)
+
+
+def column_of(row):
+    """A [1, C] row as a [C, 1] column, by a masked lane sum (exact: the other terms are 0)."""
+    C = row.shape[1]
+    return jnp.sum(jnp.where(iota((C, C), 0) == iota((C, C), 1), row, 0.0), axis=1, keepdims=True)
+
+
+def row_of(column):
+    """A [K, 1] column as a [1, K] row, by a masked sublane sum (exact, as `column_of`)."""
+    K = column.shape[0]
+    return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), column, 0.0), axis=0, keepdims=True)
+
+
+def read_decay(refs: list, gate: Gate | None) -> tuple | None:
+    """One chunk's decay as the kernels use it, from the refs of `Specs.decay(gate)`: per
+    head (column [C, 1], row [1, C]), per channel ([C, K], [K, C]); None without decay."""
+    if gate is None:
+        return None
+    decay = tuple(f32(r) for r in refs)
+    return (column_of(decay[0]), decay[0]) if gate is Gate.HEAD else decay
