@@ -146,6 +146,41 @@ def test_packed_matches_single_device(case, split):
     assert_sharded_matches(case, split)
 
 
+SHARED_QK = dict(T=16, K=4, V=3)
+SHARED = [
+    # Mamba-2's layout: one query/key head shared by every value head, kept shared in the shards
+    (Case(**SHARED_QK, Hqk=1, H=4, gates=("g_head",)), Split(4)),
+    # two shared heads split over the head axis alongside their value heads; packed, reversed
+    (Case(**SHARED_QK, Hqk=2, H=4, gates=("g_head", "g_gamma"), cu_seqlens=(0, 3, 3, 11, 16), reverse=True),
+     Split(2, head=2)),
+    # one shared head cannot be split over two head shards, and per-channel decays: repeated first
+    (Case(**SHARED_QK, Hqk=1, H=4, gates=("g_head",)), Split(2, head=2)),
+    (Case(**SHARED_QK, Hqk=1, H=2, gates=("g_channel", "gv")), Split(4)),
+]
+
+
+@pytest.mark.parametrize(("case", "split"), SHARED, ids=lambda x: str(x) if isinstance(x, Split) else None)
+def test_shared_query_key_matches_single_device(case, split):
+    assert_sharded_matches(case, split)
+
+
+def _shard_map_query_heads(case: Case, split: Split) -> int:
+    """The head count of the query each shard receives (the shard_map's first operand)."""
+    arrays, static = split_args(make_inputs(case))
+    mesh = split.mesh()
+    jaxpr = jax.make_jaxpr(lambda kw: parallel.recurrent(**kw, **static, mesh=mesh, **split.axes()))(arrays)
+    (shard_map,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
+    return shard_map.invars[0].aval.shape[2]
+
+
+def test_shared_query_key_is_not_repeated_over_the_mesh():
+    """A query shared by every value head reaches the shards with its one head (the local
+    algorithm reads it shared); where the head axis cannot split it, it is repeated."""
+    case = Case(**SHARED_QK, Hqk=1, H=4, gates=("g_head",))
+    assert _shard_map_query_heads(case, Split(4)) == 1
+    assert _shard_map_query_heads(case, Split(2, head=2)) == 4
+
+
 @pytest.mark.parametrize("gate_low", [-1e4, pytest.param(-1.0, marks=slow)])
 def test_float32(gate_low):
     """Strong decays (down to -1e4 per token) stay finite; float32 meets its tolerance.

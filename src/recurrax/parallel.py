@@ -100,8 +100,8 @@ class MeshAxes:
 
 
 def _check_divisible(problem: Problem, mesh: Any, axes: MeshAxes) -> None:
-    """Each split axis must divide evenly: no padding is done."""
-    B, T, H, _ = problem.query.shape
+    """Each split axis must divide evenly: no padding is done (H: the value heads)."""
+    (B, T), H = problem.query.shape[:2], problem.value.shape[2]
     if T % axes.shards:
         what = "total_tokens" if problem.cu_seqlens is not None else "seq_len"
         raise ValueError(
@@ -198,18 +198,25 @@ def correction(
     """s · ((q_t ⊙ e^{α_t})ᵀ h_p) ⊙ e^{β_t}: what the incoming state adds to each output.
 
     **Arguments:**
-    - `query`: the shard's queries.
+    - `query`: the shard's queries, [B, L, G, K]: G = H, or query heads shared by groups of
+      value heads (then the key-side decay is per head, a factor of each output row:
+      e^{α_t} (q_tᵀ h_p), and the shared query is never repeated).
     - `decays`: the shard's cumulative decays α, β.
     - `incoming`: h_p.
     - `scale`: the softmax scale s.
     - `reached`: tokens the incoming state reaches (packed input); None for all of them.
     """
+    (B, L, G, K), (H, V) = query.shape, incoming.shape[-3::2]
     query = query.astype(incoming.dtype)
-    if decays.key is not None:
+    per_channel = decays.key is not None and decays.key.shape[-1] > 1
+    if per_channel:
         query = query * jnp.exp(decays.key)
     if reached is not None:
         query = jnp.where(reached[None, :, None, None], query, jnp.zeros_like(query))
-    output = scale * jnp.einsum("blhk,bhkv->blhv", query, incoming)
+    by_group = incoming.reshape(B, G, H // G, K, V)
+    output = scale * jnp.einsum("blgk,bgrkv->blgrv", query, by_group).reshape(B, L, H, V)
+    if decays.key is not None and not per_channel:
+        output = output * jnp.exp(decays.key)
     return output if decays.value is None else output * jnp.exp(decays.value)
 
 
@@ -370,6 +377,16 @@ def _shard_map(fn, mesh, in_specs, out_specs):
     return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
+def _shared_or_expanded(problem: Problem, mesh: Any, axes: MeshAxes) -> Problem:
+    """Query and key shared by groups of value heads stay shared (each shard holds its G heads,
+    the local algorithm reads them as it does unsharded), unless `head_axis` cannot split them
+    alongside the value heads or the key-side decay is per channel (`correction` then needs a
+    query per value head): then they are repeated to every value head."""
+    heads = problem.query.shape[2]
+    splits = axes.head is None or heads % mesh.shape[axes.head] == 0
+    return problem if splits and problem.log_decay_key is None else problem.expanded()
+
+
 def _explicit(mesh: Any) -> bool:
     return any("explicit" in str(kind).lower() for kind in getattr(mesh, "axis_types", ()) or ())
 
@@ -446,7 +463,7 @@ def _sharded(
     problem, config, layout = canonicalize(
         query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
     )
-    problem = problem.expanded()  # shards hold every head's query and key
+    problem = _shared_or_expanded(problem, mesh, axes)
     _check_divisible(problem, mesh, axes)
     local_request = dataclasses.replace(Request.of(problem), seq_len=problem.query.shape[1] // axes.shards)
     impl = kernel_registry.get(implementation, local_request)

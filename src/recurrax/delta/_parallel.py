@@ -281,7 +281,7 @@ def _sharded(
         query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
     )
     algorithm = kernel_registry.get(implementation, Request.of(problem)).fn
-    _check_divisible(problem._replace(query=problem.value), mesh, axes)  # reads B, T, H (value heads)
+    _check_divisible(problem, mesh, axes)
     problem = _heads_split_evenly(problem, mesh, axes)
     plan = DeltaPlan(algorithm, float(scale), axes)
 
