@@ -12,10 +12,12 @@ Measured, float32, the default implementation of each side (`chunk` on a CPU):
   (fwd+bwd) and of `jit(recurrent)` (fwd), at B = 2, T = 2048, H = 8, K = V = 64;
 - memory: `memory_analysis().temp_size_in_bytes` of the compiled fwd+bwd at B = 1,
   T = 16,384, H = 4, K = V = 64 (deterministic for a given JAX: measured once per side);
-per gate kind: `g` per head, `gk` per key channel, `none`, `gk+gv`; and `short_conv` (not in
-the default set): `recurrax.nn.ShortConvolution` (4 taps, SiLU) over the same B and T with
+per gate kind: `g` per head, `gk` per key channel, `none`, `gk+gv`; and, not in the default
+set, `short_conv`: `recurrax.nn.ShortConvolution` (4 taps, SiLU) over the same B and T with
 C = H·(2K + V) channels, a layer's q, k, v convolution (fwd+bwd: the gradients of <y, dy> for
-the input and kernel; it needs flax). `--quick` shrinks both
+the input and kernel; it needs flax), and `shared_qk_parallel`: Mamba-2's layout (one
+query/key head shared by the H value heads, `g` per head) through `recurrax.parallel.recurrent`
+with the tokens split over 2 host CPU devices (`sequence` axis). `--quick` shrinks both
 shapes to a few hundred tokens (a smoke run of the tool itself, not a measurement).
 
 The report (markdown, printed and written to `--out`) gives each side's median over the
@@ -38,7 +40,9 @@ import time
 from pathlib import Path
 
 GATES = ("g", "gk", "none", "gk+gv")
-WORKLOADS = (*GATES, "short_conv")
+WORKLOADS = (*GATES, "short_conv", "shared_qk_parallel")
+HOST_DEVICES = {"shared_qk_parallel": 2}
+"""Workloads run on a mesh of host CPU devices: how many (XLA_FLAGS of the child)."""
 TIME_SHAPE = dict(B=2, T=2048, H=8, K=64, V=64)
 MEMORY_SHAPE = dict(B=1, T=16384, H=4, K=64, V=64)
 QUICK_SHAPE = dict(B=1, T=256, H=2, K=16, V=16)
@@ -63,18 +67,36 @@ def _inputs(gate: str, B: int, T: int, H: int, K: int, V: int):
     return (q, k, v, gates), (d_output, d_final)
 
 
-def _programs():
+def _programs(operation=None):
     import jax
     import jax.numpy as jnp
 
     import recurrax
 
+    operation = operation or recurrax.recurrent
+
     def loss(q, k, v, gates, d_output, d_final):
-        output, final = recurrax.recurrent(q, k, v, **gates)
+        output, final = operation(q, k, v, **gates)
         return jnp.sum(output * d_output) + jnp.sum(final * d_final)
 
-    forward = jax.jit(lambda q, k, v, gates: recurrax.recurrent(q, k, v, **gates))
+    forward = jax.jit(lambda q, k, v, gates: operation(q, k, v, **gates))
     return forward, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _shared_inputs(gate: str, B: int, T: int, H: int, K: int, V: int):
+    (q, k, v, gates), cotangents = _inputs("g", B, T, H, K, V)
+    return (q[:, :, :1], k[:, :, :1], v, gates), cotangents
+
+
+def _shared_programs():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from recurrax import parallel
+
+    mesh = Mesh(np.array(jax.devices()[:HOST_DEVICES["shared_qk_parallel"]]), ("sequence",))
+    return _programs(lambda q, k, v, **gates: parallel.recurrent(q, k, v, **gates, mesh=mesh, sequence_axis="sequence"))
 
 
 def _median_seconds(fn, args, repeats: int) -> float:
@@ -119,7 +141,8 @@ def _conv_programs():
 
 def child(gate: str, repeats: int, quick: bool) -> dict:
     """One side's measurements of one workload (run in a child process)."""
-    programs, inputs = (_conv_programs, _conv_inputs) if gate == "short_conv" else (_programs, _inputs)
+    programs, inputs = {"short_conv": (_conv_programs, _conv_inputs),
+                        "shared_qk_parallel": (_shared_programs, _shared_inputs)}.get(gate, (_programs, _inputs))
     forward, gradient = programs()
     arrays, cotangents = inputs(gate, **(QUICK_SHAPE if quick else TIME_SHAPE))
     result = {"fwd_ms": 1e3 * _median_seconds(forward, arrays, repeats),
@@ -146,6 +169,8 @@ def _extract(revision: str, into: Path) -> Path:
 
 def _run_side(source: Path, gate: str, repeats: int, quick: bool) -> dict:
     environment = dict(os.environ, PYTHONPATH=str(source), JAX_PLATFORMS="cpu")
+    if gate in HOST_DEVICES:
+        environment["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={HOST_DEVICES[gate]}"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", gate, "--repeats", str(repeats)]
     command += ["--quick"] if quick else []
     done = subprocess.run(command, env=environment, check=True, capture_output=True, text=True)

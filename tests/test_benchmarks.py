@@ -51,9 +51,11 @@ def test_ab_runs_both_sides_and_reports_ratios(tmp_path):
     if subprocess.run(["git", "-C", str(repository), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     out = tmp_path / "ab.md"
-    assert ab.main(["--against", "HEAD", "--quick", "--rounds", "1", "--repeats", "1", "--gates", "g", "--out", str(out)]) == 0
+    gates = "g,shared_qk_parallel"  # the second on a mesh of 2 host devices (the child's XLA_FLAGS)
+    assert ab.main(["--against", "HEAD", "--quick", "--rounds", "1", "--repeats", "1", "--gates", gates, "--out", str(out)]) == 0
     report = out.read_text()
     assert "| g | fwd+bwd (ms) |" in report and "| g | temp (MiB) |" in report
+    assert "| shared_qk_parallel | fwd+bwd (ms) |" in report
     with pytest.raises(SystemExit):
         ab.main(["--against", "HEAD", "--gates", "bogus"])
 
@@ -129,3 +131,26 @@ def test_qwen3_5_tiny_run_without_transformers(tmp_path):
     assert "| decode batch 64, tokens/s" in report and "| delta rule |" in report
     assert float(re.search(r"recurrax float32 vs recurrax float64 (\S+)\.", report)[1]) < 1e-4
     assert "recurrax over its floor: prefill" in report
+
+
+def _memory_row(layers: int, peak_gib: float, tokens: int = 131072) -> dict:
+    GiB = 2**30
+    return dict(model="Mamba-2 1.3B", slice="v5e-8", layout="data=1,sequence=8", remat="block", tokens=tokens,
+                layers=layers, full_depth=48, chips=8, hbm=16 * GiB, count=layers * 10**7, params=0, opt=0,
+                arguments=GiB, outputs=GiB, aliased=GiB, temp=round((peak_gib - 1) * GiB), peak=round(peak_gib * GiB),
+                seconds=1.0)
+
+
+def test_long_context_reports_a_full_depth_compile_over_its_estimate():
+    """`benchmarks/long_context.py`: where the whole model compiled, the tables report that
+    compile and not the line through the two cut depths (shown beside it as a check); where it
+    did not, the estimate stands in."""
+    long_context = pytest.importorskip("long_context")  # needs flax and optax
+    rows = [_memory_row(2, 8.0), _memory_row(4, 8.5), _memory_row(48, 14.0),
+            _memory_row(2, 6.0, 32768), _memory_row(4, 6.5, 32768)]
+    assert [r["tokens"] for r in long_context.estimates(rows)] == [32768]
+    chosen = {r["tokens"]: r for r in long_context.best([*rows, *long_context.estimates(rows)])}
+    assert chosen[131072]["peak"] == 14 * 2**30 and "basis" not in chosen[131072]
+    assert chosen[32768]["basis"] == "2 and 4 layers" and chosen[32768]["peak"] == round(17.5 * 2**30)
+    text = "\n".join(long_context.extrapolation(rows))
+    assert "131,072 tokens: estimated 19.50 GiB from 2 and 4 layers, compiled 14.00 GiB" in text
