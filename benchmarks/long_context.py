@@ -56,7 +56,6 @@ import recurrax.nn as rnn  # noqa: E402
 from recurrax import targets  # noqa: E402
 from recurrax.nn.pretrained import CausalLM  # noqa: E402
 
-from sharded_memory import example, shard_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30
@@ -119,6 +118,8 @@ def measure(name: str, config: dict, slice_name: str, layout: str, remat: str | 
             layers: int | None = None) -> dict:
     """Compile one training step for `layout` on the slice and read its memory per chip (with
     `layers`, the model cut to that many layers)."""
+    from sharded_memory import example, shard_bytes  # here: it sets jax_num_cpu_devices on import
+
     full_depth = config["num_hidden_layers"]
     config = dict(config, num_hidden_layers=layers or full_depth)
     train = example()
@@ -212,11 +213,14 @@ def run_case(case, args) -> dict | None:
     name, slice_name, layout, remat, length, layers = case
     command = [sys.executable, __file__, "--case", json.dumps(case)]
     command += ["--tiny"] if args.tiny else []
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(done.stderr)
     if done.returncode:
-        print(f"{case}: failed (exit {done.returncode})", file=sys.stderr, flush=True)
+        errors = [line for line in done.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
+        reason = f"exit {done.returncode}" + (f": `{errors[-1][:300].replace('|', '/')}`" if errors else "")
+        print(f"{case}: failed ({reason})", file=sys.stderr, flush=True)
         return dict(model=name, slice=slice_name, layout=layout, remat=remat or "none", tokens=length,
-                    layers=layers, failed=f"exit {done.returncode}")
+                    layers=layers, failed=reason, compiler_options=targets.TPU_TRAINING_OPTIONS)
     row = json.loads(done.stdout.splitlines()[-1])
     if "failed" in row:
         print(f"{case}: {row['failed']}", file=sys.stderr, flush=True)
