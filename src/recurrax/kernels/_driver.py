@@ -103,9 +103,10 @@ class PallasBackend:
     - `backward(q, k, v, a, do, states, h_T, dh_T, table, *, static)`: `(dq, dk, dv, dh0,
       boundary)`, float32: dq and dk [B, Tp, H, K] with respect to each value head's q and k
       (summed over value blocks; with shared query/key heads, q and k [B, Tp, G, K], each
-      value head's share, which the driver sums over the groups), dv [B, Tp, H, V], dh0 [R, H, K, V] (packed: written only for sequences that own
-      a chunk), and `boundary` [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the
-      gate gradient's carry (`gate_gradient`; None without decay).
+      value head's share, which the driver sums over the groups), dv [B, Tp, H, V], dh0
+      [R, H, K, V] (packed: written only for sequences that own a chunk), and `boundary`
+      [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the gate gradient's carry
+      (`gate_gradient`; None without decay).
     - `chip_tiles(problem)`: the tiles of a call on the backend's chip.
     - `interpret_tiles`: the tiles in interpret mode unless a call names its own.
     - `chunk`: the chunk length where the backend fixes it; None: the tiles' `chunk`.

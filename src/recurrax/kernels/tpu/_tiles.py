@@ -24,10 +24,11 @@ the whole padded length. A per-head decay comes as a row [B, H, 1, Tp] (scales c
 its [C, 1] column (scales rows) is formed in VMEM by a masked lane sum (`column_of`), so the
 [C, C] decay matrix is a plain broadcast difference. (Arrays whose minor dimension is 1 are
 kept out of HBM: TPU layouts pad the minor dimension to 128 lanes, so a [B, H, Tp, 1]
-column would take as many bytes as a [B, H, Tp, 128] array.) Products whose natural form has a transposed operand are computed
-transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or columns (an
-anchor, the chunk's last decay) are taken by masked sums (`pick_row`, `pick_col`), and
-sub-block slices start at multiples of c = 16, so no slice needs a sublane shift.
+column would take as many bytes as a [B, H, Tp, 128] array.) Products whose natural form has
+a transposed operand are computed transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from
+P). Single rows or columns (an anchor, the chunk's last decay) are taken by masked sums
+(`pick_row`, `pick_col`), and sub-block slices start at multiples of c = 16, so no slice
+needs a sublane shift.
 
 **Shared query/key heads** (Mamba-2's layout, G < H): q and k keep their G heads; value
 head h reads query/key head h // (H / G) through the index maps of their blocks (`qk_rows`,
