@@ -382,9 +382,13 @@ def _shared_or_expanded(problem: Problem, mesh: Any, axes: MeshAxes) -> Problem:
     the local algorithm reads them as it does unsharded), unless `head_axis` cannot split them
     alongside the value heads or the key-side decay is per channel (`correction` then needs a
     query per value head): then they are repeated to every value head."""
-    heads = problem.query.shape[2]
-    splits = axes.head is None or heads % mesh.shape[axes.head] == 0
-    return problem if splits and problem.log_decay_key is None else problem.expanded()
+    keep = head_axis_splits(problem.query.shape[2], mesh, axes) and problem.log_decay_key is None
+    return problem if keep else problem.expanded()
+
+
+def head_axis_splits(heads: int, mesh: Any, axes: MeshAxes) -> bool:
+    """Whether `head_axis` (if any) splits `heads` query/key heads evenly alongside the value heads."""
+    return axes.head is None or heads % mesh.shape[axes.head] == 0
 
 
 def _explicit(mesh: Any) -> bool:

@@ -59,7 +59,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._eager import cached_when_eager
 from ..chunk._intra import dot
-from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map
+from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map, head_axis_splits
 from ..problem import check_values
 from ..registry import Request
 from ._api import _packed_tokens
@@ -199,7 +199,7 @@ def _heads_split_evenly(problem: DeltaProblem, mesh: Any, axes: MeshAxes) -> Del
     """Query and key repeated to every value head when `head_axis` cannot split their heads
     alongside the value heads (their count not divisible by its size); unchanged otherwise."""
     heads = problem.query.shape[2]
-    if axes.head is None or heads % mesh.shape[axes.head] == 0:
+    if head_axis_splits(heads, mesh, axes):
         return problem
     groups = problem.value.shape[2] // heads
     repeat = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731

@@ -295,11 +295,17 @@ def chunk_local_cumsum(g, chunk: int):
     return jnp.cumsum(blocks, axis=2).reshape(g.shape)
 
 
+def by_group(x, qk_heads: int):
+    """Per-value-head [B, Tp, H, K] as [B, Tp, G, H / G, K], by the G = `qk_heads` query/key
+    heads the value heads share."""
+    B, Tp, H, K = x.shape
+    return x.reshape(B, Tp, qk_heads, H // qk_heads, K)
+
+
 def sum_groups(x, qk_heads: int):
     """Per-value-head gradients [B, Tp, H, K] summed over the groups sharing each of the
     `qk_heads` query/key heads: [B, Tp, G, K] (unchanged when G = H)."""
-    B, Tp, H, K = x.shape
-    return x if qk_heads == H else x.reshape(B, Tp, qk_heads, H // qk_heads, K).sum(3)
+    return x if qk_heads == x.shape[2] else by_group(x, qk_heads).sum(3)
 
 
 def gate_gradient(q, k, dq, dk, boundary, call: KernelCall):
@@ -313,9 +319,8 @@ def gate_gradient(q, k, dq, dk, boundary, call: KernelCall):
     """
     B, Tp, H, K = dq.shape
     C, G = call.chunk, q.shape[2]
-    grouped = lambda x: x.reshape(B, Tp, G, H // G, K)  # noqa: E731
     shared = lambda x: x.astype(F32)[:, :, :, None, :]  # [B, Tp, G, 1, K]: broadcast, not copied  # noqa: E731
-    dB = (shared(q) * grouped(dq) - shared(k) * grouped(dk)).reshape(B, Tp, H, K)
+    dB = (shared(q) * by_group(dq, G) - shared(k) * by_group(dk, G)).reshape(B, Tp, H, K)
     within = lax.cumsum(dB.reshape(B, Tp // C, C, H, K), axis=2, reverse=True)  # Σ_{t ≤ s < chunk end}
     dg = (within + jnp.transpose(boundary, (0, 2, 1, 3))[:, :, None]).reshape(B, Tp, H, K)
     return dg.sum(-1) if call.static.gate is Gate.HEAD else dg
