@@ -26,9 +26,14 @@ from _tiny_checkpoint import write_checkpoint  # noqa: E402
 from recurrax.nn.pretrained import from_pretrained, generate_text, load_tokenizer  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-SLOTS, MAX_QUEUE, MAX_MODEL_LEN = 8, 64, 4096
+SLOTS, MAX_QUEUE, MAX_MODEL_LEN = 8, 64, 1 << 17
 """The server's pool and queue: 64 concurrent requests fit in the queue alone (however many
-the engine has admitted when the last one comes)."""
+the engine has admitted when the last one comes). The tiny GLA model's cache does not grow
+with the length, so the length is long: a greedy stream of `MAX_MODEL_LEN - 8` tokens on "x"
+(which never ends early) runs for minutes on a CPU, and a test that needs a stream still
+running cannot race its end (a 200-token stream ends in 0.15 s: one that did made
+`test_a_client_that_goes_away_frees_its_slot` fail)."""
+LONG_STREAM = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0, "stream": True}
 WORDS = ["Once upon a time", "The state stays", "你好，世界", "Emoji 🙂 travel", "tiny recurrent model", "é ß ñ"]
 
 
@@ -250,8 +255,8 @@ def wait_until(condition, seconds: float = 30.0) -> bool:
 
 
 def test_a_client_that_goes_away_frees_its_slot(server):
-    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0.7,
-            "stream": True}
+    """The stream could not end by itself within the wait: only the cancellation frees it."""
+    body = {"model": server.model, **LONG_STREAM}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", server.url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -266,8 +271,7 @@ def test_a_full_queue_is_429(server):
     (between MAX_QUEUE and SLOTS + MAX_QUEUE requests in, depending on how many the engine
     had admitted), none of the accepted ones lost; when the clients go away, every slot is
     free again."""
-    body = {"model": server.model, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0,
-            "stream": True}
+    body = {"model": server.model, **LONG_STREAM}
 
     async def flood():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
