@@ -157,29 +157,6 @@ def tiny_model() -> CausalLM:
     return pretrained.load_weights(model, weights)
 
 
-def test_sample_tokens_top_k_top_p_temperature():
-    """Sampling restricted to the top-k / top-p set; greedy at temperature 0 (against numpy)."""
-    from recurrax.nn.pretrained._generate import sample_tokens
-
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 10)) * 2, jnp.float32)
-    keys = jax.random.split(jax.random.key(0), 4)
-    greedy = np.argmax(np.asarray(logits), axis=-1)
-    assert np.array_equal(sample_tokens(logits, keys, temperature=0.0, top_k=None, top_p=None), greedy)
-    assert np.array_equal(sample_tokens(logits, keys, temperature=1.0, top_k=1, top_p=None), greedy)
-    assert np.array_equal(sample_tokens(logits, keys, temperature=1.0, top_k=None, top_p=1e-6), greedy)
-    order = np.argsort(-np.asarray(logits), axis=-1)
-    draw = jax.jit(jax.vmap(lambda k, top_k, top_p: sample_tokens(
-        logits, jax.random.split(k, 4), temperature=2.0, top_k=top_k, top_p=top_p), in_axes=(0, None, None)))
-    many = draw(jax.random.split(jax.random.key(1), 200), 3, 1.0)  # [200, 4]
-    for row in range(4):
-        assert set(np.asarray(many[:, row]).tolist()) == set(order[row, :3].tolist())
-    probs = np.exp(np.asarray(logits, np.float64)[0] / 2.0)
-    probs /= probs.sum()
-    nucleus = order[0, : int(np.searchsorted(np.cumsum(probs[order[0]]), 0.5)) + 1]
-    many = draw(jax.random.split(jax.random.key(2), 200), 10, 0.5)
-    assert set(np.asarray(many[:, 0]).tolist()) == set(nucleus.tolist())
-
-
 def _greedy_by_parallel_forwards(model, prompts, n, repetition_penalty=None):
     """The reference: each next token is the argmax of one parallel forward over everything so
     far (right-padded to one length: a causal model's logits at t ignore what follows t); with

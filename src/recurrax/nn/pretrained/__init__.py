@@ -21,6 +21,7 @@ from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_d
 from ._config import SUPPORTED
 from ._generate import CachedLanguageModel, DecodePool, Sampling, cache_capacity, generate, generate_tokens
 from ._model import CausalLM, ModelCache
+from ._sampling import greedy_tokens, sample_tokens
 from ._sizes import SIZES, from_size, model_from_config, size_config
 from ._text import IncrementalDecoder, TextPieces, TextStream, end_of_sequence_ids, generate_text, stream_text
 from ._tokenizer import Tokenizer, load_tokenizer
@@ -64,10 +65,12 @@ __all__ = [
     "generate",
     "generate_text",
     "generate_tokens",
+    "greedy_tokens",
     "load_tokenizer",
     "load_weights",
     "model_from_config",
     "render_chat",
+    "sample_tokens",
     "save_pretrained",
     "size_config",
     "state_dict",

@@ -76,6 +76,7 @@ from jaxtyping import Array, Float, Int
 from ...problem import runtime_checks_enabled
 from .._sharding import constrain
 from .._tokens import check_token_ids
+from ._sampling import penalize_repetitions, sample_tokens
 
 
 @runtime_checkable
@@ -117,41 +118,6 @@ def check_protocol(model) -> None:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"generate needs a flax.nnx.Module (it splits the model into graph and parameters for "
                         f"jit); {type(model).__name__} is not one")
-
-
-def sample_tokens(logits, keys, *, temperature, top_k, top_p):
-    """One token per row of `logits [P, vocab]`: greedy at temperature 0, else sampled from
-    `softmax(logits / temperature)` restricted to the top-k tokens and the top-p nucleus.
-
-    The three settings may be traced (one compiled decoder serves them all), each a scalar or
-    one value per row `[P]`: `top_k=None` is the whole vocabulary, `top_p=None` is 1 (no
-    nucleus cut).
-    """
-    vocab = logits.shape[-1]
-    column = lambda x: jnp.reshape(jnp.asarray(x), (-1, 1))  # [1 or P, 1]: broadcasts over the vocabulary
-    temperature = column(temperature)
-    top_k = column(vocab if top_k is None else top_k)
-    top_p = column(1.0 if top_p is None else top_p)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    order = jnp.argsort(-scaled, axis=-1)  # best first
-    ranked = jnp.take_along_axis(scaled, order, axis=-1)  # [P, vocab], descending
-    probs = jax.nn.softmax(ranked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
-    rank = jnp.arange(vocab)
-    keep_ranked = (rank < top_k) & ((before < top_p) | (rank == 0) | (top_p >= 1.0))
-    keep = jnp.zeros_like(keep_ranked).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_ranked)
-    sampled = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
-    return jnp.where(temperature[:, 0] > 0, sampled, greedy)
-
-
-def penalize_repetitions(logits, seen, penalty):
-    """`logits [P, vocab]` with the tokens each row has seen (`seen [P, vocab]`, its prompt
-    and its tokens so far) made less likely, as `transformers`' repetition penalty: a seen
-    token's positive logit divided by `penalty`, a negative one multiplied by it (`penalty`
-    > 1 discourages repeats; 1 changes nothing; it may be traced)."""
-    logits = logits.astype(jnp.float32)
-    return jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def seen_in_prompts(tokens, cu_seqlens, rows: int, vocab: int):
