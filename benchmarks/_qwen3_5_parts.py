@@ -9,7 +9,8 @@
 
 Parts, per call: `GDN in_proj` (q/k/v, z, b and a from [B, T, D]); `conv` (depthwise, SiLU,
 over 2·Hk·K + H·V channels, after its buffer); `delta rule` (`delta_rule` for a prefill,
-`delta_rule_step` for one token, q/k L2-normalised inside; β and g given); `GDN out` (the
+`delta_rule_step` for one token, its state donated and each call's new state fed to the next
+as the model's decode step updates its cache in place; q/k L2-normalised inside; β and g given); `GDN out` (the
 gated RMS norm and `out_proj`); `attention` (an attention layer's whole mixer: projections,
 q/k norms, rotary, softmax attention over its KV cache, output gate, `o_proj`); `MLP` (the
 SwiGLU feed-forward); `norms` (a layer's two RMS norms); `head` (final norm and the tied
@@ -25,7 +26,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from _mamba2_parts import _seconds
+from _mamba2_parts import _seconds, _seconds_in_place
 
 
 def part_seconds(model, batch: int, length: int, decode: bool, repeats: int) -> dict[str, float]:
@@ -50,7 +51,9 @@ def part_seconds(model, batch: int, length: int, decode: bool, repeats: int) -> 
         "GDN in_proj": _seconds(mixer, lambda m, x: m._project(x), (x,), repeats),
         "conv": _seconds(mixer, lambda m, x: m.conv1d(x, buffer), (draw(batch, length, sum(mixer.channels)),),
                          repeats),
-        "delta rule": _seconds(mixer, lambda m, *a: m._delta(*a, state, None), (q, k, v, beta, g), repeats),
+        "delta rule": _seconds_in_place(mixer, lambda m, state, *a: m._delta(*a, state, None), (q, k, v, beta, g),
+                                        state, repeats) if decode else
+                      _seconds(mixer, lambda m, *a: m._delta(*a, None, None), (q, k, v, beta, g), repeats),
         "GDN out": _seconds(mixer, lambda m, o, z: m.out_proj(m.norm(o, z).reshape(batch, length, -1)), (o, z),
                             repeats),
     }

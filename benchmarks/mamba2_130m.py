@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from recurrax.chunk import default_tiling
-from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, size_config
+from recurrax.nn.pretrained import CausalLM, from_pretrained, greedy_tokens, save_pretrained, size_config
 from recurrax.tools.bench.machine import machine_description
 
 from _floors import matmul_gflops, read_gbps
@@ -118,7 +118,7 @@ def ours(directory: Path, inputs: dict, repeats: int, decode_steps: int) -> dict
     @functools.partial(jax.jit, donate_argnums=(2,))  # the cache is updated in place, as transformers' is
     def step(state, token, cache):
         logits, cache = nnx.merge(graphdef, state)(token, cache)
-        return jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32), cache
+        return greedy_tokens(logits[:, -1])[:, None], cache  # generate's greedy choice
 
     decode = {}
     for batch in BATCHES:
