@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,22 +99,46 @@ def _accumulator(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+class _Matrix(NamedTuple):
+    """One expert's matrix W (`[in, out]`) as stored: W, or Wᵀ when `transposed` (PyTorch's
+    `[out, in]`), read in place. A product that contracts the stored matrix's minor axis is
+    taken as `(S · Xᵀ)ᵀ` (`_rows_times`): XLA's CPU backend otherwise copies the transposed
+    matrix whole, or multiplies a few rows at a third of the rate (decoding: a block of 8 rows,
+    1024 × 2304 matrices)."""
+
+    stored: Array
+    transposed: bool
+
+    def apply(self, X):
+        """`X W`."""
+        return _rows_times(self.stored, X) if self.transposed else X @ self.stored
+
+    def apply_transpose(self, Y):
+        """`Y Wᵀ`."""
+        return Y @ self.stored if self.transposed else _rows_times(self.stored, Y)
+
+    def gradient(self, X, Y):
+        """`Xᵀ Y` (W's cotangent from a block), in W's stored layout."""
+        return Y.T @ X if self.transposed else X.T @ Y
+
+
+def _rows_times(S, X):
+    """`X Sᵀ` as `(S Xᵀ)ᵀ`: S read row by row; the barrier keeps XLA from turning the product
+    back into `X Sᵀ` (as `recurrax.nn._tied`'s head does)."""
+    return jax.lax.optimization_barrier(jnp.einsum("oi,bi->ob", S, X)).T
+
+
 def _matrices(gate, up, down, e, transposed: bool, dtype):
-    """Expert e's `(Wg [D, F] or None, Wu [D, F], Wd [F, D])`, in `dtype`."""
-    def take(w):
-        if w is None:
-            return None
-        chosen = w[e].astype(dtype)
-        return chosen.T if transposed else chosen
-    return take(gate), take(up), take(down)
+    """Expert e's `(Wg [D, F] or None, Wu [D, F], Wd [F, D])` as `_Matrix`es, in `dtype`."""
+    return tuple(None if w is None else _Matrix(w[e].astype(dtype), transposed) for w in (gate, up, down))
 
 
 def _hidden(X, Wg, Wu, act):
     """`(H, G, U)` of a block's rows (G None without a gate)."""
-    U = X @ Wu
+    U = Wu.apply(X)
     if Wg is None:
         return act(U), None, U
-    G = X @ Wg
+    G = Wg.apply(X)
     return act(G) * U, G, U
 
 
@@ -133,7 +158,7 @@ def _run_forward(act, transposed, block_size, save: bool, x, rows, row_weights, 
             y, *saved = carry
             r = plan.rows[b]
             H, G, U = _hidden(x[r], Wg, Wu, act)
-            O = (H @ Wd) * plan.weights[b][:, None].astype(H.dtype)
+            O = Wd.apply(H) * plan.weights[b][:, None].astype(H.dtype)
             y = y.at[r].add(O.astype(acc))
             if save:
                 saved = [s.at[b].set(a) for s, a in zip(saved, (U,) if G is None else (U, G))]
@@ -169,7 +194,7 @@ def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
     def expert(e, carry):
         x_bar, w_bar, gate_bar, up_bar, down_bar = carry
         Wg, Wu, Wd = _matrices(gate, up, down, e, transposed, x.dtype)
-        sums = vary_over(axes, *(None if W is None else jnp.zeros(W.shape, acc) for W in (Wg, Wu, Wd)))
+        sums = vary_over(axes, *(None if W is None else jnp.zeros(W.stored.shape, acc) for W in (Wg, Wu, Wd)))
 
         def block(b, carry):
             x_bar, w_bar, *sums = carry
@@ -180,24 +205,24 @@ def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
             else:
                 A, act_vjp = jax.vjp(act, saved[1][b])
                 H = A * U
-            O = H @ Wd
+            O = Wd.apply(H)
             w_bar = w_bar.at[b].set(jnp.sum(Y_bar * O, axis=-1).astype(acc))
             O_bar = Y_bar * w[:, None].astype(Y_bar.dtype)
-            H_bar = O_bar @ Wd.T
+            H_bar = Wd.apply_transpose(O_bar)
             if Wg is None:
                 U_bar, G_bar = act_vjp(H_bar)[0], None
             else:
                 U_bar, G_bar = H_bar * A, act_vjp(H_bar * U)[0]
-            X_bar = U_bar @ Wu.T
-            products = (None if G_bar is None else X.T @ G_bar, X.T @ U_bar, H.T @ O_bar)
+            X_bar = Wu.apply_transpose(U_bar)
+            products = (None if G_bar is None else Wg.gradient(X, G_bar), Wu.gradient(X, U_bar), Wd.gradient(H, O_bar))
             if G_bar is not None:
-                X_bar = X_bar + G_bar @ Wg.T
+                X_bar = X_bar + Wg.apply_transpose(G_bar)
             sums = [None if s is None else s + p.astype(acc) for s, p in zip(sums, products)]
             x_bar = x_bar.at[r].add(X_bar.astype(acc))
             return (x_bar, w_bar, *sums)
 
         x_bar, w_bar, *sums = plan.over_blocks(e, block, (x_bar, w_bar, *sums))
-        store = lambda total, s: None if s is None else total.at[e].set(s.T if transposed else s)  # noqa: E731
+        store = lambda total, s: None if s is None else total.at[e].set(s)  # noqa: E731
         return (x_bar, w_bar, store(gate_bar, sums[0]), store(up_bar, sums[1]), store(down_bar, sums[2]))
 
     x_bar, w_bar, gate_bar, up_bar, down_bar = plan.over_experts(expert, carry)
