@@ -17,8 +17,12 @@ set, `short_conv`: `recurrax.nn.ShortConvolution` (4 taps, SiLU) over the same B
 C = H·(2K + V) channels, a layer's q, k, v convolution (fwd+bwd: the gradients of <y, dy> for
 the input and kernel; it needs flax), and `shared_qk_parallel`: Mamba-2's layout (one
 query/key head shared by the H value heads, `g` per head) through `recurrax.parallel.recurrent`
-with the tokens split over 2 host CPU devices (`sequence` axis). `--quick` shrinks both
-shapes to a few hundred tokens (a smoke run of the tool itself, not a measurement).
+with the tokens split over 2 host CPU devices (`sequence` axis), and `decode`: a Qwen3.5-0.8B-
+shaped `recurrax.nn.pretrained.CausalLM` cut to two layers (one Gated DeltaNet, one attention;
+its 248,320-token tied head kept), random weights: its greedy decode step (the model's step,
+the cache donated, and `jnp.argmax`) at batch 1 and 8, and `generate` of 16 tokens for 8
+prompts of 16, greedy and sampled (temperature 1, top-p 0.9), each call whole (prefill, steps,
+token choice). `--quick` shrinks the shapes (a smoke run of the tool itself, not a measurement).
 
 The report (markdown, printed and written to `--out`) gives each side's median over the
 rounds of the per-round medians, the ratio this tree / REV (below 1: this tree is faster or
@@ -40,13 +44,28 @@ import time
 from pathlib import Path
 
 GATES = ("g", "gk", "none", "gk+gv")
-WORKLOADS = (*GATES, "short_conv", "shared_qk_parallel")
+WORKLOADS = (*GATES, "short_conv", "shared_qk_parallel", "decode")
 HOST_DEVICES = {"shared_qk_parallel": 2}
 """Workloads run on a mesh of host CPU devices: how many (XLA_FLAGS of the child)."""
 TIME_SHAPE = dict(B=2, T=2048, H=8, K=64, V=64)
 MEMORY_SHAPE = dict(B=1, T=16384, H=4, K=64, V=64)
 QUICK_SHAPE = dict(B=1, T=256, H=2, K=16, V=16)
 REPOSITORY = Path(__file__).resolve().parent.parent
+DECODE_MODEL = dict(
+    model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320, tie_word_embeddings=True,
+    rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=4096, num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25))
+"""`decode`'s model: Qwen3.5-0.8B's text layer shapes and vocabulary (as `qwen3_5.py`), two layers."""
+QUICK_DECODE_MODEL = {**DECODE_MODEL, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                      "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                      "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 4096}
+METRICS = {"fwd_ms": "fwd (ms)", "fwd_bwd_ms": "fwd+bwd (ms)", "temp_mib": "temp (MiB)",
+           "step_b1_ms": "decode step, batch 1 (ms)", "step_b8_ms": "decode step, batch 8 (ms)",
+           "generate_greedy_ms": "generate 8 × 16, greedy (ms)",
+           "generate_sampled_ms": "generate 8 × 16, top-p 0.9 (ms)"}
 
 
 # ----------------------------------------------------------------------------- the child
@@ -139,8 +158,44 @@ def _conv_programs():
     return jax.jit(convolution), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+def _decode_child(repeats: int, quick: bool) -> dict:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from recurrax.nn.pretrained import CausalLM, generate
+
+    model = CausalLM(QUICK_DECODE_MODEL if quick else DECODE_MODEL, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def step(state, token, cache):
+        logits, cache = nnx.merge(graphdef, state)(token, cache)
+        return jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32), cache
+
+    result = {}
+    for batch in (1, 8):
+        held = [jnp.zeros((batch, 1), jnp.int32), model.init_cache(batch, 64)]
+
+        def one():
+            held[:] = step(state, *held)
+            return held[0]
+
+        result[f"step_b{batch}_ms"] = 1e3 * _median_seconds(one, (), repeats)
+    prompts = np.random.default_rng(0).integers(0, model.vocab_size, (8, 16)).tolist()
+    for name, options in (("greedy", {}), ("sampled", dict(temperature=1.0, top_p=0.9))):
+        call = lambda: generate(model, prompts, 16, stop_tokens=[], num_slots=8, **options)  # noqa: E731
+        result[f"generate_{name}_ms"] = 1e3 * _median_seconds(call, (), repeats)
+    return result
+
+
 def child(gate: str, repeats: int, quick: bool) -> dict:
     """One side's measurements of one workload (run in a child process)."""
+    if gate == "decode":
+        return _decode_child(repeats, quick)
     programs, inputs = {"short_conv": (_conv_programs, _conv_inputs),
                         "shared_qk_parallel": (_shared_programs, _shared_inputs)}.get(gate, (_programs, _inputs))
     forward, gradient = programs()
@@ -180,7 +235,8 @@ def _run_side(source: Path, gate: str, repeats: int, quick: bool) -> dict:
 def _summary(rounds: list[dict], gates, revision: str, label: str) -> str:
     lines = [f"| gate | metric | {revision} | {label} | {label} / {revision} |", "|---|---|---:|---:|---:|"]
     for gate in gates:
-        for metric, name in (("fwd_ms", "fwd (ms)"), ("fwd_bwd_ms", "fwd+bwd (ms)"), ("temp_mib", "temp (MiB)")):
+        for metric in rounds[0][gate]["base"]:
+            name = METRICS[metric]
             base = statistics.median(r[gate]["base"][metric] for r in rounds)
             new = statistics.median(r[gate]["new"][metric] for r in rounds)
             lines.append(f"| {gate} | {name} | {base:.1f} | {new:.1f} | {new / base:.3f} |")
@@ -188,12 +244,12 @@ def _summary(rounds: list[dict], gates, revision: str, label: str) -> str:
 
 
 def _rounds_table(rounds: list[dict], gates) -> str:
-    lines = ["| round | gate | fwd (base → new ms) | fwd+bwd (base → new ms) |", "|---:|---|---|---|"]
+    lines = ["| round | gate | metric | base → new |", "|---:|---|---|---|"]
     for index, measured in enumerate(rounds, 1):
         for gate in gates:
             base, new = measured[gate]["base"], measured[gate]["new"]
-            lines.append(f"| {index} | {gate} | {base['fwd_ms']:.1f} → {new['fwd_ms']:.1f} | "
-                         f"{base['fwd_bwd_ms']:.1f} → {new['fwd_bwd_ms']:.1f} |")
+            lines += [f"| {index} | {gate} | {METRICS[metric]} | {base[metric]:.1f} → {new[metric]:.1f} |"
+                      for metric in base if metric != "temp_mib"]
     return "\n".join(lines)
 
 

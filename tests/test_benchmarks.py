@@ -51,11 +51,12 @@ def test_ab_runs_both_sides_and_reports_ratios(tmp_path):
     if subprocess.run(["git", "-C", str(repository), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     out = tmp_path / "ab.md"
-    gates = "g,shared_qk_parallel"  # the second on a mesh of 2 host devices (the child's XLA_FLAGS)
+    gates = "g,shared_qk_parallel,decode"  # the second on a mesh of 2 host devices (the child's XLA_FLAGS)
     assert ab.main(["--against", "HEAD", "--quick", "--rounds", "1", "--repeats", "1", "--gates", gates, "--out", str(out)]) == 0
     report = out.read_text()
     assert "| g | fwd+bwd (ms) |" in report and "| g | temp (MiB) |" in report
     assert "| shared_qk_parallel | fwd+bwd (ms) |" in report
+    assert "| decode | decode step, batch 8 (ms) |" in report and "| decode | generate 8 × 16, top-p 0.9 (ms) |" in report
     with pytest.raises(SystemExit):
         ab.main(["--against", "HEAD", "--gates", "bogus"])
 
