@@ -43,8 +43,8 @@ from flax import nnx
 from recurrax.nn.pretrained import CausalLM, save_pretrained
 from recurrax.tools.bench.machine import machine_description
 
-from mamba2_130m import BATCHES, figure, float64_logits, ours, spread
-from qwen3_5 import LOADED, run_transformers, tokens_per_second
+from mamba2_130m import BATCHES, figure, float64_logits, ours
+from qwen3_5 import LOADED, logit_check, run_transformers, speed_rows, tokens_per_second
 
 KIMI_LINEAR_48B_A3B = dict(
     model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], vocab_size=163840, hidden_size=2304,
@@ -124,34 +124,10 @@ def report(config: dict, batch: int, length: int, run: dict, load_at_start: floa
     ]
     if load > LOADED:
         lines += [f"**A loaded machine** (load average up to {load:.1f}): only the side-by-side ratios mean much.", ""]
-    ours_tps = tokens_per_second(mine["prefill"], mine["decode"], batch, length)
     lines += ["| measurement | recurrax (JAX) | transformers (PyTorch) | ratio |", "|---|---:|---:|---:|"]
-    if theirs is None:
-        lines.append(f"| `from_pretrained` | {mine['load']:.2f} s | — | — |")
-        lines.append(f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
-                     f"({spread(mine['prefill'])}) | — | — |")
-        lines += [f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[f'decode b={b}']:,.0f} "
-                  f"({spread(mine['decode'][b])}) | — | — |" for b in BATCHES]
-    else:
-        torch_decode = {b: theirs["decode_seconds"][str(b)] for b in BATCHES}
-        torch_tps = tokens_per_second(theirs["prefill_seconds"], torch_decode, batch, length)
-        lines.append(f"| `from_pretrained` | {mine['load']:.2f} s | {theirs['load_seconds']:.2f} s | "
-                     f"{theirs['load_seconds'] / mine['load']:.1f}× |")
-        lines.append(f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
-                     f"({spread(mine['prefill'])}) | {torch_tps['prefill']:,.0f} ({spread(theirs['prefill_seconds'])})"
-                     f" | **{ours_tps['prefill'] / torch_tps['prefill']:.1f}×** |")
-        lines += [f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[f'decode b={b}']:,.0f} "
-                  f"({spread(mine['decode'][b])}) | {torch_tps[f'decode b={b}']:,.0f} ({spread(torch_decode[b])}) | "
-                  f"**{ours_tps[f'decode b={b}'] / torch_tps[f'decode b={b}']:.1f}×** |" for b in BATCHES]
-    exact = run["exact"]
-    scale = np.abs(exact).max()
-    check = (f"Logits on a check batch [2, {exact.shape[1]}] (max |logit| {scale:.2f}), max absolute difference: "
-             f"recurrax float32 vs recurrax float64 {np.abs(mine['logits'] - exact).max():.2e}")
-    if theirs is not None:
-        difference = np.abs(mine["logits"] - run["torch_logits"]).max()
-        check += (f"; transformers float32 vs recurrax float64 {np.abs(run['torch_logits'] - exact).max():.2e}; "
-                  f"recurrax vs transformers {difference:.2e} ({difference / scale:.1e} relative)")
-    lines += ["", check + ".", "", "Decode step medians: " + "; ".join(
+    lines += speed_rows(mine, theirs, batch, length)
+    lines += ["", logit_check(mine["logits"], run["exact"], run["torch_logits"] if theirs is not None else None)]
+    lines += ["", "Decode step medians: " + "; ".join(
         f"b={b} {med(mine['decode'][b]) * 1e3:,.1f} ms" for b in BATCHES) + "."]
     return "\n".join(lines) + "\n"
 

@@ -158,13 +158,45 @@ def tokens_per_second(prefill: list[float], decode: dict, batch: int, length: in
     return {"prefill": batch * length / med(prefill), **{f"decode b={b}": b / med(decode[b]) for b in BATCHES}}
 
 
+def speed_rows(mine: dict, theirs: dict | None, batch: int, length: int) -> list[str]:
+    """The table's rows: load, prefill and decode of both sides (ours alone when `theirs` is None)."""
+    ours_tps = tokens_per_second(mine["prefill"], mine["decode"], batch, length)
+    if theirs is None:
+        return [f"| `from_pretrained` | {mine['load']:.2f} s | — | — |",
+                f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
+                f"({spread(mine['prefill'])}) | — | — |"] + [
+                f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[f'decode b={b}']:,.0f} "
+                f"({spread(mine['decode'][b])}) | — | — |" for b in BATCHES]
+    torch_decode = {b: theirs["decode_seconds"][str(b)] for b in BATCHES}
+    torch_tps = tokens_per_second(theirs["prefill_seconds"], torch_decode, batch, length)
+    return [f"| `from_pretrained` | {mine['load']:.2f} s | {theirs['load_seconds']:.2f} s | "
+            f"{theirs['load_seconds'] / mine['load']:.1f}× |",
+            f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
+            f"({spread(mine['prefill'])}) | {torch_tps['prefill']:,.0f} ({spread(theirs['prefill_seconds'])}) | "
+            f"**{ours_tps['prefill'] / torch_tps['prefill']:.1f}×** |"] + [
+            f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[f'decode b={b}']:,.0f} "
+            f"({spread(mine['decode'][b])}) | {torch_tps[f'decode b={b}']:,.0f} ({spread(torch_decode[b])}) | "
+            f"**{ours_tps[f'decode b={b}'] / torch_tps[f'decode b={b}']:.1f}×** |" for b in BATCHES]
+
+
+def logit_check(ours: np.ndarray, exact: np.ndarray, theirs: np.ndarray | None) -> str:
+    """One sentence: the check batch's max logit differences (ours and theirs against our float64)."""
+    scale = np.abs(exact).max()
+    check = (f"Logits on a check batch [2, {exact.shape[1]}] (max |logit| {scale:.2f}), max absolute difference: "
+             f"recurrax float32 vs recurrax float64 {np.abs(ours - exact).max():.2e}")
+    if theirs is not None:
+        difference = np.abs(ours - theirs).max()
+        check += (f"; transformers float32 vs recurrax float64 {np.abs(theirs - exact).max():.2e}; recurrax "
+                  f"vs transformers {difference:.2e} ({difference / scale:.1e} relative)")
+    return check + "."
+
+
 def report(config: dict, batch: int, length: int, run: dict, load_at_start: float) -> str:
     """The markdown report: both sides, the logit check, our parts, the floors and our time over them."""
     med = statistics.median
     mine, theirs, work = run["mine"], run["theirs"], run["work"]
     types = config["layer_types"]
     machine = machine_description()
-    ours_tps = tokens_per_second(mine["prefill"], mine["decode"], batch, length)
     if theirs is None:
         torch_side = f"transformers not run: {run['not_run']}"
     else:
@@ -189,33 +221,8 @@ def report(config: dict, batch: int, length: int, run: dict, load_at_start: floa
                       "time here is slowed and noisy, the matmul rates and bandwidth below included; the parts, "
                       "timed at other moments than the whole calls, may sum to more than them. Only the side-by-side "
                       "ratios and the ratios to floors measured in the same run mean much.", ""]
-    if theirs is None:
-        lines.append(f"| `from_pretrained` | {mine['load']:.2f} s | — | — |")
-        lines.append(f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
-                     f"({spread(mine['prefill'])}) | — | — |")
-        lines += [f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[f'decode b={b}']:,.0f} "
-                  f"({spread(mine['decode'][b])}) | — | — |" for b in BATCHES]
-    else:
-        torch_decode = {b: theirs["decode_seconds"][str(b)] for b in BATCHES}
-        torch_tps = tokens_per_second(theirs["prefill_seconds"], torch_decode, batch, length)
-        lines.append(f"| `from_pretrained` | {mine['load']:.2f} s | {theirs['load_seconds']:.2f} s | "
-                     f"{theirs['load_seconds'] / mine['load']:.1f}× |")
-        lines.append(f"| prefill {batch} × {length}, tokens/s (median; min–max time) | {ours_tps['prefill']:,.0f} "
-                     f"({spread(mine['prefill'])}) | {torch_tps['prefill']:,.0f} ({spread(theirs['prefill_seconds'])})"
-                     f" | **{ours_tps['prefill'] / torch_tps['prefill']:.1f}×** |")
-        lines += [f"| decode batch {b}, tokens/s (median; min–max step) | {ours_tps[f'decode b={b}']:,.0f} "
-                  f"({spread(mine['decode'][b])}) | {torch_tps[f'decode b={b}']:,.0f} ({spread(torch_decode[b])}) | "
-                  f"**{ours_tps[f'decode b={b}'] / torch_tps[f'decode b={b}']:.1f}×** |" for b in BATCHES]
-    exact = run["exact"]
-    scale = np.abs(exact).max()
-    check = f"Logits on a check batch [2, {exact.shape[1]}] (max |logit| {scale:.2f}), max absolute difference: " \
-            f"recurrax float32 vs recurrax float64 {np.abs(mine['logits'] - exact).max():.2e}"
-    if theirs is not None:
-        torch_logits = run["torch_logits"]
-        difference = np.abs(mine["logits"] - torch_logits).max()
-        check += (f"; transformers float32 vs recurrax float64 {np.abs(torch_logits - exact).max():.2e}; recurrax "
-                  f"vs transformers {difference:.2e} ({difference / scale:.1e} relative)")
-    lines += ["", check + "."]
+    lines += speed_rows(mine, theirs, batch, length)
+    lines += ["", logit_check(mine["logits"], run["exact"], run["torch_logits"] if theirs is not None else None)]
     decode = {b: med(mine["decode"][b]) for b in BATCHES}
     lines += parts_table(run["parts"], med(mine["prefill"]), decode, batch, length, len(types),
                          how="`_qwen3_5_parts.py`: each part of a layer jitted and timed alone, times the layers that "

@@ -134,6 +134,25 @@ def test_qwen3_5_tiny_run_without_transformers(tmp_path):
     assert "recurrax over its floor: prefill" in report
 
 
+
+@pytest.mark.slow  # compiles a tiny Kimi Linear's prefill and decode steps: ~20 s on 2 cores
+def test_kimi_linear_tiny_run_without_transformers(tmp_path):
+    """`benchmarks/kimi_linear.py --tiny` without a torch interpreter: the layer lists and expert
+    count it builds, our side measured and checked against its float64 run."""
+    import re
+
+    kimi_linear = pytest.importorskip("kimi_linear")
+    config = kimi_linear.config(kimi_linear.KIMI_LINEAR_48B_A3B, 9, 16)
+    assert config["linear_attn_config"]["full_attn_layers"] == [4, 8] and config["num_experts"] == 16
+    assert config["linear_attn_config"]["kda_layers"] == [1, 2, 3, 5, 6, 7, 9]
+    argv = ["--tiny", "--repeats", "1", "--decode-steps", "2", "--torch-python", str(tmp_path / "missing-python"),
+            "--out", str(tmp_path)]
+    assert kimi_linear.main(argv) == 0
+    report = (tmp_path / "kimi_linear.md").read_text()
+    assert "transformers not run: interpreter missing-python not found" in report
+    assert "| decode batch 64, tokens/s" in report
+    assert float(re.search(r"recurrax float32 vs recurrax float64 (\S+)\.", report)[1]) < 1e-4
+
 def _memory_row(layers: int, peak_gib: float, tokens: int = 131072) -> dict:
     GiB = 2**30
     return dict(model="Mamba-2 1.3B", slice="v5e-8", layout="data=1,sequence=8", remat="block", tokens=tokens,
