@@ -37,14 +37,11 @@ import tempfile
 from pathlib import Path
 
 import jax
-import numpy as np
-from flax import nnx
 
-from recurrax.nn.pretrained import CausalLM, save_pretrained
 from recurrax.tools.bench.machine import machine_description
 
-from mamba2_130m import BATCHES, figure, float64_logits, ours
-from qwen3_5 import LOADED, logit_check, run_transformers, speed_rows, tokens_per_second
+from mamba2_130m import BATCHES, float64_logits, ours
+from qwen3_5 import LOADED, logit_check, random_checkpoint, run_transformers, speed_rows, write_results
 
 KIMI_LINEAR_48B_A3B = dict(
     model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], vocab_size=163840, hidden_size=2304,
@@ -78,16 +75,9 @@ def config(base: dict, layers: int, experts: int) -> dict:
 def measure(config: dict, batch: int, length: int, args) -> dict:
     """Both sides on one random checkpoint: ours and a float64 check, then `transformers` in a
     subprocess once our weights are freed."""
-    rng = np.random.default_rng(0)
-    inputs = dict(prefill=rng.integers(0, config["vocab_size"], (batch, length)),
-                  check=rng.integers(0, config["vocab_size"], (2, 64 if not args.tiny else 8)))
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        built = CausalLM(config, rngs=nnx.Rngs(0))
-        parameters = sum(x.size for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
-        save_pretrained(built, directory)
-        del built
-        np.savez(directory / "inputs.npz", **inputs)
+        inputs, parameters = random_checkpoint(config, directory, batch, length, args.tiny)
         expert = (batch * length, config["hidden_size"], config["moe_intermediate_size"])
         (directory / "floor_shapes.json").write_text(json.dumps(dict(matmuls=["x".join(map(str, expert))],
                                                                      read_bytes=4 * parameters)))
@@ -150,15 +140,8 @@ def main(argv: list[str]) -> int:
     run = measure(chosen, batch, length, args)
     text = report(chosen, batch, length, run, load_at_start, args.tiny)
     print(text)
-    out = args.out or (None if args.tiny else RESULTS)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kimi_linear.md").write_text(text)
-        if run["theirs"] is not None:
-            decode = {b: run["theirs"]["decode_seconds"][str(b)] for b in BATCHES}
-            figure(tokens_per_second(run["mine"]["prefill"], run["mine"]["decode"], batch, length),
-                   tokens_per_second(run["theirs"]["prefill_seconds"], decode, batch, length), out / "kimi_linear.png",
-                   f"Kimi-Linear-48B-A3B shape, {args.layers} layers, {args.experts} experts, float32, this CPU")
+    write_results(args.out or (None if args.tiny else RESULTS), "kimi_linear", text, run, batch, length,
+                  f"Kimi-Linear-48B-A3B shape, {args.layers} layers, {args.experts} experts, float32, this CPU")
     return 0
 
 

@@ -121,20 +121,39 @@ def run_transformers(torch_python: Path | None, directory: Path, threads: int, r
             np.load(directory / "torch_logits.npy"), "")
 
 
+def random_checkpoint(config: dict, directory: Path, batch: int, length: int, tiny: bool) -> tuple[dict, int]:
+    """A random `CausalLM(config)` saved in `directory` with the inputs both sides read
+    (`inputs.npz`: the `[batch, length]` prompts and a `[2, 64]` check batch, `[2, 8]` tiny);
+    returns the inputs and the parameter count."""
+    rng = np.random.default_rng(0)
+    inputs = dict(prefill=rng.integers(0, config["vocab_size"], (batch, length)),
+                  check=rng.integers(0, config["vocab_size"], (2, 64 if not tiny else 8)))
+    built = CausalLM(config, rngs=nnx.Rngs(0))
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
+    save_pretrained(built, directory)
+    np.savez(directory / "inputs.npz", **inputs)
+    return inputs, parameters
+
+
+def write_results(out: Path | None, stem: str, text: str, run: dict, batch: int, length: int, title: str) -> None:
+    """`text` as `out/stem.md` and, when `transformers` ran, both sides' tokens/s as `out/stem.png`."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    if run["theirs"] is not None:
+        decode = {b: run["theirs"]["decode_seconds"][str(b)] for b in BATCHES}
+        figure(tokens_per_second(run["mine"]["prefill"], run["mine"]["decode"], batch, length),
+               tokens_per_second(run["theirs"]["prefill_seconds"], decode, batch, length), out / f"{stem}.png", title)
+
+
 def measure(config: dict, batch: int, length: int, args) -> dict:
     """Both sides on one random checkpoint: ours (with its parts, the XLA floors and a float64
     check), then `transformers` in a subprocess once our weights are freed."""
-    rng = np.random.default_rng(0)
-    inputs = dict(prefill=rng.integers(0, config["vocab_size"], (batch, length)),
-                  check=rng.integers(0, config["vocab_size"], (2, 64 if not args.tiny else 8)))
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        built = CausalLM(config, rngs=nnx.Rngs(0))
-        parameters = sum(x.size for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
-        save_pretrained(built, directory)
-        del built
+        inputs, parameters = random_checkpoint(config, directory, batch, length, args.tiny)
         work = workload(config, batch, length, parameters)
-        np.savez(directory / "inputs.npz", **inputs)
         (directory / "floor_shapes.json").write_text(json.dumps(
             dict(matmuls=list(work["prefill_flops"]), read_bytes=work["param_bytes"])))
         mine = ours(directory, inputs, args.repeats, args.decode_steps)
@@ -268,15 +287,8 @@ def main(argv: list[str]) -> int:
     run = measure(config, batch, length, args)
     text = report(config, batch, length, run, load_at_start)
     print(text)
-    out = args.out or (None if args.tiny else RESULTS)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "qwen3_5.md").write_text(text)
-        if run["theirs"] is not None:
-            decode = {b: run["theirs"]["decode_seconds"][str(b)] for b in BATCHES}
-            figure(tokens_per_second(run["mine"]["prefill"], run["mine"]["decode"], batch, length),
-                   tokens_per_second(run["theirs"]["prefill_seconds"], decode, batch, length), out / "qwen3_5.png",
-                   f"Qwen3.5-0.8B shape, {args.layers} layers, float32, this CPU")
+    write_results(args.out or (None if args.tiny else RESULTS), "qwen3_5", text, run, batch, length,
+                  f"Qwen3.5-0.8B shape, {args.layers} layers, float32, this CPU")
     return 0
 
 

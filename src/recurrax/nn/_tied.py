@@ -15,9 +15,9 @@ On the CPU, for a few rows at once (2 ≤ n ≤ `COLUMN_ROWS`: decoding a small 
 head computes `E · hᵀ` ([vocab, n], the table read row by row, as in a one-row GEMV) and then
 transposes it, with an optimisation barrier between the two: without it XLA folds the
 transpose into the matmul, which then writes `[n, vocab]` directly at about 1.6× the time. A
-248,320 × 1024 table, n = 8: 29 ms against 47 ms for the plain matmul (JAX 0.12; 26 against 47
-on JAX 0.10); the transpose of the `[vocab, 8]` result takes 0.2 ms. The same products: float32 rounding
-apart, the same logits. One row (a GEMV either way), more rows (the
+248,320 × 1024 table, n = 8: 29 ms against 47 ms for the plain matmul (JAX 0.12; 26 against
+47 on JAX 0.10); the transpose of the `[vocab, 8]` result takes 0.2 ms. The same products:
+float32 rounding apart, the same logits. One row (a GEMV either way), more rows (the
 transpose's copy then costs what the matmul saves) or a mesh keep the single matmul.
 """
 

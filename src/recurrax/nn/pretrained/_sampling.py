@@ -21,11 +21,11 @@ cores). So the step does only the work its rows ask for, each part behind a `lax
 - rows sample without a cut: the Gumbel-max draw over all V (`jax.random.categorical`);
 - rows cut: their kept set is looked for among the C best tokens (`lax.top_k`, which orders
   ties by index as the stable sort does). A rank ≥ C is never kept when top_k ≤ C, or when the
-  C best already hold top_p of the mass (the mass before any later rank is at least that); a
-  row for which neither holds takes the full sort. Either way the same tokens are kept, and
-  the draw is the same Gumbel-max over all V with the others masked out, so a seed gives the
-  same token whichever path ran (the nucleus's boundary apart, where a cumulative sum in
-  another order can round differently).
+  C best already hold top_p of the mass (the mass before any later rank is at least that);
+  when neither holds for some cut row, every row takes the full sort. Either way the same
+  tokens are kept, and the draw is the same Gumbel-max over all V with the others masked
+  out, so a seed gives the same token whichever path ran (the nucleus's boundary apart, where
+  a cumulative sum in another order can round differently).
 """
 
 from __future__ import annotations
