@@ -15,9 +15,9 @@ Measured, float32, the default implementation of each side (`chunk` on a CPU):
 per gate kind: `g` per head, `gk` per key channel, `none`, `gk+gv`; and, not in the default
 set, `short_conv`: `recurrax.nn.ShortConvolution` (4 taps, SiLU) over the same B and T with
 C = H·(2K + V) channels, a layer's q, k, v convolution (fwd+bwd: the gradients of <y, dy> for
-the input and kernel; it needs flax), and `shared_qk_parallel`: Mamba-2's layout (one
-query/key head shared by the H value heads, `g` per head) through `recurrax.parallel.recurrent`
-with the tokens split over 2 host CPU devices (`sequence` axis), and `decode`: a Qwen3.5-0.8B-
+the input and kernel; it needs flax), `shared_qk`: Mamba-2's layout (one query/key head shared
+by the H value heads, `g` per head) on one device, `shared_qk_parallel`: the same through
+`recurrax.parallel.recurrent` with the tokens split over 2 host CPU devices (`sequence` axis), and `decode`: a Qwen3.5-0.8B-
 shaped `recurrax.nn.pretrained.CausalLM` cut to two layers (one Gated DeltaNet, one attention;
 its 248,320-token tied head kept), random weights: its greedy decode step (the model's step,
 the cache donated, and `jnp.argmax`) at batch 1 and 8, and `generate` of 16 tokens for 8
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 GATES = ("g", "gk", "none", "gk+gv")
-WORKLOADS = (*GATES, "short_conv", "shared_qk_parallel", "decode")
+WORKLOADS = (*GATES, "short_conv", "shared_qk", "shared_qk_parallel", "decode")
 HOST_DEVICES = {"shared_qk_parallel": 2}
 """Workloads run on a mesh of host CPU devices: how many (XLA_FLAGS of the child)."""
 TIME_SHAPE = dict(B=2, T=2048, H=8, K=64, V=64)
@@ -197,6 +197,7 @@ def child(gate: str, repeats: int, quick: bool) -> dict:
     if gate == "decode":
         return _decode_child(repeats, quick)
     programs, inputs = {"short_conv": (_conv_programs, _conv_inputs),
+                        "shared_qk": (_programs, _shared_inputs),
                         "shared_qk_parallel": (_shared_programs, _shared_inputs)}.get(gate, (_programs, _inputs))
     forward, gradient = programs()
     arrays, cotangents = inputs(gate, **(QUICK_SHAPE if quick else TIME_SHAPE))
