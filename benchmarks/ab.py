@@ -17,12 +17,13 @@ set, `short_conv`: `recurrax.nn.ShortConvolution` (4 taps, SiLU) over the same B
 C = H·(2K + V) channels, a layer's q, k, v convolution (fwd+bwd: the gradients of <y, dy> for
 the input and kernel; it needs flax), `shared_qk`: Mamba-2's layout (one query/key head shared
 by the H value heads, `g` per head) on one device, `shared_qk_parallel`: the same through
-`recurrax.parallel.recurrent` with the tokens split over 2 host CPU devices (`sequence` axis), and `decode`: a Qwen3.5-0.8B-
-shaped `recurrax.nn.pretrained.CausalLM` cut to two layers (one Gated DeltaNet, one attention;
-its 248,320-token tied head kept), random weights: its greedy decode step (the model's step,
-the cache donated, and `jnp.argmax`) at batch 1 and 8, and `generate` of 16 tokens for 8
-prompts of 16, greedy and sampled (temperature 1, top-p 0.9), each call whole (prefill, steps,
-token choice). `--quick` shrinks the shapes (a smoke run of the tool itself, not a measurement).
+`recurrax.parallel.recurrent` with the tokens split over 2 host CPU devices (`sequence` axis),
+and `decode`: a Qwen3.5-0.8B-shaped `recurrax.nn.pretrained.CausalLM` cut to two layers (one
+Gated DeltaNet, one attention; its 248,320-token tied head kept), random weights: its greedy
+decode step (the model's step, the cache donated, and `jnp.argmax`) at batch 1 and 8, and
+`generate` of 16 tokens for 8 prompts of 16, greedy and sampled (temperature 1, top-p 0.9),
+each call whole (prefill, steps, token choice). `--quick` shrinks the shapes (a smoke run of
+the tool itself, not a measurement).
 
 The report (markdown, printed and written to `--out`) gives each side's median over the
 rounds of the per-round medians, the ratio this tree / REV (below 1: this tree is faster or
