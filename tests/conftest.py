@@ -9,15 +9,6 @@ from hypothesis import HealthCheck, settings
 jax.config.update("jax_num_cpu_devices", 8)
 # Exactness is asserted in float64; float32 cases ask for float32 explicitly.
 jax.config.update("jax_enable_x64", True)
-# The suite compiles thousands of small programs that each run for microseconds, and XLA's CPU
-# compiler spends most of a compile optimising machine code (LLVM): with that off the suite
-# takes about 30% less time (2 cores, JAX 0.10: 14:16 → 9:45). What the tests check stays: XLA's
-# program-level passes still run (the same fusions, buffers and temporaries), and the results
-# differ from the optimised build's only in their last bits (a float32 `recurrent` forward and
-# backward: at most 2.3e-7 relative), which every tolerance here covers. Users' programs are
-# compiled fully optimised; so are the programs of the subprocess tests (examples, demo, CLI,
-# server) and of the chip compiles (`compile` marker).
-jax.config.update("jax_disable_most_optimizations", True)
 
 # Property tests are reproducible: the same commit draws the same examples on every run
 # (derandomize), with no example database carried between runs, and a failure prints the
@@ -57,17 +48,3 @@ def _release_compiled_programs(request):
         with open(MAPS) as maps, open(MAX_MAPS) as limit:
             count, allowed = sum(1 for _ in maps), int(limit.read())
         assert count <= allowed // 2, f"{request.module.__name__} left {count} memory mappings (the limit: {allowed})"
-
-
-@pytest.fixture(autouse=True)
-def _chips_compiled_fully_optimised(request):
-    """The `compile` tests build kernels for H100 / B200 / TPU as users get them (their register
-    and spill budgets are those of an optimised build): optimisation back on for them."""
-    if request.node.get_closest_marker("compile") is None:
-        yield
-        return
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", True)
