@@ -102,9 +102,11 @@ def _bad_entries(x: Array, heads: int) -> Bool[Array, "B T H"]:
 
     Over D as the product `x · 0⃗` (0 where every entry is finite, NaN where one is not: 0 · ±inf
     is NaN): a matrix-vector product reads x in place, where a boolean `any` of `isfinite`
-    materialised a [B, T, H, D] mask (XLA on CPU does not fuse it into the reduction)."""
+    materialised a [B, T, H, D] mask (XLA on CPU does not fuse it into the reduction). At
+    HIGHEST precision: a one-pass bfloat16 product (a TPU's default) rounds a float32 entry
+    near its largest value up to infinity."""
     if x.ndim == 4:
-        x = jnp.einsum("...d,d->...", x, jnp.zeros(x.shape[-1], x.dtype))
+        x = jnp.einsum("...d,d->...", x, jnp.zeros(x.shape[-1], x.dtype), precision=jax.lax.Precision.HIGHEST)
     return _to_heads(~jnp.isfinite(x), heads)
 
 

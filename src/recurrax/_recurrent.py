@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 from jaxtyping import Array, Float, Int
 
 from ._eager import cached_when_eager
+from ._matmul_precision import resolve
 from .problem import canonicalize, check_values
 from .registry import Request, kernel_registry
 
@@ -23,6 +25,7 @@ def recurrent(
     cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
     *,
     implementation: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
     allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
     """Gated linear attention as a recurrence, in linear time.
@@ -54,6 +57,11 @@ def recurrent(
     - `implementation`: a registered name (`"reference"`, `"scan"`, `"chunk"`, ...) or `None`
       for the best one that supports the call on this backend
       (`kernel_registry.select(...)` says which one and why).
+    - `precision`: the matmul precision of the XLA algorithms (`chunk`, `scan`, `reference`):
+      `None` computes float32 inputs to float32 accuracy on every backend (`"highest"`; XLA's
+      default on a TPU is one bfloat16 pass) and 16-bit inputs at the backend's default; or a
+      `jax.lax.Precision` / `jax.default_matmul_precision` name (`"default"` for the one-pass
+      product). Kernels fix their own (float32 operands at full precision).
     - `allow_positive_gates`: keep positive log decays (they grow the state). By default a
       concrete gate with a positive value raises `ValueError`; traced ones are checked under
       `recurrax.runtime_checks()`.
@@ -66,22 +74,24 @@ def recurrent(
     (float64 for float64 inputs).
     """
     arrays = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
-    output = _recurrent(*arrays, implementation=implementation, allow_positive_gates=allow_positive_gates)
+    output = _recurrent(*arrays, implementation=implementation, precision=precision,
+                        allow_positive_gates=allow_positive_gates)
     gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
     check_values(gates, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)  # eager values
     return output
 
 
-@cached_when_eager(static_argnames=("softmax_scale", "reverse", "implementation", "allow_positive_gates"))
+@cached_when_eager(static_argnames=("softmax_scale", "reverse", "implementation", "precision", "allow_positive_gates"))
 def _recurrent(
     query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, *,
-    implementation, allow_positive_gates,
+    implementation, precision, allow_positive_gates,
 ):
     problem, config, layout = canonicalize(
         query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
     )
     impl = kernel_registry.get(implementation, Request.of(problem))
-    output, final_state = impl.run(problem, scale=config.scale, reverse=config.reverse)
+    precision = resolve(precision, problem.query.dtype)
+    output, final_state = impl.run(problem, scale=config.scale, precision=precision, reverse=config.reverse)
     return layout.restore(output), final_state
 
 

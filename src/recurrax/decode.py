@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._eager import cached_when_eager
+from ._matmul_precision import resolve
 from .problem import Problem, _fail, _floating, canonicalize, check_values
 from .registry import Request, kernel_registry
 
@@ -104,7 +105,8 @@ def _recurrent_step(query, key, value, state, *, g, g_gamma, gk, gv, softmax_sca
         output, new_state = one_step(problem, scale)
     else:
         impl = kernel_registry.get(None, Request.of(problem))
-        output, new_state = impl.run(problem, scale=scale, reverse=False)
+        precision = resolve(None, problem.query.dtype)
+        output, new_state = impl.run(problem, scale=scale, precision=precision, reverse=False)
     return (output[:, 0] if one_token else output), new_state
 
 

@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Float, Int
 
 from ._eager import cached_when_eager
+from ._matmul_precision import matmul_precision, resolve
 from ._recurrent import _packed_tokens
 from .problem import Problem, canonicalize, check_values
 from .registry import Implementation, Request, kernel_registry
@@ -421,6 +422,7 @@ def recurrent(
     batch_axis: str | None = None,
     head_axis: str | None = None,
     implementation: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
     allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
     """`recurrax.recurrent` with the token axis split over `sequence_axis` of a device mesh.
@@ -440,6 +442,7 @@ def recurrent(
       `cu_seqlens`, whose batch is 1) and the heads; their sizes must divide B and H.
     - `implementation`: the local algorithm, a registered name or `None` for the best one
       that supports a shard's part of the call.
+    - `precision`: as for `recurrax.recurrent` (it covers the exchange's products too).
     - `allow_positive_gates`: as for `recurrax.recurrent`.
 
     Called eagerly, it runs one compiled program cached per shape, mesh and option.
@@ -452,17 +455,19 @@ def recurrent(
     """
     arrays = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
     axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
-    output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation,
+    output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation, precision=precision,
                       allow_positive_gates=allow_positive_gates)
     gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
     check_values(gates, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)  # eager values
     return output
 
 
-@cached_when_eager(static_argnames=("softmax_scale", "reverse", "mesh", "axes", "implementation", "allow_positive_gates"))
+@cached_when_eager(
+    static_argnames=("softmax_scale", "reverse", "mesh", "axes", "implementation", "precision", "allow_positive_gates")
+)
 def _sharded(
     query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, *,
-    mesh, axes: MeshAxes, implementation, allow_positive_gates,
+    mesh, axes: MeshAxes, implementation, precision, allow_positive_gates,
 ):
     problem, config, layout = canonicalize(
         query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
@@ -475,7 +480,8 @@ def _sharded(
 
     in_specs, out_specs = _specs(problem, axes)
     sharded = _shard_map(lambda p: _shard(plan, p), mesh, (in_specs,), out_specs)
-    output, final_state = sharded(_place(problem, in_specs, mesh))
+    with matmul_precision(resolve(precision, problem.query.dtype)):
+        output, final_state = sharded(_place(problem, in_specs, mesh))
     if problem.cu_seqlens is not None:
         empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
         final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._matmul_precision import matmul_precision
 from .problem import Gate, Problem
 
 
@@ -142,13 +143,16 @@ class Implementation:
             return f"it runs on {self.backend.value}, this call is on {request.backend}"
         return self.support.refusal(request)
 
-    def run(self, problem: Problem, *, scale: float, **options):
+    def run(self, problem: Problem, *, scale: float, precision: str | None = None, **options):
         """`fn` on a canonical problem, with shared query/key heads repeated first unless it
-        takes them shared (`Support.shared_query_key`); the output in the query's dtype."""
+        takes them shared (`Support.shared_query_key`); the output in the query's dtype.
+        An XLA algorithm traces its products at `precision` (a name `_matmul_precision.resolve`
+        gave; `None` leaves the caller's); a kernel fixes its own."""
         dtype = problem.query.dtype
         if not self.support.shared_query_key:
             problem = problem.expanded()
-        output, final_state = self.fn(problem, scale=scale, **options)
+        with matmul_precision(precision if self.platform is Platform.XLA else None):
+            output, final_state = self.fn(problem, scale=scale, **options)
         return output.astype(dtype), final_state
 
 

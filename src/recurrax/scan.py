@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._matmul_precision import matmul_precision, traced_precision
 from .problem import Problem
 from .registry import ALL_GATES, FLOAT_DTYPES, Support
 from .varlen import segments
@@ -226,19 +227,25 @@ def _is_empty(boundaries: Boundaries, num_seqs: int) -> Bool[Array, " S"]:
     return jnp.zeros(num_seqs, jnp.int32).at[boundaries.seq_id.ravel()].add(starts) == 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _recurrence(scale: float, tokens: Tokens, init, boundaries: Boundaries | None):
-    """(o [N, C, B, H, V] in the query dtype, final state [R, H, K, V] in the state dtype)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _recurrence(scale: float, precision: str | None, tokens: Tokens, init, boundaries: Boundaries | None):
+    """(o [N, C, B, H, V] in the query dtype, final state [R, H, K, V] in the state dtype);
+    `precision` is the forward's matmul precision, which the backward re-enters."""
     o, finals, _ = _forward(scale, tokens, init, boundaries)
     return o, finals
 
 
-def _recurrence_fwd(scale, tokens, init, boundaries):
+def _recurrence_fwd(scale, precision, tokens, init, boundaries):
     o, finals, checkpoints = _forward(scale, tokens, init, boundaries)
     return (o, finals), (tokens, init, boundaries, checkpoints)
 
 
-_recurrence.defvjp(_recurrence_fwd, _backward)
+def _recurrence_bwd(scale, precision, residuals, cotangents):
+    with matmul_precision(precision):
+        return _backward(scale, residuals, cotangents)
+
+
+_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
 # --------------------------------------------------------------------------- layout
@@ -298,5 +305,5 @@ def scan_recurrent(
         value_side=blocks(problem.log_decay_value),
     )
     boundaries = None if problem.cu_seqlens is None else _boundaries(problem.cu_seqlens, T, C, reverse)
-    o, final_state = _recurrence(float(scale), tokens, problem.initial_state, boundaries)
+    o, final_state = _recurrence(float(scale), traced_precision(), tokens, problem.initial_state, boundaries)
     return _from_blocks(o, T, reverse), final_state

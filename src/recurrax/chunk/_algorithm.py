@@ -41,6 +41,7 @@ from jaxtyping import Array, Float
 
 from .. import varlen
 from .._finite import guarded
+from .._matmul_precision import traced_precision
 from ..problem import Problem
 from ..registry import ALL_GATES, FLOAT_DTYPES, Support
 from ._shared import shared_chunked
@@ -84,7 +85,7 @@ def _chunk_recurrent(tiling: Tiling, scale, reverse, problem: Problem):
 
 def _run(scan, scale: float, reverse: bool, tiling: Tiling, q, k, v, gates: LogDecays, init, meta):
     """`scan` (the general `chunked` or `_shared`) with the tiling fitted to this call."""
-    call = ChunkCall(tiling.chunk_size, tiling.leaf_size, tiling.chunks_per_step, scale, reverse)
+    call = ChunkCall(tiling.chunk_size, tiling.leaf_size, tiling.chunks_per_step, scale, reverse, traced_precision())
     return scan(call, q, k, v, gates, init, meta)
 
 

@@ -59,19 +59,22 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from .._finite import clean_gate, clean_tokens
+from .._matmul_precision import matmul_precision
 from ..problem import Gate
 from ..varlen import ChunkOwners
 from ._intra import ChunkDecay, chunk_cumsum, dot
 
 
 class ChunkCall(NamedTuple):
-    """Static configuration of one chunked call: the tiling, the scale and the direction."""
+    """Static configuration of one chunked call: the tiling, the scale, the direction and the
+    forward's matmul precision (which the backward re-enters)."""
 
     chunk_size: int
     leaf_size: int
     chunks_per_step: int
     scale: float
     reverse: bool
+    precision: str | None = None
 
 
 class LogDecays(NamedTuple):
@@ -363,7 +366,8 @@ def _chunked_fwd(static, q, k, v, gates, init, meta):
 
 def _chunked_bwd(static, residuals, cotangents):
     d_out, d_final = cotangents
-    dq, dk, dv, d_gates, d_init = backward(static, residuals, d_out, d_final)
+    with matmul_precision(static.precision):
+        dq, dk, dv, d_gates, d_init = backward(static, residuals, d_out, d_final)
     meta = residuals[5]
     d_meta = None if meta is None else jax.tree.map(lambda _: None, meta)
     return dq, dk, dv, d_gates, d_init, d_meta

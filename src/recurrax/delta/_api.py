@@ -6,13 +6,14 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from .._eager import cached_when_eager
+from .._matmul_precision import matmul_precision, resolve
 from ..problem import _fail, check_values
 from ..registry import Request
 from ._implementations import kernel_registry
 from ._problem import canonicalize_delta, check_beta
 from ._step import delta_token_one_pass
 
-_STATIC = ("softmax_scale", "qk_l2norm", "implementation", "allow_positive_gates")
+_STATIC = ("softmax_scale", "qk_l2norm", "implementation", "precision", "allow_positive_gates")
 
 
 def delta_rule(
@@ -28,6 +29,7 @@ def delta_rule(
     qk_l2norm: bool = False,
     *,
     implementation: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
     allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
     """The (gated) delta rule, in linear time. For every value head, with state S ∈ R^{K×V}:
@@ -58,6 +60,9 @@ def delta_rule(
       one state per block), `"reference"` (the plain token loop, the oracle), `"pallas_tpu"` (a
       Pallas TPU forward kernel, TPU v5e/v6e) or `"pallas_tpu_interpret"` (that kernel in TPU
       interpret mode, any backend); `None` takes the best one for the call (`recurrax.delta.kernel_registry.select(...)` says which and why).
+    - `precision`: the matmul precision of the XLA algorithms, as for `recurrax.recurrent`:
+      `None` computes float32 inputs to float32 accuracy on every backend and 16-bit inputs
+      at the backend's default; `"default"` asks for the one-pass product.
     - `allow_positive_gates`: keep positive log decays. By default a concrete gate with a
       positive value, or a concrete `beta` outside [0, 2], raises `ValueError`; traced ones
       are checked under `recurrax.runtime_checks()`.
@@ -74,7 +79,8 @@ def delta_rule(
     (float64 for float64 inputs).
     """
     arrays = (query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm)
-    output = _delta_rule(*arrays, implementation=implementation, allow_positive_gates=allow_positive_gates)
+    output = _delta_rule(*arrays, implementation=implementation, precision=precision,
+                         allow_positive_gates=allow_positive_gates)
     check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
     check_beta(beta)
     return output
@@ -83,7 +89,7 @@ def delta_rule(
 @cached_when_eager(static_argnames=_STATIC)
 def _delta_rule(
     query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, *,
-    implementation, allow_positive_gates,
+    implementation, precision, allow_positive_gates,
 ):
     if implementation is not None and not isinstance(implementation, str):
         _fail("implementation", f"one of {kernel_registry.names()} or None", repr(implementation))
@@ -91,7 +97,7 @@ def _delta_rule(
         query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
     )
     impl = kernel_registry.get(implementation, Request.of(problem))
-    output, final_state = impl.run(problem, scale=scale)
+    output, final_state = impl.run(problem, scale=scale, precision=resolve(precision, problem.query.dtype))
     return layout.restore(output), final_state
 
 
@@ -150,5 +156,6 @@ def _delta_rule_step(query, key, value, beta, g, gk, state, softmax_scale, qk_l2
         a = a[:, 0] if a.ndim == 4 else a[:, 0, :, None]
     step = lambda s, q, k, v, b, a: delta_token_one_pass(s, q, k, v, b, a, scale)  # noqa: E731
     value = problem.value.astype(problem.state_dtype)
-    output, new_state = jax.vmap(step)(problem.initial_state, q[:, 0], k[:, 0], value[:, 0], problem.beta[:, 0], a)
+    with matmul_precision(resolve(None, problem.query.dtype)):
+        output, new_state = jax.vmap(step)(problem.initial_state, q[:, 0], k[:, 0], value[:, 0], problem.beta[:, 0], a)
     return output.astype(problem.query.dtype), new_state

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .. import varlen
+from .._matmul_precision import matmul_precision, traced_precision
 from ..chunk._intra import ChunkDecay, dot
 from ..problem import Gate
 from ._chunk_adjoint import chunk_backward
@@ -206,9 +207,10 @@ def _grouped(d_x: tuple, heads: int) -> tuple:
 
 def _stepper(scale: float, leaf: int):
     """One chunk from its inputs (q, k, v, beta, log decay; [B, C, H, ...]) and entry state,
-    (output [B, C, H, V], exit), and its adjoint."""
+    (output [B, C, H, V], exit), and its adjoint (traced in the backward pass, under the
+    forward's matmul precision)."""
     return (functools.partial(_chunk_from_inputs, scale=scale, leaf=leaf),
-            functools.partial(_chunk_adjoint, scale=scale, leaf=leaf))
+            functools.partial(_chunk_adjoint, scale=scale, leaf=leaf, precision=traced_precision()))
 
 
 def _chunk_from_inputs(x: tuple, state: Array, *, scale: float, leaf: int):
@@ -216,7 +218,12 @@ def _chunk_from_inputs(x: tuple, state: Array, *, scale: float, leaf: int):
     return _tokens_first(out), exit_state
 
 
-def _chunk_adjoint(x: tuple, state: Array, d_out: Array, d_exit: Array, *, scale: float, leaf: int):
+def _chunk_adjoint(x: tuple, state: Array, d_out: Array, d_exit: Array, *, scale: float, leaf: int, precision):
+    with matmul_precision(precision):
+        return _chunk_adjoint_at(x, state, d_out, d_exit, scale, leaf)
+
+
+def _chunk_adjoint_at(x: tuple, state: Array, d_out: Array, d_exit: Array, scale: float, leaf: int):
     qk_heads = x[0].shape[2]
     x = tuple(map(_heads_first, _expanded(x)))
     _, _, v, beta, log_decay = x

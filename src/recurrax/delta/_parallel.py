@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Float, Int
 
 from .._eager import cached_when_eager
+from .._matmul_precision import matmul_precision, resolve
 from ..chunk._intra import dot
 from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map, head_axis_splits
 from ..problem import check_values
@@ -231,6 +232,7 @@ def delta_rule(
     batch_axis: str | None = None,
     head_axis: str | None = None,
     implementation: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
     allow_positive_gates: bool = False,
 ) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
     """`recurrax.delta_rule` with the token axis split over `sequence_axis` of a device mesh.
@@ -252,6 +254,7 @@ def delta_rule(
       `cu_seqlens`, whose batch is 1) and the value heads; their sizes must divide B and H.
     - `implementation`: the local algorithm, as for `recurrax.delta_rule` (`None`: the
       registry's choice for the call, `"chunk"` here).
+    - `precision`: as for `recurrax.delta_rule` (it covers the exchange's products too).
     - `allow_positive_gates`: as for `recurrax.delta_rule`.
 
     Called eagerly, it runs one compiled program cached per shape, mesh and option.
@@ -264,7 +267,7 @@ def delta_rule(
     """
     arrays = (query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm)
     axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
-    output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation,
+    output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation, precision=precision,
                       allow_positive_gates=allow_positive_gates)
     check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
     check_beta(beta)
@@ -272,10 +275,10 @@ def delta_rule(
 
 
 @cached_when_eager(static_argnames=("softmax_scale", "qk_l2norm", "mesh", "axes", "implementation",
-                                    "allow_positive_gates"))
+                                    "precision", "allow_positive_gates"))
 def _sharded(
     query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, *,
-    mesh, axes: MeshAxes, implementation, allow_positive_gates,
+    mesh, axes: MeshAxes, implementation, precision, allow_positive_gates,
 ):
     problem, scale, layout = canonicalize_delta(
         query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
@@ -288,7 +291,8 @@ def _sharded(
     in_specs, out_specs = _specs(problem, axes)
     dtype = problem.query.dtype
     sharded = _shard_map(lambda p: _shard(plan, p, dtype), mesh, (in_specs,), out_specs)
-    output, final_state = sharded(_place(problem, in_specs, mesh))
+    with matmul_precision(resolve(precision, problem.query.dtype)):
+        output, final_state = sharded(_place(problem, in_specs, mesh))
     if problem.cu_seqlens is not None:
         empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
         final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
