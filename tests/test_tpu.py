@@ -1,0 +1,146 @@
+"""On a TPU: every path of both operations against the float64 reference computed on the host.
+
+Marked `tpu` and skipped unless JAX's default backend is a TPU (CI has none: these run on the
+chip, `benchmarks/tpu.sh` runs them first). Every implementation the registry can run on the
+chip (`pallas_tpu` and the XLA `chunk`, `scan` and `reference`) is called on the TPU with float32
+and bfloat16 inputs, and its output, final state and every gradient are compared with
+`reference` in float64 on the host CPU (TPUs have no float64) on the same inputs: within 2e-4 of
+the largest reference entry for float32 (what `precision=None` promises: a TPU's default
+one-pass bfloat16 product misses it by 10×), within 2e-2 for bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import recurrax
+from recurrax.tools.cases import (
+    DIFF_ARGS,
+    Case,
+    DeltaCase,
+    ZERO_FLOOR,
+    delta_options,
+    delta_vjp,
+    make_delta_inputs,
+    make_inputs,
+    max_rel_error,
+    split_args,
+)
+
+pytestmark = [
+    pytest.mark.tpu,
+    pytest.mark.skipif(jax.default_backend() != "tpu", reason="runs on a TPU (JAX's default backend here is not)"),
+]
+
+BOUND = {"float32": 2e-4, "bfloat16": 2e-2}
+
+RECURRENT = {
+    "g": Case(B=2, T=256, H=4, Hkv=4, K=64, V=64, gates=("g_head",), initial_state=False),
+    "gk": Case(B=2, T=256, H=4, Hkv=4, K=64, V=64, gates=("gk",)),
+    "g_gamma": Case(B=2, T=256, H=4, Hkv=4, K=64, V=64, gates=("g_gamma",)),
+    "gk+gv": Case(B=1, T=256, H=2, Hkv=2, K=64, V=64, gates=("gk", "gv")),
+    "grouped gk": Case(B=1, T=256, H=4, Hkv=2, K=64, V=128, gates=("gk",)),
+    "shared qk g": Case(B=1, T=256, H=4, Hqk=1, K=128, V=64, gates=("g_head",)),
+    "packed g": Case(T=256, H=4, Hkv=4, K=64, V=64, gates=("g_head",), cu_seqlens=(0, 37, 37, 200, 256)),
+    "packed gk": Case(T=256, H=2, Hkv=2, K=64, V=64, gates=("gk",), cu_seqlens=(0, 100, 256)),
+    "reverse g": Case(B=1, T=256, H=4, Hkv=4, K=64, V=64, gates=("g_head",), reverse=True),
+}
+DELTA = {
+    "GDN grouped": DeltaCase(gates=("g",), B=1, T=256, Hqk=2, H=4, K=128, V=128, qk_l2norm=True, gate_range=(-0.1, 0)),
+    "KDA": DeltaCase(gates=("gk",), B=2, T=256, Hqk=2, H=2, K=128, V=128, qk_l2norm=True, gate_range=(-0.1, 0)),
+    "DeltaNet packed": DeltaCase(B=1, T=256, Hqk=2, H=2, K=128, V=128, cu_seqlens=(0, 60, 256), beta_range=(0, 2)),
+}
+
+
+def host():
+    return jax.default_device(jax.devices("cpu")[0])
+
+
+def vjp_of(call, kwargs: dict, seed: int = 1):
+    """`call`'s output, final state and the gradients of every differentiable argument for
+    random cotangents, as one jitted program (on the default device)."""
+    diff, rest = split_args(kwargs)
+
+    def forward_backward(diff):
+        (output, state), pullback = jax.vjp(lambda diff: call(**diff, **rest), diff)
+        rng = np.random.default_rng(seed)
+        d_output = jnp.asarray(rng.standard_normal(output.shape), output.dtype)
+        d_state = jnp.asarray(rng.standard_normal(state.shape), state.dtype)
+        return output, state, pullback((d_output, d_state))[0]
+
+    return jax.jit(forward_backward)(diff)
+
+
+def on_host(kwargs: dict):
+    """`recurrent`'s `reference` in float64 on the host CPU, on the same (rounded) inputs."""
+    with host():
+        exact = {k: (jnp.asarray(np.asarray(v, np.float64)) if k in DIFF_ARGS else v) for k, v in kwargs.items()}
+        return jax.device_get(vjp_of(lambda **kw: recurrax.recurrent(**kw, implementation="reference"), exact))
+
+
+def errors_against(reference, results) -> dict[str, float]:
+    """Every output and gradient's max |x − y| / max |y| (`recurrax check`'s measure)."""
+    (o, state, grads), (o_ref, state_ref, grads_ref) = results, reference
+    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0)) for y in (o_ref, state_ref, *grads_ref.values()))
+    floor = max(ZERO_FLOOR * scale, 1e-30)
+    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
+    errors.update({"d" + name: max_rel_error(grads[name], grads_ref[name], floor) for name in grads})
+    return errors
+
+
+def runnable(selection) -> list[str]:
+    """The implementations that can run the selected call on this chip (interpreters left out)."""
+    return [name for name, refusal in selection.answers if refusal is None and not name.endswith("interpret")]
+
+
+def assert_within(name: str, dtype: str, errors_by_path: dict) -> None:
+    failures = {path: {k: v for k, v in errors.items() if not v <= BOUND[dtype]}
+                for path, errors in errors_by_path.items()}
+    failures = {path: bad for path, bad in failures.items() if bad}
+    assert not failures, f"{name} {dtype}: {failures} (bound {BOUND[dtype]})"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_on_the_chip(name, dtype):
+    kwargs = make_inputs(dataclasses.replace(RECURRENT[name], dtype=dtype))
+    reference = on_host(kwargs)
+    names = runnable(recurrax.kernel_registry.select(**kwargs))
+    assert "chunk" in names
+    errors = {}
+    for implementation in names:
+        call = lambda **kw: recurrax.recurrent(**kw, implementation=implementation)  # noqa: E731
+        errors[implementation] = errors_against(reference, jax.device_get(vjp_of(call, kwargs)))
+    assert_within(name, dtype, errors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(DELTA))
+def test_delta_rule_on_the_chip(name, dtype):
+    case = DELTA[name]
+    inputs, options = make_delta_inputs(case), delta_options(case)
+    on_chip = {n: jnp.asarray(x, dtype) for n, x in inputs.items()}
+    with host():
+        exact = {n: jnp.asarray(np.asarray(x, np.float64)) for n, x in jax.device_get(on_chip).items()}
+        reference = jax.device_get(delta_vjp("reference", exact, options))
+    names = runnable(recurrax.delta.kernel_registry.select(**on_chip, **options))
+    assert "chunk" in names
+    errors = {name: errors_against(reference, jax.device_get(delta_vjp(name, on_chip, options))) for name in names}
+    assert_within(name, dtype, errors)
+
+
+def test_one_pass_float32_misses_the_bound():
+    """The float32 bound is not loose: on the chip, `precision="default"` (one bfloat16 pass)
+    misses it where `precision=None` meets it."""
+    kwargs = make_inputs(dataclasses.replace(RECURRENT["gk"], dtype="float32"))
+    reference = on_host(kwargs)
+    errors = {}
+    for precision in (None, "default"):
+        call = lambda **kw: recurrax.recurrent(**kw, implementation="chunk", precision=precision)  # noqa: E731
+        errors[precision] = max(errors_against(reference, jax.device_get(vjp_of(call, kwargs))).values())
+    assert errors[None] <= BOUND["float32"] < errors["default"], errors
