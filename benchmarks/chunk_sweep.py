@@ -75,6 +75,7 @@ def main(argv=None):
     parser.add_argument("--gates", default="g,gk", help=f"comma-separated, of {list(GATE_PRESETS)}")
     parser.add_argument("--tilings", default="32x1x1,32x1x4,64x1x1,64x1x8,32x2x4", help="CxcxP, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", help="the inputs' dtype (float32 or bfloat16)")
     parser.add_argument("--peak-size", type=int, default=2048, help="N of the N×N float32 matmul peak")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--scan", action="store_true", help="also time the scan implementation")
@@ -96,10 +97,10 @@ def main(argv=None):
     peak_fn = jax.jit(jnp.dot)
     tilings = [Tiling(*map(int, t.split("x"))) for t in args.tilings.split(",")]
     modes = args.modes.split(",")
-    emit(f"### B={B} T={T} H={H} K={K} V={V}, float32, {args.rounds} interleaved rounds, "
+    emit(f"### B={B} T={T} H={H} K={K} V={V}, {args.dtype}, {args.rounds} interleaved rounds, "
          f"load average {os.getloadavg()[0]:.1f} at the start")
     for gate in args.gates.split(","):
-        case = Case.benchmark(B, T, H, K, V, gates=gate)
+        case = Case.benchmark(B, T, H, K, V, gates=gate, dtype=args.dtype)
         candidates = {"peak": (peak_fn, (x, x))}
         fns = {
             f"chunk {t.chunk_size}x{t.leaf_size}x{t.chunks_per_step}": functools.partial(chunk_recurrent, tiling=t)
