@@ -160,9 +160,10 @@ def test_mosaic_gpu_forced_on_b200_fails_in_ptxas():
 
 
 def check_tpu(generation: str, configuration: Configuration) -> None:
-    """What dispatch picks on the generation (the Pallas TPU kernels) compiles."""
+    """The Pallas TPU kernels compile for the generation (named: dispatch passes some over on a
+    chip that measured `chunk` faster, `recurrax/kernels/tpu/_measured.py`)."""
     need(generation)
-    result = compile_configuration(generation, configuration)
+    result = compile_configuration(generation, configuration, "pallas_tpu")
     assert result.implementation == "pallas_tpu"
     text = result.compiled.executable.as_text()
     assert text.count("tpu_custom_call") == 3  # forward, states, backward

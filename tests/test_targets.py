@@ -105,6 +105,35 @@ def test_tpu_dispatch_by_generation(generation, expected):
             kernel_registry.select(BF16, BF16, BF16, implementation="pallas_tpu")
 
 
+def test_v5e_runs_chunk_where_the_chip_measured_the_kernel_slower():
+    """On a v5e, calls with a per-key-channel decay go to `chunk` (the chip measured the kernel
+    4-5× slower, `kernels/tpu/_measured.py`), per-head decays keep the kernel, and the
+    selection says which measurement decided; v6e (not measured) keeps the kernel; a call
+    that names the kernel still gets it."""
+    v5e, v6e = Chip("tpu", "TPU v5 lite", generation="v5e"), Chip("tpu", "TPU v6 lite", generation="v6e")
+    per_head = dict(g=jnp.zeros((1, 64, 2), jnp.float32))
+    assert picked(v5e, **CHANNEL) == "chunk"
+    assert picked(v5e, **per_head) == picked(v5e) == picked(v6e, **CHANNEL) == "pallas_tpu"
+    with judging_for(v5e):
+        selection = kernel_registry.select(BF16, BF16, BF16, **CHANNEL)
+        forced = kernel_registry.select(BF16, BF16, BF16, **CHANNEL, implementation="pallas_tpu")
+    reason = dict(selection.passed_over)["pallas_tpu"]
+    assert "measured slower than chunk on TPU v5e" in reason and "results/tpu.md" in reason
+    assert dict(selection.answers)["pallas_tpu"] is None  # it can run the call; dispatch passes it over
+    assert "pallas_tpu: can run it, passed over: measured slower" in str(selection)
+    assert forced.name == "pallas_tpu"
+
+
+def test_a_kernel_passed_over_everywhere_still_runs_when_nothing_else_can():
+    from recurrax.registry import Backend, KernelRegistry, Platform, Support
+
+    registry = KernelRegistry()
+    support = Support(dtypes=frozenset({"bfloat16"}))
+    registry.register("only", Platform.XLA, Backend.ANY, priority=1, supports=support,
+                      passed_over=lambda request: "always slower")(lambda problem, **_: "only")
+    assert registry.select(BF16, BF16, BF16).name == "only"
+
+
 def test_named_targets_are_judged_as_their_chips():
     assert [picked(get_target(name).chip) for name in ("h100", "h200", "b200", "v5e", "v6e")] == (
         ["mosaic_gpu", "mosaic_gpu", "pallas_gpu" if "pallas_gpu" in kernel_registry.names() else "chunk",

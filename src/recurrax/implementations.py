@@ -25,12 +25,14 @@ class Row(NamedTuple):
     function: object
     support: object
     unavailable: object = None  # () -> reason or None
+    passed_over: object = None  # (Request) -> why dispatch skips a call it can run, or None
 
 
 IMPLEMENTATIONS = (
     Row("mosaic_gpu",       Platform.PALLAS, Backend.GPU,  40, mosaic_gpu.mosaic_gpu_recurrent, mosaic_gpu.SUPPORT, mosaic_gpu.unavailable),
     Row("pallas_gpu",       Platform.PALLAS, Backend.GPU,  30, triton.triton_recurrent,       triton.SUPPORT, triton.unavailable),
-    Row("pallas_tpu",       Platform.PALLAS, Backend.TPU,  30, tpu.tpu_recurrent,             tpu.SUPPORT,    tpu.unavailable),
+    Row("pallas_tpu",       Platform.PALLAS, Backend.TPU,  30, tpu.tpu_recurrent,             tpu.SUPPORT,    tpu.unavailable,
+        tpu.passed_over("recurrent")),
     Row("chunk",            Platform.XLA,    Backend.ANY,  20, chunk.chunk_recurrent,         chunk.SUPPORT),
     Row("scan",             Platform.XLA,    Backend.ANY,  10, scan.scan_recurrent,           scan.SUPPORT),
     Row("reference",        Platform.XLA,    Backend.ANY,   0, reference.reference_recurrent, reference.SUPPORT),
@@ -49,6 +51,5 @@ for row in IMPLEMENTATIONS:
     if reason is not None:
         kernel_registry.mark_unavailable(row.name, reason)
         continue
-    kernel_registry.register(row.name, row.platform, row.backend, priority=row.priority, supports=row.support)(
-        row.function
-    )
+    kernel_registry.register(row.name, row.platform, row.backend, priority=row.priority, supports=row.support,
+                             passed_over=row.passed_over)(row.function)

@@ -136,12 +136,19 @@ class Implementation:
     priority: int
     support: Support
     fn: Callable[..., Any]
+    passed_over: Callable[[Request], str | None] | None = None
+    """Why dispatch skips it for a call it can run (a measurement on the chip found another
+    faster), or None; a call that names it still gets it."""
 
     def refusal(self, request: Request) -> str | None:
         """Why this implementation cannot take `request`, or `None` when it can."""
         if self.backend is not Backend.ANY and self.backend.value != request.backend:
             return f"it runs on {self.backend.value}, this call is on {request.backend}"
         return self.support.refusal(request)
+
+    def skipped(self, request: Request) -> str | None:
+        """Why dispatch passes over a call this implementation can run, or None."""
+        return self.passed_over(request) if self.passed_over is not None else None
 
     def run(self, problem: Problem, *, scale: float, precision: str | None = None, **options):
         """`fn` on a canonical problem, with shared query/key heads repeated first unless it
@@ -168,11 +175,18 @@ class Selection:
 
     name: str | None
     answers: tuple[tuple[str, str | None], ...]
+    passed_over: tuple[tuple[str, str], ...] = ()
+    """`(name, reason)` for each implementation that can run the call but that dispatch skips,
+    with the measurement that decided it."""
 
     def __str__(self) -> str:
         lines = [f"runs: {self.name}" if self.name else "no registered implementation can run this call"]
+        skipped = dict(self.passed_over)
         for name, refusal in self.answers:
-            lines.append(f"  {name}: {'can run it' if refusal is None else 'refuses: ' + refusal}")
+            answer = "refuses: " + refusal if refusal is not None else "can run it"
+            if name in skipped:
+                answer += ", passed over: " + skipped[name]
+            lines.append(f"  {name}: {answer}")
         return "\n".join(lines)
 
 
@@ -206,14 +220,16 @@ class KernelRegistry:
         *,
         priority: int = 0,
         supports: Support,
+        passed_over: Callable[[Request], str | None] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator registering `fn` under `name`; returns `fn` unchanged."""
+        """Decorator registering `fn` under `name`; returns `fn` unchanged. `passed_over`:
+        why dispatch skips it for a call it can run (`Implementation.passed_over`)."""
 
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._implementations:
                 raise ValueError(f"an implementation named {name!r} is already registered")
             self._implementations[name] = Implementation(
-                name, Platform(platform), Backend(backend), priority, supports, fn
+                name, Platform(platform), Backend(backend), priority, supports, fn, passed_over
             )
             return fn
 
@@ -230,13 +246,11 @@ class KernelRegistry:
         """The implementation to run `request`: `name`'s if given, else the best supporting one."""
         if name is not None:
             return self._forced(name, request)
-        refusals = []
-        for impl in self.implementations():
-            reason = impl.refusal(request)
-            if reason is None:
-                return impl
-            refusals.append(f"  {impl.name}: {reason}")
-        raise ValueError("no registered implementation supports this call:\n" + "\n".join(refusals))
+        runnable = [impl for impl in self.implementations() if impl.refusal(request) is None]
+        if not runnable:
+            refusals = [f"  {impl.name}: {impl.refusal(request)}" for impl in self.implementations()]
+            raise ValueError("no registered implementation supports this call:\n" + "\n".join(refusals))
+        return next((impl for impl in runnable if impl.skipped(request) is None), runnable[0])
 
     def select(self, *arguments, implementation: str | None = None, **keyword_arguments) -> Selection:
         """Which implementation the operation called with `(*arguments, **keyword_arguments)`
@@ -252,11 +266,15 @@ class KernelRegistry:
             request = self._describe(*arguments, **keyword_arguments)
         answers = tuple((impl.name, impl.refusal(request)) for impl in self.implementations())
         answers += tuple((name, f"not available here: {reason}") for name, reason in self.unavailable.items())
+        passed_over = tuple((impl.name, impl.skipped(request)) for impl in self.implementations()
+                            if impl.refusal(request) is None and impl.skipped(request) is not None)
         if implementation is not None:
             chosen = self._forced(implementation, request).name
+        elif any(refusal is None for _, refusal in answers):
+            chosen = self.get(None, request).name
         else:
-            chosen = next((name for name, refusal in answers if refusal is None), None)
-        return Selection(chosen, answers)
+            chosen = None
+        return Selection(chosen, answers, passed_over)
 
     def _forced(self, name: str, request: Request) -> Implementation:
         if name in self.unavailable:

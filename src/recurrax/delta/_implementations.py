@@ -48,7 +48,9 @@ for _name, _platform, _backend, _priority, _function, _support, _unavailable in 
     if _reason is not None:
         kernel_registry.mark_unavailable(_name, _reason)
         continue
-    kernel_registry.register(_name, _platform, _backend, priority=_priority, supports=_support)(_function)
+    passed_over = tpu.passed_over("delta_rule") if _name == "pallas_tpu" else None
+    kernel_registry.register(_name, _platform, _backend, priority=_priority, supports=_support,
+                             passed_over=passed_over)(_function)
 
 IMPLEMENTATIONS = {impl.name: impl.fn for impl in kernel_registry.implementations()}
 """The delta rule's algorithms by name, highest priority first."""

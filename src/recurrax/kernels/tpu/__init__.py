@@ -8,6 +8,7 @@
 | `_vmem`      | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
 | `_delta_forward` | the delta rule's forward kernel: outputs, final states, chunk-entry states |
 | `_delta_backward` | the delta rule's backward kernel: every gradient, the log decay's included |
+| `_measured`  | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
 
 The array contract at the boundary is the driver's (`kernels/_driver.py`, token-major); the
 wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, h, value block, chunk) with the
@@ -53,11 +54,12 @@ from ._backward import chunk_backward
 from ._delta_backward import delta_backward
 from ._delta_forward import delta_forward
 from ._forward import chunk_forward
+from ._measured import SLOWER_THAN_CHUNK, passed_over
 from ._tiles import TpuTiles, mosaic_problems
 
 __all__ = ["BACKEND", "DELTA_INTERPRET_SUPPORT", "DELTA_SUPPORT", "GENERATIONS", "HEAD_DIMS", "INTERPRET_SUPPORT",
-           "SUPPORT", "TILES", "TpuTiles", "mosaic_problems", "tpu_delta", "tpu_delta_interpret", "tpu_interpret",
-           "tpu_recurrent", "unavailable"]
+           "SLOWER_THAN_CHUNK", "SUPPORT", "TILES", "TpuTiles", "mosaic_problems", "passed_over", "tpu_delta",
+           "tpu_delta_interpret", "tpu_interpret", "tpu_recurrent", "unavailable"]
 
 HEAD_DIMS = (64, 128, 256)
 TILES = TpuTiles(chunk=128, sub=16, block_v=128)
