@@ -21,6 +21,7 @@ settings.register_profile("explore", deadline=None, print_blob=True, suppress_he
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without the plugin (the TPU VM's) ignores it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker process per core, at most 4 — each worker
     is a JAX process whose compiled programs and 8 simulated devices cost memory. Test files
