@@ -42,9 +42,15 @@ from __future__ import annotations
 
 from ...registry import Request
 from .._driver import PallasBackend, kernel_support, missing_module
-from ._backward import chunk_backward
-from ._forward import chunk_forward
-from ._tiles import CHUNK, has_interpret_mode
+
+try:
+    from ._backward import chunk_backward
+    from ._forward import chunk_forward
+    from ._tiles import CHUNK, has_interpret_mode
+except ImportError as error:  # JAX's Mosaic GPU imports absl-py, which a plain `pip install jax` lacks
+    _IMPORT_FAILURE: str | None = f"JAX's Mosaic GPU backend does not import here ({type(error).__name__}: {error})"
+else:
+    _IMPORT_FAILURE = None
 
 __all__ = ["ARCHITECTURES", "BACKEND", "INTERPRET_SUPPORT", "SUPPORT", "has_interpret_mode", "interpret_unavailable",
            "mosaic_gpu_interpret", "mosaic_gpu_recurrent", "unavailable"]
@@ -88,16 +94,19 @@ INTERPRET_SUPPORT = kernel_support({"bfloat16", "float16"}, _shapes)
 """`mosaic_gpu_interpret`: the dtypes, gates and head dims of `SUPPORT` (the tiles are fixed), any device."""
 
 
-BACKEND = PallasBackend(chunk_forward, chunk_backward, chunk=CHUNK)
+BACKEND = PallasBackend(chunk_forward, chunk_backward, chunk=CHUNK) if _IMPORT_FAILURE is None else None
 """The kernels compiled by Mosaic GPU (Hopper), or run in Mosaic GPU interpret mode on a CPU
-with races detected (JAX ≥ 0.12); tiles fixed (chunk 64)."""
+with races detected (JAX ≥ 0.12); tiles fixed (chunk 64). None where the backend does not
+import (`unavailable()` says why; nothing is registered)."""
 
-mosaic_gpu_recurrent = BACKEND.recurrent
-mosaic_gpu_interpret = BACKEND.interpret
+mosaic_gpu_recurrent = BACKEND.recurrent if BACKEND is not None else None
+mosaic_gpu_interpret = BACKEND.interpret if BACKEND is not None else None
 
 
 def unavailable() -> str | None:
     """Why this JAX cannot run these kernels, or None."""
+    if _IMPORT_FAILURE is not None:
+        return _IMPORT_FAILURE
     reason = missing_module("jax.experimental.pallas.mosaic_gpu",
                             "this JAX has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
     if reason is None:
