@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 smoke=()
 out_dir=
-seconds=(200 330 150)   # tests, paths, delta rule
+seconds=(210 230 100)   # tests, paths, delta rule
 while [ $# -gt 0 ]; do
     case "$1" in
         --smoke|smoke) smoke=(--smoke); seconds=(120 120 120) ;;

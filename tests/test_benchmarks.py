@@ -174,3 +174,21 @@ def test_long_context_reports_a_full_depth_compile_over_its_estimate():
     assert chosen[32768]["basis"] == "2 and 4 layers" and chosen[32768]["peak"] == round(17.5 * 2**30)
     text = "\n".join(long_context.extrapolation(rows))
     assert "131,072 tokens: estimated 19.50 GiB from 2 and 4 layers, compiled 14.00 GiB" in text
+
+
+@pytest.mark.slow  # compiles chunk's fwd+bwd for both operations
+def test_tpu_paths_smoke_run_times_chunk_and_says_why_the_kernel_does_not_run(tmp_path):
+    """`benchmarks/tpu_paths.py --smoke` (`tpu.sh` runs it) off a TPU: `chunk` timed in both
+    directions with its roofline fraction, `pallas_tpu` a row with its refusal, and what
+    dispatch picks; the markdown, JSON and PNG are written."""
+    tpu_paths = pytest.importorskip("tpu_paths")
+    assert tpu_paths.main(["--smoke", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "tpu.json").read_text())
+    assert [row["op"] for row in rows] == ["recurrent", "delta_rule"]
+    for row in rows:
+        assert row["paths"]["chunk"]["forward"] > 0 and row["paths"]["chunk"]["fwd+bwd"] > 0
+        assert min(row["floors"].values()) > 0
+        if jax.default_backend() != "tpu":
+            assert "runs on tpu" in row["paths"]["pallas_tpu"]["refused"] and row["dispatch"] == "chunk"
+    text = (tmp_path / "tpu.md").read_text()
+    assert "| `chunk` |" in text and "% roof" in text and (tmp_path / "tpu.png").stat().st_size > 0
