@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The TPU run, one command on a fresh TPU VM without network (under 9 minutes on one v5e):
-#   1. set-up: what recurrax and its report need (jaxtyping, matplotlib) from the machine's own package
+#   1. set-up: what recurrax, its report and ejKernel need (jaxtyping, matplotlib, absl-py, toolz, einops) from the machine's own package
 #      index (PIP_INDEX, default file:///opt/pypi/simple) into a temporary folder on PYTHONPATH, the
 #      machine's own JAX kept first; ejKernel from wheels in .whl-tpu/ when that folder is there
 #      (`pip download` them where pip reaches PyPI: benchmarks/README.md says which);
@@ -41,7 +41,7 @@ copy_out() { if [ -n "${OUT:-}" ]; then cp "$@" "$OUT"/ 2>/dev/null; fi; }
 if [ ${#smoke[@]} -eq 0 ] && ! "$PY" -c 'import jaxtyping, matplotlib' 2>/dev/null; then
     site=$(mktemp -d)
     PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
-        --index-url "${PIP_INDEX:-file:///opt/pypi/simple}" --target "$site" jaxtyping matplotlib \
+        --index-url "${PIP_INDEX:-file:///opt/pypi/simple}" --target "$site" jaxtyping matplotlib absl-py toolz einops \
         || echo "tpu.sh: set-up from the package index failed" >&2
     rm -rf "$site"/jax "$site"/jaxlib "$site"/jax-* "$site"/jaxlib-* "$site"/numpy "$site"/numpy-*  # the machine's own stay
     export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"

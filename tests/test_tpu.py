@@ -103,6 +103,8 @@ def chip_paths(dtype: str) -> list[str]:
 KNOWN_DEFECTS = {
     ("g_gamma", "bfloat16", "pallas_tpu"): "the kernel's d g_gamma from bfloat16 operands: 1.1e-2 at 128 tokens, "
                                            "4e-2 at these 512 in interpret mode, growing with the tokens summed",
+    ("g_gamma", "bfloat16", "chunk"): "failed on a v5e (2026-12-06): one-pass products on bfloat16 inputs; on a CPU, "
+                                      "whose products are exact, d g_gamma is 2.3e-3 from the reference",
 }
 
 
