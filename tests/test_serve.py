@@ -49,19 +49,21 @@ LIMITS = ["--max-body-bytes", str(MAX_BODY_BYTES), "--max-prompt-tokens", str(MA
           "--template-timeout", str(TEMPLATE_TIMEOUT_S), "--template-memory", str(TEMPLATE_MEMORY_MIB)]
 """Small limits, so that each is reached quickly; the other tests stay inside them (the
 longest body, "é" × MAX_MODEL_LEN, is 0.8 MB as escaped JSON)."""
-SPIN, GROW = "spin for a minute", "grow to 600 MB"
+SPIN, GROW = "spin for hours", "grow to 600 MB"
 GUARDED_CHATML = (
-    "{% if messages[-1]['content'] == '" + SPIN + "' %}{% for i in range(100000) %}{% for j in range(1000) %}"
+    "{% if messages[-1]['content'] == '" + SPIN + "' %}{% for i in range(100000) %}{% for j in range(100000) %}"
     "{% endfor %}{% endfor %}{% endif %}"
-    "{% if messages[-1]['content'] == '" + GROW + "' %}{% set big = 'x' * (600000000 * messages | length) %}{{ big[:1] }}{% endif %}"
+    "{% if messages[-1]['content'] == '" + GROW + "' %}{% set big = 'x' * (600000000 * messages | length) %}"
+    "{{ big[:1] }}{% endif %}"
     "{% for message in messages | rejectattr('role', 'equalto', 'system') %}"
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{% endif %}{% endfor %}" + CHATML)
 """ChatML behind the checks real templates make (roles alternate after an optional system
 message: `raise_exception` otherwise), and two messages a template takes too long or too
-much memory on: 10⁸ loop steps (a minute and more), a 600 MB string (over
-TEMPLATE_MEMORY_MIB). Any other conversation renders as ChatML."""
+much memory on: 10¹⁰ loop steps (hours), a 600 MB string (over
+TEMPLATE_MEMORY_MIB; its size depends on the messages, or Jinja would fold it into a
+constant when the template compiles). Any other conversation renders as ChatML."""
 WORDS = ["Once upon a time", "The state stays", "你好，世界", "Emoji 🙂 travel", "tiny recurrent model", "é ß ñ"]
 
 
@@ -504,10 +506,12 @@ def test_a_template_that_refuses_the_messages_is_400(server):
 
 
 def test_a_template_too_slow_is_stopped_and_blocks_no_one(server):
-    """While the template spins on one request (for minutes, unbounded), /health answers; the
+    """While the template spins on one request (for hours, were it not stopped), /health
+    answers (the old server's event loop rendered it: nothing answered until the end); the
     request ends with a 400 after TEMPLATE_TIMEOUT_S and the next chats render again."""
     answers = []
-    spinning = threading.Thread(target=lambda: answers.append(chat(server, [{"role": "user", "content": SPIN}])))
+    spinning = threading.Thread(target=lambda: answers.append(chat(server, [{"role": "user", "content": SPIN}])),
+                                daemon=True)
     spinning.start()
     time.sleep(0.5)  # the render has begun
     assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"

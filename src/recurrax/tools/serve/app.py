@@ -16,8 +16,9 @@ length, the chat template's refusal or limits), 404 for another model's name or 
 route, 405 for a wrong method, 408 for a body slower than `body_timeout_s`, 413 for one
 longer than `max_body_bytes`, 429 when the queue is full, 500 when the engine failed. The
 body is read in pieces (never more than the limit is kept) and parsed, rendered through the
-chat template and tokenized in a worker thread: the event loop only moves bytes. A client that goes away cancels its request: a stream's
-task is cancelled by Starlette, a plain request notices it within `DISCONNECT_POLL_S`.
+chat template and tokenized in a worker thread: the event loop only moves bytes. A client
+that goes away cancels its request: a stream's task is cancelled by Starlette, a plain
+request notices it within `DISCONNECT_POLL_S`.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "many of the vocabulary's longest tokens is refused before it is tokenized")
     limits.add_argument("--max-stop-strings", type=positive_int, default=16,
                         help="stop strings of a request (default 16; each generated token is checked against each)")
-    limits.add_argument("--max-stop-length", type=positive_int, default=256,
-                        help="characters of a stop string (default 256)")
+    limits.add_argument("--max-stop-length", type=positive_int, default=64,
+                        help="characters of a stop string (default 64)")
     limits.add_argument("--header-timeout", type=positive_float, default=10.0,
                         help="seconds a client has to send a request's headers; then the connection is closed "
                              "(default 10)")

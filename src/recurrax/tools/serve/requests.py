@@ -12,7 +12,7 @@ OpenAI's error JSON) naming the parameter.
 | `top_p`                          | a number in (0, 1]                                             |
 | `top_k` (extra body)             | an integer ≥ 1; -1 or 0: no cut                                |
 | `seed`                           | an integer in [0, 2³¹) (default: a random one)                 |
-| `stop`                           | a string or a list of at most `--max-stop-strings` strings of at most `--max-stop-length` characters |
+| `stop`                           | a string or a list of them, within `Limits`                    |
 | `n`, `best_of`                   | 1 only                                                         |
 | `stream`, `stream_options.include_usage` | booleans                                               |
 
@@ -81,7 +81,7 @@ class Limits:
 
     max_prompt_tokens: int
     max_stop_strings: int = 16
-    max_stop_length: int = 256
+    max_stop_length: int = 64
 
 
 class RequestParser:

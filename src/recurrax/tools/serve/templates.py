@@ -4,7 +4,7 @@ A checkpoint's chat template is a program, and a request's messages drive it: a 
 loops over them, or its string operations, may take any time or memory. The server renders
 in one worker process of its own (started from multiprocessing's fork server, so starting
 another is quick and never forks the server's threads) under an address-space limit
-(`RLIMIT_AS`: its size at start plus `memory_bytes`):
+(`RLIMIT_AS`: its size at start plus `memory_bytes`; on Linux):
 
     render(messages):  send them → the text or the template's own error, within `timeout_s`
     too slow           the worker is killed and replaced; the request gets a RequestError
@@ -28,8 +28,6 @@ ANSWER_LIMIT_S = 60.0
 
 def _serve_renders(connection, template: str, variables: dict, memory_bytes: int) -> None:
     """The worker: compile `template`, limit the address space, then render what arrives."""
-    import resource
-
     from recurrax.nn.pretrained._chat_template import compiled_template, render_chat
 
     try:
@@ -37,9 +35,7 @@ def _serve_renders(connection, template: str, variables: dict, memory_bytes: int
     except Exception as error:  # a syntax error: reported at start-up
         connection.send(("error", f"{type(error).__name__}: {error}"))
         return
-    with open("/proc/self/statm") as statm:
-        size = int(statm.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    _limit_address_space(memory_bytes)
     connection.send(("ready", None))
     while True:
         try:
@@ -54,6 +50,19 @@ def _serve_renders(connection, template: str, variables: dict, memory_bytes: int
         except Exception as error:  # the template's raise_exception, or an error in its code
             answer = ("error", str(error) or type(error).__name__)
         connection.send(answer)
+
+
+def _limit_address_space(memory_bytes: int) -> None:
+    """This process may map `memory_bytes` more than it has now (Linux: /proc tells the size;
+    elsewhere the limit is left as it is)."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as statm:
+            size = int(statm.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    except (OSError, ValueError):
+        pass
 
 
 class TemplateRenderer:
