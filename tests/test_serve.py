@@ -4,12 +4,19 @@ are compared with the offline Python API (`generate_text` with the same prompt a
 completions and chats, streamed and not, greedy and seeded sampling; many concurrent streams
 (none lost, none mixed up); a client that goes away frees its slot; a full queue is a 429,
 an invalid request a 400 in OpenAI's error JSON; SIGTERM lets a running stream finish and
-exits 0."""
+exits 0.
+
+One client cannot take it down: the server runs with small limits (`LIMITS`), and each way
+of abusing it (a body too large or too slow, headers never finished, a prompt too long to
+tokenize, too many stop strings, a chat template that raises, spins or grows, JSON Python
+cannot read, lone surrogates, unknown routes) gets a 4xx in OpenAI's error JSON, or a closed
+connection, and `/health` answers afterwards. Start-up failures are one line, no traceback."""
 
 import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from _tiny_checkpoint import write_checkpoint  # noqa: E402
+from _tiny_checkpoint import CHATML, write_checkpoint, write_tokenizer  # noqa: E402
 from recurrax.nn.pretrained import from_pretrained, generate_text, load_tokenizer  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -34,6 +41,29 @@ with the length, so the length is long: a greedy stream of `MAX_MODEL_LEN - 8` t
 running cannot race its end (a 200-token stream ends in 0.15 s: one that did made
 `test_a_client_that_goes_away_frees_its_slot` fail)."""
 LONG_STREAM = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0, "stream": True}
+MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS, MAX_STOP_LENGTH = 1 << 20, 4096, 4, 32
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, TEMPLATE_TIMEOUT_S, TEMPLATE_MEMORY_MIB = 3, 5, 2, 256
+LIMITS = ["--max-body-bytes", str(MAX_BODY_BYTES), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+          "--max-stop-strings", str(MAX_STOP_STRINGS), "--max-stop-length", str(MAX_STOP_LENGTH),
+          "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
+          "--template-timeout", str(TEMPLATE_TIMEOUT_S), "--template-memory", str(TEMPLATE_MEMORY_MIB)]
+"""Small limits, so that each is reached quickly; the other tests stay inside them (the
+longest body, "é" × MAX_MODEL_LEN, is 0.8 MB as escaped JSON)."""
+SPIN, GROW = "spin for hours", "grow to 600 MB"
+GUARDED_CHATML = (
+    "{% if messages[-1]['content'] == '" + SPIN + "' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[-1]['content'] == '" + GROW + "' %}{% set big = 'x' * (600000000 * messages | length) %}"
+    "{{ big[:1] }}{% endif %}"
+    "{% for message in messages | rejectattr('role', 'equalto', 'system') %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% endfor %}" + CHATML)
+"""ChatML behind the checks real templates make (roles alternate after an optional system
+message: `raise_exception` otherwise), and two messages a template takes too long or too
+much memory on: 10¹⁰ loop steps (hours), a 600 MB string (over
+TEMPLATE_MEMORY_MIB; its size depends on the messages, or Jinja would fold it into a
+constant when the template compiles). Any other conversation renders as ChatML."""
 WORDS = ["Once upon a time", "The state stays", "你好，世界", "Emoji 🙂 travel", "tiny recurrent model", "é ß ñ"]
 
 
@@ -44,7 +74,7 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "recurrax.tools.cli", "serve", directory, "--port", "0", "--slots", str(SLOTS),
              "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN), "--prefill-tokens", "64",
-             "--shutdown-timeout", "60"],
+             "--shutdown-timeout", "60", *LIMITS],
             stderr=subprocess.PIPE, text=True, env=env)
         self.log: list[str] = []
         ready = threading.Event()
@@ -81,6 +111,7 @@ class Server:
 def directory(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_served"))
     write_checkpoint(path)
+    write_tokenizer(path, chat_template=GUARDED_CHATML)
     return path
 
 
@@ -353,6 +384,210 @@ def test_a_directory_without_a_tokenizer_is_a_message(tmp_path, capsys):
 
     assert cli.main(["serve", str(tmp_path), "--port", "0"]) == 1
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+def assert_openai_error(response, status: int, *, param=None, code=None) -> dict:
+    """`response` is `status` with OpenAI's error JSON (and `param`, `code` when given)."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def assert_serving(server) -> None:
+    assert server.health()["status"] == "ok"
+    answer = server.client().completions.create(model=server.model, prompt="x", max_tokens=2, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_a_body_over_the_limit_is_413_with_or_without_its_length(server):
+    """Announced by Content-Length (refused before it is read) or sent in chunks (refused
+    once MAX_BODY_BYTES have come): the server keeps no more than the limit."""
+    body = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    assert_openai_error(httpx.post(server.url + "/v1/completions", content=body, timeout=60), 413,
+                        code="request_too_large")
+
+    def chunks():
+        for start in range(0, len(body), 1 << 16):
+            yield body[start:start + (1 << 16)]
+
+    assert_openai_error(httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60), 413,
+                        code="request_too_large")
+    assert_serving(server)
+
+
+def test_a_prompt_too_long_to_hold_is_refused_before_tokenizing(directory):
+    """A text prompt longer than MAX_PROMPT_TOKENS of the vocabulary's longest tokens cannot
+    fit: refused without tokenizing it (the tokenizer here fails if asked); one that might
+    fit is tokenized and counted."""
+    from recurrax.tools.serve.requests import Limits, RequestError, RequestParser
+
+    real = load_tokenizer(directory)
+
+    class Refusing:
+        backend = real.backend
+
+        def encode(self, text, add_special_tokens=True):
+            raise AssertionError("tokenized a prompt that cannot fit")
+
+    parser = RequestParser(tokenizer=Refusing(), render=None, model_name="m", vocab_size=300,
+                           max_model_len=MAX_MODEL_LEN, limits=Limits(MAX_PROMPT_TOKENS))
+    longest = max(map(len, real.backend.get_vocab(with_added_tokens=True)))
+    with pytest.raises(RequestError) as failure:
+        parser(json.dumps({"prompt": "a" * (MAX_PROMPT_TOKENS * longest + 1)}).encode(), chat=False)
+    assert failure.value.param == "prompt" and failure.value.code == "context_length_exceeded"
+    counting = RequestParser(tokenizer=real, render=None, model_name="m", vocab_size=300, max_model_len=MAX_MODEL_LEN,
+                             limits=Limits(MAX_PROMPT_TOKENS))
+    text = "a" * (MAX_PROMPT_TOKENS * longest)  # may fit by length: tokenized, and too many tokens
+    assert len(real.encode(text)) > MAX_PROMPT_TOKENS
+    with pytest.raises(RequestError, match="--max-prompt-tokens"):
+        counting(json.dumps({"prompt": text}).encode(), chat=False)
+
+
+def test_too_many_or_too_long_stop_strings_are_400(server):
+    client = server.client()
+    for stop in (["a"] * (MAX_STOP_STRINGS + 1), ["a" * (MAX_STOP_LENGTH + 1)]):
+        with pytest.raises(openai.BadRequestError) as failure:
+            client.completions.create(model=server.model, prompt="x", max_tokens=2, stop=stop)
+        assert failure.value.body["param"] == "stop"
+    answer = client.completions.create(model=server.model, prompt="x", max_tokens=2, temperature=0,
+                                       stop=["a" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS)
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_headers_never_finished_close_the_connection(server):
+    """Connections that send nothing, or headers without their end, are closed after
+    HEADER_TIMEOUT_S (each held a file descriptor until the process had none left)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(20)]
+    partial = [socket.create_connection((host, int(port))) for _ in range(20)]
+    for connection in partial:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+    for connection in idle + partial:
+        connection.settimeout(60)
+        assert connection.recv(1024) == b""  # closed by the server
+        connection.close()
+    assert_serving(server)
+
+
+def test_a_body_that_never_ends_is_408(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        connection.settimeout(60)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = connection.recv(4096)
+            assert piece, answer
+            answer += piece
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert_serving(server)
+
+
+def chat(server, messages) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", timeout=300,
+                      json={"model": server.model, "messages": messages, "max_tokens": 2})
+
+
+def test_a_template_that_refuses_the_messages_is_400(server):
+    error = assert_openai_error(chat(server, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]),
+                                400, param="messages", code="template_error")
+    assert "roles must alternate" in error["message"]
+    assert_serving(server)
+
+
+def test_a_template_too_slow_is_stopped_and_blocks_no_one(server):
+    """While the template spins on one request (for hours, were it not stopped), /health
+    answers (the old server's event loop rendered it: nothing answered until the end); the
+    request ends with a 400 after TEMPLATE_TIMEOUT_S and the next chats render again."""
+    answers = []
+    spinning = threading.Thread(target=lambda: answers.append(chat(server, [{"role": "user", "content": SPIN}])),
+                                daemon=True)
+    spinning.start()
+    time.sleep(0.5)  # the render has begun
+    assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+    spinning.join(120)
+    assert_openai_error(answers[0], 400, param="messages", code="template_limit")
+    assert "--template-timeout" in answers[0].json()["error"]["message"]
+    assert chat(server, [{"role": "user", "content": "Hi"}]).status_code == 200
+    assert_serving(server)
+
+
+def test_a_template_that_grows_past_its_memory_is_400(server):
+    error = assert_openai_error(chat(server, [{"role": "user", "content": GROW}]), 400, param="messages",
+                                code="template_limit")
+    assert "--template-memory" in error["message"]
+    assert chat(server, [{"role": "user", "content": "Hi"}]).status_code == 200
+    assert_serving(server)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"[" * 100_000 + b"]" * 100_000, 400, None),  # deeper than Python's recursion limit
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),  # over int's 4300 digits
+    (b'{"prompt": "x\\ud800"}', 400, "prompt"),  # a lone surrogate
+    (b'{"prompt": "x", "stop": "\\udfff"}', 400, "stop"),
+    (b'{"model": "\\ud800", "prompt": "x"}', 404, "model"),  # quoted back in the message
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    (b"\xff\xfe{", 400, None),  # not UTF-8
+])
+def test_json_python_cannot_read_and_lone_surrogates_are_4xx(server, body, status, param):
+    route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    assert_openai_error(httpx.post(server.url + route, content=body, timeout=60), status, param=param)
+    assert_serving(server)
+
+
+def test_unknown_routes_and_methods_are_openai_errors(server):
+    assert_openai_error(httpx.get(server.url + "/v1/nothing"), 404)
+    assert_openai_error(httpx.get(server.url + "/v1/completions"), 405)
+    assert_serving(server)
+
+
+def test_a_chat_template_that_does_not_compile_is_a_value_error():
+    from recurrax.tools.serve.templates import TemplateRenderer
+
+    renderer = TemplateRenderer("{% for %}", {}, timeout_s=30, memory_bytes=1 << 28)
+    with pytest.raises(ValueError, match="does not compile"):
+        renderer.start()
+    renderer.close()
+
+
+def start_up_failure(capsys, argv) -> str:
+    """`recurrax serve argv`'s one line on stderr, the command ending with status 1."""
+    from recurrax.tools import cli
+
+    assert cli.main(["serve", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_start_up_failures_are_one_line(directory, tmp_path, capsys, monkeypatch):
+    """A missing extra, a port in use, a config that is not JSON, unreadable weights: one
+    line each (what is wrong, what to do) and status 1."""
+    import shutil
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert "--port" in start_up_failure(capsys, [directory, "--port", str(taken.getsockname()[1])])
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    (broken / "config.json").write_text("{not json")
+    assert "config.json" in start_up_failure(capsys, [str(broken), "--port", "0"])
+    shutil.copy(os.path.join(directory, "config.json"), broken / "config.json")
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    assert "cannot load the checkpoint" in start_up_failure(capsys, [str(broken), "--port", "0"])
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    assert "recurrax[serve]" in start_up_failure(capsys, [directory, "--port", "0"])
 
 
 def test_sigterm_finishes_the_running_stream_and_exits_0(server, offline):

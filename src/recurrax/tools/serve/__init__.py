@@ -2,10 +2,12 @@
 
 | module     | job                                                                     |
 |------------|-------------------------------------------------------------------------|
-| `requests` | OpenAI request bodies checked and turned into jobs; error JSON          |
+| `requests` | OpenAI request bodies checked (within `Limits`) and turned into jobs    |
+| `templates`| the chat template in a worker process, bounded in time and memory       |
 | `engine`   | the thread that owns the model: a bounded queue, continuous batching    |
 | `app`      | the routes on Starlette, OpenAI's JSON and server-sent events           |
-| `command`  | the command line: options, loading, warm-up, uvicorn, shutdown          |
+| `protocol` | uvicorn's h11 protocol with a header timeout                            |
+| `command`  | the command line: options and limits, loading, warm-up, uvicorn, shutdown |
 
 Needs the `serve` extra (`pip install 'recurrax[serve]'`: starlette, uvicorn).
 """

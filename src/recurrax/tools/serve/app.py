@@ -11,9 +11,14 @@ updates turned into OpenAI's JSON, or into server-sent events when it streams.
 A stream is `data: {chunk}` events and `data: [DONE]`; with
 `stream_options.include_usage` every chunk carries `"usage": null` and a last chunk with no
 choices carries the counts. Errors are OpenAI's `{"error": {"message", "type", "param",
-"code"}}`: 400 for an invalid request, 404 for another model's name, 429 when the queue is
-full, 500 when the engine failed. A client that goes away cancels its request: a stream's
-task is cancelled by Starlette, a plain request notices it within `DISCONNECT_POLL_S`.
+"code"}}`, whatever goes wrong: 400 for an invalid request (its JSON, its values, its prompt's
+length, the chat template's refusal or limits), 404 for another model's name or an unknown
+route, 405 for a wrong method, 408 for a body slower than `body_timeout_s`, 413 for one
+longer than `max_body_bytes`, 429 when the queue is full, 500 when the engine failed. The
+body is read in pieces (never more than the limit is kept) and parsed, rendered through the
+chat template and tokenized in a worker thread: the event loop only moves bytes. A client
+that goes away cancels its request: a stream's task is cancelled by Starlette, a plain
+request notices it within `DISCONNECT_POLL_S`.
 """
 
 from __future__ import annotations
@@ -25,20 +30,23 @@ import uuid
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Engine, QueueFull, Update
-from .requests import Job, RequestError, parse
+from .requests import Job, RequestError, RequestParser
 
 DISCONNECT_POLL_S = 0.5
 """How often a plain (not streaming) request checks that its client is still there."""
 
 
-def create_app(engine: Engine, *, model_name: str, max_model_len: int) -> Starlette:
-    """The ASGI application serving `engine`'s model as `model_name`; the engine runs from
-    the application's start to its shutdown."""
+def create_app(engine: Engine, parser: RequestParser, *, model_name: str, max_model_len: int, max_body_bytes: int,
+               body_timeout_s: float) -> Starlette:
+    """The ASGI application serving `engine`'s model as `model_name`, its request bodies
+    (at most `max_body_bytes`, arriving within `body_timeout_s`) read by `parser`; the
+    engine runs from the application's start to its shutdown."""
     created = int(time.time())
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "recurrax",
                   "max_model_len": max_model_len}
@@ -63,12 +71,8 @@ def create_app(engine: Engine, *, model_name: str, max_model_len: int) -> Starle
 
     async def complete(request: HTTPRequest, *, chat: bool) -> Response:
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as failure:
-            return error(RequestError(f"the request body is not JSON: {failure}"))
-        try:
-            job = parse(body, chat=chat, model_name=model_name, tokenizer=engine.tokenizer,
-                        vocab_size=engine.vocab_size, max_model_len=max_model_len)
+            body = await read_body(request, max_body_bytes, body_timeout_s)
+            job = await asyncio.to_thread(parser, body, chat=chat)
         except RequestError as failure:
             return error(failure)
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
@@ -98,13 +102,45 @@ def create_app(engine: Engine, *, model_name: str, max_model_len: int) -> Starle
         finally:
             await asyncio.to_thread(engine.close)
 
+    async def http_error(request: HTTPRequest, failure: HTTPException) -> Response:
+        return error(RequestError(f"{request.method} {request.url.path}: {failure.detail}", status=failure.status_code,
+                                  code="not_found" if failure.status_code == 404 else None))
+
+    async def server_error(request: HTTPRequest, failure: Exception) -> Response:
+        return error(RequestError(f"the server failed: {type(failure).__name__}: {failure}", status=500,
+                                  kind="server_error"))
+
     return Starlette(routes=[
         Route("/health", health),
         Route("/v1/models", models),
         Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+async def read_body(request: HTTPRequest, max_bytes: int, timeout_s: float) -> bytes:
+    """The request's body: a RequestError (413) as soon as it passes `max_bytes` (its
+    Content-Length says so before any is read), or (408) when it takes over `timeout_s`."""
+    too_large = RequestError(f"the request body is larger than this server's {max_bytes} bytes (--max-body-bytes)",
+                             status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+
+    async def pieces() -> bytes:
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > max_bytes:
+                raise too_large
+        return bytes(body)
+
+    try:
+        return await asyncio.wait_for(pieces(), timeout_s)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout_s:g} s (--body-timeout)", status=408,
+                           code="request_timeout") from None
 
 
 class Answer:
@@ -205,5 +241,7 @@ def engine_failure(update: Update) -> RequestError:
     return RequestError(f"generation failed: {update.error}", status=500, kind="server_error")
 
 
-def error(failure: RequestError) -> JSONResponse:
-    return JSONResponse(failure.body(), status_code=failure.status)
+def error(failure: RequestError) -> Response:
+    """OpenAI's error JSON, ASCII-escaped: a message quoting the request's text (a lone
+    surrogate included) is always valid UTF-8."""
+    return Response(json.dumps(failure.body()), status_code=failure.status, media_type="application/json")

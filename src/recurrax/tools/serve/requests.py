@@ -12,9 +12,15 @@ OpenAI's error JSON) naming the parameter.
 | `top_p`                          | a number in (0, 1]                                             |
 | `top_k` (extra body)             | an integer ≥ 1; -1 or 0: no cut                                |
 | `seed`                           | an integer in [0, 2³¹) (default: a random one)                 |
-| `stop`                           | a string or a list of strings                                  |
+| `stop`                           | a string or a list of them, within `Limits`                    |
 | `n`, `best_of`                   | 1 only                                                         |
 | `stream`, `stream_options.include_usage` | booleans                                               |
+
+The body is JSON of at most `--max-body-bytes` (checked by the HTTP side); JSON that Python
+cannot read (nesting deeper than its recursion limit, an integer of more than 4300 digits),
+text with a lone surrogate, a prompt of more than `--max-prompt-tokens` tokens (a text prompt
+longer than that many of the vocabulary's longest tokens is refused before it is tokenized)
+and a chat template's refusal are 400s like any invalid value.
 
 Parameters that change what a model computes and that the server does not implement
 (`logprobs`, `presence_penalty`, `logit_bias`, `tools`, …) are refused by name when set to
@@ -24,10 +30,11 @@ send them.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from recurrax.nn.pretrained import Sampling
 
@@ -66,73 +73,128 @@ class Job:
     include_usage: bool
 
 
-def parse(body: Any, *, chat: bool, model_name: str, tokenizer, vocab_size: int, max_model_len: int) -> Job:
-    """The `Job` of a `/v1/completions` (or with `chat`, `/v1/chat/completions`) body, for a
-    model of `vocab_size` token ids."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise RequestError(f"The model `{model}` does not exist; this server serves `{model_name}`", param="model",
-                           status=404, code="model_not_found")
-    for name, neutral in NEUTRAL.items():
-        if body.get(name) not in neutral:
-            raise RequestError(f"{name} is not supported by this server", param=name)
-    for name in ("n", "best_of"):
-        if body.get(name) not in (None, 1) or isinstance(body.get(name), bool):
-            raise RequestError(f"{name} must be 1 (this server returns one choice), got {body.get(name)!r}",
-                               param=name)
-    prompt_ids = _messages_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
-    if not all(0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary)",
-                           param="messages" if chat else "prompt")
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this server's context is {max_model_len} "
-                           "tokens (--max-model-len), which must leave room for at least one new token",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
-    max_tokens = _max_tokens(body, chat, default=room if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room))
-    if max_tokens > room:
-        raise RequestError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed this "
-                           f"server's context of {max_model_len} tokens (--max-model-len)", param="max_tokens",
-                           code="context_length_exceeded")
-    stream = _boolean(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise RequestError("stream_options must be an object, and only with stream: true", param="stream_options")
-    include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage")
-    return Job(prompt_ids, max_tokens, _sampling(body), _stop(body), stream, include_usage)
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for: `max_prompt_tokens` tokens of prompt, `max_stop_strings`
+    stop strings of at most `max_stop_length` characters each (every generated token is
+    checked against each of them)."""
+
+    max_prompt_tokens: int
+    max_stop_strings: int = 16
+    max_stop_length: int = 64
 
 
-def _prompt_ids(body: dict, tokenizer) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a batch of one
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-    else:
-        raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
-                           param="prompt")
-    if not ids:
-        raise RequestError("the prompt has no tokens", param="prompt")
-    return ids
+class RequestParser:
+    """`parser(body, chat=...)`: the `Job` of a `/v1/completions` (or with `chat`,
+    `/v1/chat/completions`) body of bytes, for `model_name` of `vocab_size` token ids and a
+    context of `max_model_len` tokens. `render(messages)` gives a chat's prompt text (a
+    `TemplateRenderer`'s, bounded) or raises RequestError; None: the model has no chat
+    template. Blocking work (JSON, the template, tokenizing): call it off the event loop."""
 
+    def __init__(self, *, tokenizer, render: Callable[[list], str] | None, model_name: str, vocab_size: int,
+                 max_model_len: int, limits: Limits):
+        self.tokenizer, self.render, self.model_name = tokenizer, render, model_name
+        self.vocab_size, self.max_model_len, self.limits = vocab_size, max_model_len, limits
+        self.longest_token = max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+        """Characters of the vocabulary's longest token: a text of n characters has at least
+        n / longest_token tokens (a token covers at most its own characters)."""
 
-def _messages_ids(body: dict, tokenizer) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
-    conversation = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string role", param=f"messages[{i}]")
-        conversation.append({**message, "content": _text_content(message.get("content"), i)})
-    try:
-        return tokenizer.apply_chat_template(conversation, tokenize=True)
-    except ValueError as error:  # no chat template, or the template raised
-        raise RequestError(str(error), param="messages") from None
+    def __call__(self, body: bytes, *, chat: bool) -> Job:
+        try:
+            fields = json.loads(body)
+        except (ValueError, RecursionError) as failure:  # JSONDecodeError, bad UTF-8, huge integers; deep nesting
+            raise RequestError(f"the request body is not JSON this server can read: {failure}") from None
+        return self.parse(fields, chat=chat)
+
+    def parse(self, body: Any, *, chat: bool) -> Job:
+        """The `Job` of a decoded JSON body."""
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise RequestError(f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                               param="model", status=404, code="model_not_found")
+        for name, neutral in NEUTRAL.items():
+            if body.get(name) not in neutral:
+                raise RequestError(f"{name} is not supported by this server", param=name)
+        for name in ("n", "best_of"):
+            if body.get(name) not in (None, 1) or isinstance(body.get(name), bool):
+                raise RequestError(f"{name} must be 1 (this server returns one choice), got {body.get(name)!r}",
+                                   param=name)
+        stop = _stop(body, self.limits)  # before the prompt: cheap checks first
+        param = "messages" if chat else "prompt"
+        prompt_ids = (self._tokens(self._chat_text(body), param, special_tokens=False) if chat else
+                      self._prompt_ids(body))
+        if not all(0 <= t < self.vocab_size for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's vocabulary)",
+                               param=param)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this server's context is "
+                               f"{self.max_model_len} tokens (--max-model-len), which must leave room for at least "
+                               "one new token", param=param, code="context_length_exceeded")
+        max_tokens = _max_tokens(body, chat, default=room if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room))
+        if max_tokens > room:
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed this "
+                               f"server's context of {self.max_model_len} tokens (--max-model-len)",
+                               param="max_tokens", code="context_length_exceeded")
+        stream = _boolean(body, "stream")
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or not stream):
+            raise RequestError("stream_options must be an object, and only with stream: true",
+                               param="stream_options")
+        include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage")
+        return Job(prompt_ids, max_tokens, _sampling(body), stop, stream, include_usage)
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a batch of one
+        if isinstance(prompt, str):
+            ids = self._tokens(prompt, "prompt", special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            ids = list(prompt)
+            self._check_length(len(ids), "prompt")
+        else:
+            raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
+                               param="prompt")
+        if not ids:
+            raise RequestError("the prompt has no tokens", param="prompt")
+        return ids
+
+    def _chat_text(self, body: dict) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of {\"role\", \"content\"} objects",
+                               param="messages")
+        if self.render is None:
+            raise RequestError("this model has no chat template (no 'chat_template' in tokenizer_config.json "
+                               "and no chat_template.jinja); use /v1/completions with a plain prompt",
+                               param="messages")
+        conversation = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a string role", param=f"messages[{i}]")
+            conversation.append({**message, "content": _text_content(message.get("content"), i)})
+        return self.render(conversation)
+
+    def _tokens(self, text: str, param: str, *, special_tokens: bool) -> list[int]:
+        """`text`'s ids, with the tokenizer's special tokens or not (a chat template writes its
+        own)."""
+        _check_text(text, param)
+        if len(text) > self.limits.max_prompt_tokens * self.longest_token:
+            raise RequestError(f"the prompt has {len(text)} characters: more than the {self.limits.max_prompt_tokens} "
+                               "tokens this server takes (--max-prompt-tokens) can hold", param=param,
+                               code="context_length_exceeded")
+        ids = self.tokenizer.encode(text, add_special_tokens=special_tokens)
+        self._check_length(len(ids), param)
+        return ids
+
+    def _check_length(self, tokens: int, param: str) -> None:
+        if tokens > self.limits.max_prompt_tokens:
+            raise RequestError(f"the prompt has {tokens} tokens; this server takes at most "
+                               f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param=param,
+                               code="context_length_exceeded")
 
 
 def _text_content(content: Any, i: int) -> str:
@@ -175,14 +237,31 @@ def _sampling(body: dict) -> Sampling:
                     top_p=float(top_p), seed=seed)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
+def _stop(body: dict, limits: Limits) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop must be a non-empty string or a list of them", param="stop")
+    if len(stop) > limits.max_stop_strings:
+        raise RequestError(f"stop has {len(stop)} strings; this server takes at most {limits.max_stop_strings} "
+                           "(--max-stop-strings)", param="stop")
+    if max(map(len, stop), default=0) > limits.max_stop_length:
+        raise RequestError(f"a stop string has {max(map(len, stop))} characters; this server takes at most "
+                           f"{limits.max_stop_length} (--max-stop-length)", param="stop")
+    for text in stop:
+        _check_text(text, "stop")
     return tuple(stop)
+
+
+def _check_text(text: str, param: str) -> None:
+    """`text` is Unicode text: no lone surrogate (JSON's "\\ud800" decodes to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as failure:
+        raise RequestError(f"{param} holds a lone surrogate ({failure.reason}, at character {failure.start}): "
+                           "not Unicode text", param=param) from None
 
 
 def _number(body: dict, name: str, default: float) -> float:
