@@ -228,6 +228,12 @@ def test_routed_equals_all_experts_forward_and_gradients(n, D, F, E, k, options,
             assert max_rel(leaf_ours, leaf_ref) <= floor_tolerance(floor), (name, max_rel(leaf_ours, leaf_ref), floor)
 
 
+def test_routed_experts_refuse_a_limit_without_a_gate():
+    x, router, weights = layer_case(0, 5, 8, 6, 4, gated=False, transposed=False)
+    with pytest.raises(ValueError, match="limit=0.5 clips a gated FFN"):
+        routed_experts(x, route(x @ router, 2), weights, limit=0.5)
+
+
 def reference_weights(logits, experts, *, score="softmax", renormalize=False, select_on="scores",
                       n_group=1, topk_group=None, routed_scaling=1.0):
     """The routing weights of the chosen `experts` from `logits` (differentiable, any dtype)."""

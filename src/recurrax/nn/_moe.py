@@ -30,8 +30,9 @@ into its tokens' outputs, with a hand-written VJP (`_expert_blocks.py`). The out
     y_t = Σ_{e∈S_t} w_{t,e} · FFN_e(x_t)      FFN_e(x) = W_down,e (act(x W_gate,e) ⊙ x W_up,e)
 
 (or `W_down,e act(x W_up,e)` without a gate; with a `limit` L, `act(x W_gate,e) ⊙ x W_up,e` is
-`min(act(x W_gate,e), L) ⊙ clip(x W_up,e, −L, L)`: Ling's SwiGLU clipping), which is the all-experts computation masked by
-the routing (`all_experts`) up to float rounding: the same products, fewer of them. Shapes
+`min(act(x W_gate,e), L) ⊙ clip(x W_up,e, −L, L)`: Ling's SwiGLU clipping), which is the
+all-experts computation masked by the routing (`all_experts`) up to float rounding: the same
+products, fewer of them. Shapes
 are static (P bounds the padded rows), so it runs under `jit`, `grad` and `vmap`; the work
 grows with m + E·B, not with n·E, and the CPU's forward holds no per-row buffer (its saved
 activations for the backward, `[P, F]`, grow with m + E·B).
