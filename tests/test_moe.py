@@ -132,15 +132,18 @@ def test_dispatch_places_every_pair_once_within_the_bound(block):
 # -------------------------------------------------------------------------- experts reference
 
 
-def reference_experts(x, dense, up, down, gate, *, act, transposed):
-    """Every expert on every token, `Σ_e dense[t, e] FFN_e(x_t)` (jax.numpy, the inputs' dtype)."""
+def reference_experts(x, dense, up, down, gate, *, act, transposed, limit=None):
+    """Every expert on every token, `Σ_e dense[t, e] FFN_e(x_t)` (jax.numpy, the inputs' dtype);
+    `limit` L: the gated FFN's `min(act(G), L) ⊙ clip(U, −L, L)`."""
     if transposed:
         up, down = jnp.swapaxes(up, 1, 2), jnp.swapaxes(down, 1, 2)
         gate = None if gate is None else jnp.swapaxes(gate, 1, 2)
     out = jnp.zeros_like(x)
     for e in range(up.shape[0]):
         hidden = act(x @ (up[e] if gate is None else gate[e]))
-        if gate is not None:
+        if gate is not None and limit is not None:
+            hidden = jnp.minimum(hidden, limit) * jnp.clip(x @ up[e], -limit, limit)
+        elif gate is not None:
             hidden = hidden * (x @ up[e])
         out = out + dense[:, e, None] * (hidden @ down[e])
     return out
@@ -162,18 +165,21 @@ def layer_case(seed, n, D, F, E, *, gated, transposed):
 
 ACTS = {"silu": jax.nn.silu, "relu2": lambda v: jnp.square(jax.nn.relu(v))}
 
-LAYERS = [  # (n, D, F, E, k, router options, method, block, gated, transposed, act); "blocks" one block per step
-    pytest.param(29, 8, 6, 6, 2, dict(renormalize=True), "blocks", 4, True, False, "silu", id="softmax-k2-B4"),
-    pytest.param(29, 8, 6, 6, 6, dict(renormalize=True), "blocks", 8, True, False, "silu", id="k=E"),
+LAYERS = [  # (n, D, F, E, k, router options, method, block, gated, transposed, act, limit); "blocks" one block per step
+    pytest.param(29, 8, 6, 6, 2, dict(renormalize=True), "blocks", 4, True, False, "silu", None, id="softmax-k2-B4"),
+    pytest.param(29, 8, 6, 6, 6, dict(renormalize=True), "blocks", 8, True, False, "silu", None, id="k=E"),
     pytest.param(17, 8, 6, 8, 3, dict(score="sigmoid", renormalize=True, n_group=4, topk_group=2,
-                                      routed_scaling=1.5), "blocks", 1, False, True, "relu2", id="groups-B1"),
+                                      routed_scaling=1.5), "blocks", 1, False, True, "relu2", None, id="groups-B1"),
     pytest.param(29, 8, 6, 6, 2, dict(select_on="logits", renormalize=True), "ragged", 1, True, True, "silu",
-                 id="ragged"),
-    pytest.param(64, 16, 12, 16, 4, dict(renormalize=False), None, None, True, False, "silu", id="defaults"),
+                 None, id="ragged"),
+    pytest.param(64, 16, 12, 16, 4, dict(renormalize=False), None, None, True, False, "silu", None, id="defaults"),
     pytest.param(200, 32, 24, 32, 8, dict(score="sigmoid", renormalize=True, n_group=4, topk_group=2),
-                 "blocks", 16, True, False, "silu", id="larger", marks=pytest.mark.slow),
-    pytest.param(200, 32, 24, 32, 32, dict(renormalize=True), "blocks", 8, True, True, "silu",
+                 "blocks", 16, True, False, "silu", None, id="larger", marks=pytest.mark.slow),
+    pytest.param(200, 32, 24, 32, 32, dict(renormalize=True), "blocks", 8, True, True, "silu", None,
                  id="larger-k=E", marks=pytest.mark.slow),
+    pytest.param(29, 8, 6, 6, 2, dict(score="sigmoid", renormalize=True), "blocks", 4, True, True, "silu", 0.5,
+                 id="clipped-blocks"),
+    pytest.param(29, 8, 6, 6, 2, dict(renormalize=True), "ragged", 1, True, False, "silu", 0.5, id="clipped-ragged"),
 ]
 
 
@@ -183,9 +189,12 @@ def max_rel(a, b):
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float64) - b))) / (scale or 1.0)
 
 
-@pytest.mark.parametrize("n, D, F, E, k, options, method, block, gated, transposed, act", LAYERS)
+@pytest.mark.parametrize("n, D, F, E, k, options, method, block, gated, transposed, act, limit", LAYERS)
 def test_routed_equals_all_experts_forward_and_gradients(n, D, F, E, k, options, method, block, gated,
-                                                         transposed, act):
+                                                         transposed, act, limit):
+    """The routed experts' output and gradients against every expert on every token (float64),
+    within `floor_tolerance` of the reference's own float32 error; `limit`: clipped SwiGLU
+    (Ling's): with G and U of unit scale, limit 0.5 clips about a fifth of act(G), three fifths of U."""
     x, router, weights = layer_case(n + E + k, n, D, F, E, gated=gated, transposed=transposed)
     x = x.at[: n // 3].set(x[n // 3: 2 * (n // 3)])  # repeated tokens: tied router rows
     act_fn = ACTS[act]
@@ -193,12 +202,12 @@ def test_routed_equals_all_experts_forward_and_gradients(n, D, F, E, k, options,
 
     def routed(x, router, weights):
         return routed_experts(x, route(x @ router, k, **options), weights, act=act_fn, transposed=transposed,
-                              method=method, block_size=block)
+                              method=method, block_size=block, limit=limit)
 
     def reference(x, router, weights):
         experts, w = reference_weights(x @ router, chosen, **options)
         return reference_experts(x, dense_weights(experts, w, E), weights.up, weights.down, weights.gate,
-                                 act=act_fn, transposed=transposed)
+                                 act=act_fn, transposed=transposed, limit=limit)
 
     cotangent = jnp.asarray(np.random.default_rng(1).standard_normal((n, D)), jnp.float32)
 
@@ -217,6 +226,12 @@ def test_routed_equals_all_experts_forward_and_gradients(n, D, F, E, k, options,
         for leaf_ours, leaf_ref, leaf_f32 in zip(*(jax.tree.leaves(t) for t in (ours, ref, f32))):
             floor = max_rel(leaf_f32, leaf_ref)
             assert max_rel(leaf_ours, leaf_ref) <= floor_tolerance(floor), (name, max_rel(leaf_ours, leaf_ref), floor)
+
+
+def test_routed_experts_refuse_a_limit_without_a_gate():
+    x, router, weights = layer_case(0, 5, 8, 6, 4, gated=False, transposed=False)
+    with pytest.raises(ValueError, match="limit=0.5 clips a gated FFN"):
+        routed_experts(x, route(x @ router, 2), weights, limit=0.5)
 
 
 def reference_weights(logits, experts, *, score="softmax", renormalize=False, select_on="scores",

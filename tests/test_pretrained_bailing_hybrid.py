@@ -11,12 +11,17 @@ cache equal `transformers`' own, `save_pretrained` writes the Hub's names and va
 compiling the model: `transformers`' model state dict loads the same, multi-token-prediction
 layers are dropped, MLA's cache holds the latent, the layer pattern reads as `transformers`
 reads it, unsupported options are refused by name, every parameter has logical axis names.
+On `bailing_hybrid_swiglu_limits` (SwiGLU clipping nonzero in some layers, zero in others): the
+packed prefill and decoding as above, `transformers`' logits with each limit exercised, and the
+clipped MoE layers against an independent float64 computation.
 
 Error metric: max |ours − reference| / max |reference|.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,7 +31,8 @@ pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip ins
 from _pretrained import (CAPACITY, check_greedy_tokens_through_the_cache, check_logical_axis_names,  # noqa: E402
                          check_packed_prefill_then_decoding, check_saved_as_transformers_writes, config_of)
 from safetensors.numpy import load_file, save_file  # noqa: E402
-from test_pretrained_transformers import FIXTURES, NAMES, _rewritten, loaded  # noqa: E402
+from _cases import max_rel_error  # noqa: E402
+from test_pretrained_transformers import FIXTURES, NAMES, TOLERANCE, _rewritten, loaded  # noqa: E402
 
 from recurrax.nn.pretrained import CausalLM, from_pretrained, state_dict  # noqa: E402
 from recurrax.nn.pretrained.families._bailing_hybrid import resolve  # noqa: E402
@@ -34,16 +40,18 @@ from recurrax.nn.pretrained.layers._mla import MLACache  # noqa: E402
 
 LING = [name for name in NAMES if name.startswith("bailing_hybrid")]
 MAIN = "bailing_hybrid_safe_gate_groups"
+CLIPPED = "bailing_hybrid_swiglu_limits"
 needs_fixture = pytest.mark.skipif(MAIN not in NAMES, reason=f"no fixture {MAIN} in tests/fixtures/transformers")
+needs_clipped = pytest.mark.skipif(CLIPPED not in NAMES, reason=f"no fixture {CLIPPED} in tests/fixtures/transformers")
 
 
-@needs_fixture
-def test_packed_prefill_then_one_token_at_a_time_equals_the_parallel_forward():
+@pytest.mark.parametrize("name", [pytest.param(MAIN, marks=needs_fixture), pytest.param(CLIPPED, marks=needs_clipped)])
+def test_packed_prefill_then_one_token_at_a_time_equals_the_parallel_forward(name):
     """Both rows' first 5 tokens packed into one cache (the conv buffer, the KDA state, the
     latents and the rotated rope keys cut at the sequence boundary), then one token at a time:
     the parallel logits within `floor_tolerance` of their float32-vs-float64 error, and
     `transformers`' logits."""
-    check_packed_prefill_then_decoding(MAIN)
+    check_packed_prefill_then_decoding(name)
 
 
 @needs_fixture
@@ -127,11 +135,80 @@ def test_the_layer_pattern_and_transformers_spellings_read_the_same():
     assert spec["full_attention"]["rope_theta"] == 500.0 and spec["linear_attention"]["lower_bound"] == -5.0
 
 
+# --------------------------------------------------------------------------- SwiGLU clipping
+
+CLIPPED_LIMITS = {"experts": [0.5, 0, 0.8, 1.2], "shared_experts": [0.7, 0.6, 0, 1.0]}
+"""The fixture's `expert_swiglu_limit_list` and `share_expert_swiglu_limit_list` (layer 0 is dense)."""
+
+
+def _clipped_logits_error(edit) -> float:
+    """The clipped fixture's logits (a fresh model, `edit`ed, run eagerly) against `transformers`'."""
+    model = from_pretrained(FIXTURES / CLIPPED)
+    edit(model.model.layers)
+    expected = np.load(FIXTURES / CLIPPED / "expected.npz")
+    return max_rel_error(model(jnp.asarray(expected["input_ids"])), expected["logits"])
+
+
+@needs_clipped
+def test_swiglu_limits_match_transformers_and_each_one_moves_the_logits():
+    """Per layer, routed and shared apart, zero disabling: `transformers`' logits (its clipping
+    moves them by up to 3.1, summary.json). Each nonzero limit of a MoE layer lifted alone moves
+    ours far from them, and so would the dense layer's limits if applied (`transformers` ignores
+    them): every limit of the fixture is exercised."""
+    config = config_of(CLIPPED)
+    assert resolve(config)["swiglu_limits"] == [(None, None), (None, 0.6), (0.8, None), (1.2, 1.0)]
+    spelled = {{"expert_swiglu_limit_list": "swiglu_limits", "share_expert_swiglu_limit_list": "swiglu_limits_shared"}
+               .get(k, k): v for k, v in config.items()}  # transformers' attribute names
+    assert resolve(spelled) == resolve(config)
+    assert _clipped_logits_error(lambda layers: None) < TOLERANCE
+
+    def lifted(layer, part):
+        return lambda layers: setattr(getattr(layers[layer].mlp, part), "limit", None)
+
+    for part, limits in CLIPPED_LIMITS.items():
+        for layer in [i for i, limit in enumerate(limits) if limit and i > 0]:
+            assert _clipped_logits_error(lifted(layer, part)) > 100 * TOLERANCE, (layer, part)
+    assert _clipped_logits_error(lambda layers: setattr(layers[0].mlp, "limit", 0.5)) > 100 * TOLERANCE
+
+
+def _swiglu_float64(x, weights: dict, prefix: str, limit: float) -> np.ndarray:
+    """`W_down(min(silu(x W_gate), L) ⊙ clip(x W_up, −L, L))` in numpy float64 (L = 0: unclipped)."""
+    matrix = lambda proj: np.asarray(weights[f"{prefix}.{proj}_proj.weight"], np.float64)  # noqa: E731
+    gate, up = x @ matrix("gate").T, x @ matrix("up").T
+    activated = gate / (1 + np.exp(-gate))
+    if limit:
+        activated, up = np.minimum(activated, limit), np.clip(up, -limit, limit)
+    return (activated * up) @ matrix("down").T
+
+
+@needs_clipped
+@pytest.mark.parametrize("layer", [1, 2, 3])
+def test_clipped_moe_layer_equals_an_independent_float64_computation(layer):
+    """The float64 model's MoE layer, routed and every-expert paths: the shared expert plus each
+    token's routed experts weighted by its routing, each SwiGLU clipped by the config's limits,
+    computed in numpy from the checkpoint (the routing taken from the layer's own router)."""
+    weights = load_file(FIXTURES / CLIPPED / "model.safetensors")
+    moe = from_pretrained(FIXTURES / CLIPPED, dtype=jnp.float64).model.layers[layer].mlp
+    x = np.asarray(jax.random.normal(jax.random.key(layer), (2, 7, 32), jnp.float64))
+    flat, mlp = x.reshape(-1, 32), f"model.layers.{layer}.mlp"
+    routing = moe.gate(jnp.asarray(flat))
+    expected = _swiglu_float64(flat, weights, f"{mlp}.shared_experts", CLIPPED_LIMITS["shared_experts"][layer])
+    for t, (experts, gains) in enumerate(zip(np.asarray(routing.experts), np.asarray(routing.weights))):
+        for e, gain in zip(experts, gains):
+            expected[t] += gain * _swiglu_float64(flat[t], weights, f"{mlp}.experts.{e}",
+                                                  CLIPPED_LIMITS["experts"][layer])
+    for every in (False, True):
+        assert max_rel_error(moe(jnp.asarray(x), all_experts=every).reshape(-1, 32), expected) < 1e-12, every
+
+
 @pytest.mark.parametrize("edit, error, words", [
     (dict(hidden_act="gelu"), NotImplementedError, "hidden_act"),
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), NotImplementedError, "rotary"),
-    (dict(expert_swiglu_limit_list=[0, 7.0, 7.0, 7.0]), NotImplementedError, "'expert_swiglu_limit_list'"),
-    (dict(share_expert_swiglu_limit_list=[0, 0, 0, 7.0]), NotImplementedError, "'share_expert_swiglu_limit_list'"),
+    (dict(expert_swiglu_limit_list=[0, 7.0, 7.0]), ValueError,
+     r"'expert_swiglu_limit_list' must be null or a list of num_hidden_layers \(4\) finite numbers ≥ 0"),
+    (dict(share_expert_swiglu_limit_list=[0, 0, -1.0, 7.0]), ValueError, "'share_expert_swiglu_limit_list' must"),
+    (dict(expert_swiglu_limit_list=[0, 0, float("nan"), 7.0]), ValueError, "'expert_swiglu_limit_list' must"),
+    (dict(limit_after_act=False), NotImplementedError, "'limit_after_act'"),
     (dict(rope_interleave=False), NotImplementedError, "'rope_interleave'"),
     (dict(no_kda_lora=False), NotImplementedError, "'no_kda_lora'"),
     (dict(gated_attention_proj_granularity_type="element_wise"), NotImplementedError,

@@ -18,7 +18,7 @@ their outputs are ever held: the temporaries do not grow with E):
 
     X = x[r_b]                           [B, D]
     G = X Wg_e,  U = X Wu_e              [B, F]     (ungated: G absent, H = act(U))
-    H = act(G) ⊙ U
+    H = act(G) ⊙ U                       (with a limit L: min(act(G), L) ⊙ clip(U, −L, L), `glu`)
     O_b = H Wd_e                         [B, D]
     y[r_b] += w_b · O_b                  (float32 or wider; y_t = Σ_{e∈S_t} w_{t,e} FFN_e(x_t))
 
@@ -27,7 +27,8 @@ matmul, no `[P, D]` saved):
 
     Ō_b = w_b · ȳ[r_b],   w̄_b = Σ_D ȳ[r_b] ⊙ O_b
     H̄ = Ō_b Wd_eᵀ,   W̄d_e += Hᵀ Ō_b
-    Ū = H̄ ⊙ act(G),  Ḡ = act'(G)ᵀ (H̄ ⊙ U)     (ungated: Ū = act'(U)ᵀ H̄)
+    (Ḡ, Ū) = glu'(G, U)ᵀ H̄               (no limit: Ū = H̄ ⊙ act(G), Ḡ = act'(G)ᵀ (H̄ ⊙ U);
+                                          ungated: Ū = act'(U)ᵀ H̄)
     W̄u_e += Xᵀ Ū,    W̄g_e += Xᵀ Ḡ
     x̄[r_b] += Ū Wu_eᵀ + Ḡ Wg_eᵀ
 
@@ -54,12 +55,22 @@ from ..kernels._driver import sum_to_vary_like, vary_over, varying_axes
 
 def block_ffn(x: Float[Array, "n1 D"], rows: Int[Array, " P"], row_weights: Float[Array, " P"],
               group_sizes: Int[Array, " E"], gate: Float[Array, "E D F"] | None, up: Float[Array, "E D F"],
-              down: Float[Array, "E F D"], *, act: Callable, transposed: bool, block_size: int) -> Float[Array, "n D"]:
+              down: Float[Array, "E F D"], *, act: Callable, transposed: bool, block_size: int,
+              limit: float | None = None) -> Float[Array, "n D"]:
     """`y [n, D]`: `y_t = Σ_{p: rows[p] = t} row_weights[p] · FFN_{e(p)}(x_t)`, row p through
     the FFN of the expert whose padded group (`group_sizes`, multiples of `block_size`, in
     expert order) holds it (module docstring). `x` ends with a zero row that padding rows
-    (`rows == n`) point to."""
-    return _block_ffn(act, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down)
+    (`rows == n`) point to. `limit`: the gated FFN's clipping (`glu`)."""
+    return _block_ffn((act, limit), transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down)
+
+
+def glu(act: Callable, limit: float | None, G: Array, U: Array) -> Array:
+    """`act(G) ⊙ U`; with a `limit` L, `min(act(G), L) ⊙ clip(U, −L, L)` (the SwiGLU clipping
+    of Ling's experts, `transformers`' `limit_after_act`)."""
+    A = act(G)
+    if limit is None:
+        return A * U
+    return jnp.minimum(A, limit) * jnp.clip(U, -limit, limit)
 
 
 def combine(out: Float[Array, "P D"], positions: Int[Array, "n k"], weights: Float[Array, "n k"]) -> Float[Array, "n D"]:
@@ -133,16 +144,17 @@ def _matrices(gate, up, down, e, transposed: bool, dtype):
     return tuple(None if w is None else _Matrix(w[e].astype(dtype), transposed) for w in (gate, up, down))
 
 
-def _hidden(X, Wg, Wu, act):
-    """`(H, G, U)` of a block's rows (G None without a gate)."""
+def _hidden(X, Wg, Wu, activation):
+    """`(H, G, U)` of a block's rows (G None without a gate); `activation`: `(act, limit)`."""
+    act, limit = activation
     U = Wu.apply(X)
     if Wg is None:
         return act(U), None, U
     G = Wg.apply(X)
-    return act(G) * U, G, U
+    return glu(act, limit, G, U), G, U
 
 
-def _run_forward(act, transposed, block_size, save: bool, x, rows, row_weights, group_sizes, gate, up, down):
+def _run_forward(activation, transposed, block_size, save: bool, x, rows, row_weights, group_sizes, gate, up, down):
     plan = _Plan(rows, row_weights, group_sizes, block_size)
     acc = _accumulator(x.dtype)
     F = up.shape[1 if transposed else 2]
@@ -157,7 +169,7 @@ def _run_forward(act, transposed, block_size, save: bool, x, rows, row_weights, 
         def block(b, carry):
             y, *saved = carry
             r = plan.rows[b]
-            H, G, U = _hidden(x[r], Wg, Wu, act)
+            H, G, U = _hidden(x[r], Wg, Wu, activation)
             O = Wd.apply(H) * plan.weights[b][:, None].astype(H.dtype)
             y = y.at[r].add(O.astype(acc))
             if save:
@@ -171,16 +183,17 @@ def _run_forward(act, transposed, block_size, save: bool, x, rows, row_weights, 
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _block_ffn(act, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down):
-    return _run_forward(act, transposed, block_size, False, x, rows, row_weights, group_sizes, gate, up, down)[0]
+def _block_ffn(activation, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down):
+    """`block_ffn`; `activation`: `(act, limit)`."""
+    return _run_forward(activation, transposed, block_size, False, x, rows, row_weights, group_sizes, gate, up, down)[0]
 
 
-def _block_ffn_forward(act, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down):
-    y, saved = _run_forward(act, transposed, block_size, True, x, rows, row_weights, group_sizes, gate, up, down)
+def _block_ffn_forward(activation, transposed, block_size, x, rows, row_weights, group_sizes, gate, up, down):
+    y, saved = _run_forward(activation, transposed, block_size, True, x, rows, row_weights, group_sizes, gate, up, down)
     return y, (x, rows, row_weights, group_sizes, gate, up, down, saved)
 
 
-def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
+def _block_ffn_backward(activation, transposed, block_size, residuals, y_bar):
     x, rows, row_weights, group_sizes, gate, up, down, saved = residuals
     plan = _Plan(rows, row_weights, group_sizes, block_size)
     acc = _accumulator(x.dtype)
@@ -201,10 +214,9 @@ def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
             r, w = plan.rows[b], plan.weights[b]
             X, Y_bar, U = x[r], y_bar[r], saved[0][b]
             if Wg is None:
-                H, act_vjp = jax.vjp(act, U)
+                H, act_vjp = jax.vjp(activation[0], U)
             else:
-                A, act_vjp = jax.vjp(act, saved[1][b])
-                H = A * U
+                H, glu_vjp = jax.vjp(partial(glu, *activation), saved[1][b], U)
             O = Wd.apply(H)
             w_bar = w_bar.at[b].set(jnp.sum(Y_bar * O, axis=-1).astype(acc))
             O_bar = Y_bar * w[:, None].astype(Y_bar.dtype)
@@ -212,7 +224,7 @@ def _block_ffn_backward(act, transposed, block_size, residuals, y_bar):
             if Wg is None:
                 U_bar, G_bar = act_vjp(H_bar)[0], None
             else:
-                U_bar, G_bar = H_bar * A, act_vjp(H_bar * U)[0]
+                G_bar, U_bar = glu_vjp(H_bar)
             X_bar = Wu.apply_transpose(U_bar)
             products = (None if G_bar is None else Wg.gradient(X, G_bar), Wu.gradient(X, U_bar), Wd.gradient(H, O_bar))
             if G_bar is not None:

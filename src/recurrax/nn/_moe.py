@@ -29,8 +29,10 @@ into its tokens' outputs, with a hand-written VJP (`_expert_blocks.py`). The out
 
     y_t = Σ_{e∈S_t} w_{t,e} · FFN_e(x_t)      FFN_e(x) = W_down,e (act(x W_gate,e) ⊙ x W_up,e)
 
-(or `W_down,e act(x W_up,e)` without a gate), which is the all-experts computation masked by
-the routing (`all_experts`) up to float rounding: the same products, fewer of them. Shapes
+(or `W_down,e act(x W_up,e)` without a gate; with a `limit` L, `act(x W_gate,e) ⊙ x W_up,e` is
+`min(act(x W_gate,e), L) ⊙ clip(x W_up,e, −L, L)`: Ling's SwiGLU clipping), which is the
+all-experts computation masked by the routing (`all_experts`) up to float rounding: the same
+products, fewer of them. Shapes
 are static (P bounds the padded rows), so it runs under `jit`, `grad` and `vmap`; the work
 grows with m + E·B, not with n·E, and the CPU's forward holds no per-row buffer (its saved
 activations for the backward, `[P, F]`, grow with m + E·B).
@@ -47,7 +49,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..registry import current_backend
-from ._expert_blocks import block_ffn, combine
+from ._expert_blocks import block_ffn, combine, glu
 from ._expert_parallel import expert_axis, expert_parallel
 from ._sharding import param
 
@@ -219,15 +221,19 @@ class ExpertWeights(NamedTuple):
 
 def routed_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeights, *,
                    act: Callable = jax.nn.silu, transposed: bool = False, method: str | None = None,
-                   block_size: int | None = None) -> Float[Array, "n D"]:
+                   block_size: int | None = None, limit: float | None = None) -> Float[Array, "n D"]:
     """`Σ_{e∈S_t} w_{t,e} FFN_e(x_t)` over the routed pairs only (see the module docstring).
     `transposed`: `weights` in PyTorch's `[E, out, in]` layout; `method`: `"blocks"` or
-    `"ragged"` (default: by backend); `block_size` (default by method).
+    `"ragged"` (default: by backend); `block_size` (default by method); `limit`: the gated
+    experts' clipping, `min(act(G), limit) ⊙ clip(U, −limit, limit)` (None: none).
 
     Under a mesh whose rules map the `experts` axis to a mesh axis (`logical_rules("expert")`,
     `use_mesh`), the experts run split over it, each pair sent to its expert's device
     (`recurrax.nn._expert_parallel`); the result is the same up to float rounding."""
-    options = dict(act=act, transposed=transposed, method=method, block_size=block_size)
+    if limit is not None and weights.gate is None:
+        raise ValueError(f"limit={limit} clips a gated FFN (min(act(G), limit) ⊙ clip(U, ±limit)); these experts "
+                         "have no gate: pass limit=None")
+    options = dict(act=act, transposed=transposed, method=method, block_size=block_size, limit=limit)
     axis = expert_axis(weights.up.shape[0])
     if axis is not None:
         def local(rows, experts, weights):  # each received row through its one expert, weight 1
@@ -238,7 +244,7 @@ def routed_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeig
     return _routed_experts(x, routing, weights, **options)
 
 
-def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transposed, method, block_size):
+def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transposed, method, block_size, limit):
     """`routed_experts` on the devices at hand (each holding every expert it is given)."""
     method = method or default_method()
     num_experts = weights.up.shape[0]
@@ -249,26 +255,31 @@ def _routed_experts(x, routing: Routing, weights: ExpertWeights, *, act, transpo
         row_weights = jnp.zeros(routed.rows.shape, routing.weights.dtype).at[routed.positions.reshape(-1)].set(
             routing.weights.reshape(-1))
         return block_ffn(padded, routed.rows, row_weights, routed.group_sizes, weights.gate, weights.up,
-                         weights.down, act=act, transposed=transposed, block_size=block_size)
+                         weights.down, act=act, transposed=transposed, block_size=block_size, limit=limit)
     rows = padded[routed.rows]  # [P, D]
     options = dict(method=method, transposed=transposed)
-    hidden = act(grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed, **options))
-    if weights.gate is not None:
-        hidden = hidden * grouped_matmul(rows, weights.up, routed, **options)
+    hidden = grouped_matmul(rows, weights.gate if weights.gate is not None else weights.up, routed, **options)
+    if weights.gate is None:
+        hidden = act(hidden)
+    else:
+        hidden = glu(act, limit, hidden, grouped_matmul(rows, weights.up, routed, **options))
     out = grouped_matmul(hidden, weights.down, routed, **options)  # [P, D]
     return combine(out, routed.positions, routing.weights)
 
 
 def all_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeights, *,
-                act: Callable = jax.nn.silu, transposed: bool = False) -> Float[Array, "n D"]:
+                act: Callable = jax.nn.silu, transposed: bool = False, limit: float | None = None
+                ) -> Float[Array, "n D"]:
     """Every expert on every token, combined by the routing's weights (zero outside S_t): the
     oracle `routed_experts` equals, at E/k times its work."""
     n, E = x.shape[0], weights.up.shape[0]
     dense = jnp.zeros((n, E), routing.weights.dtype).at[jnp.arange(n)[:, None], routing.experts].add(routing.weights)
     spec = "nd,efd->nef" if transposed else "nd,edf->nef"
-    hidden = act(jnp.einsum(spec, x, weights.gate if weights.gate is not None else weights.up))
-    if weights.gate is not None:
-        hidden = hidden * jnp.einsum(spec, x, weights.up)
+    hidden = jnp.einsum(spec, x, weights.gate if weights.gate is not None else weights.up)
+    if weights.gate is None:
+        hidden = act(hidden)
+    else:
+        hidden = glu(act, limit, hidden, jnp.einsum(spec, x, weights.up))
     spec = "nef,edf->nd" if transposed else "nef,efd->nd"
     return jnp.einsum(spec, hidden * dense.astype(hidden.dtype)[:, :, None], weights.down)
 

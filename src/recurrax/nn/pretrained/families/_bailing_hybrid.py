@@ -16,6 +16,10 @@ module is the family's config reading and checkpoint names; its blocks are Kimi 
           the output norm gated by a full-rank `g_proj`
     MLA:  q_r and k_r rotated in interleaved pairs, θ = `rope_theta` (`rope_parameters`), over r
           channels; the output gated per head by sigmoid(x W_g) before `o_proj`
+    MoE:  with a nonzero limit L of layer i (`expert_swiglu_limit_list[i]` for the routed experts,
+          `share_expert_swiglu_limit_list[i]` for the shared ones; 0 or absent: none), each SwiGLU
+          clipped after its activation: W_down(min(silu(x W_gate), L) ⊙ clip(x W_up, −L, L))
+          (`transformers`' `limit_after_act`, fixed); the dense layers' MLPs are never clipped
 
 Which layers are what: `layer_types`, else every `layer_group_size`-th layer (default 6) MLA;
 `mlp_layer_types`, else the first `first_k_dense_replace` (default 2) layers dense. The Hub's
@@ -25,13 +29,12 @@ config names are read as `transformers` maps them (`num_experts`, `num_experts_p
 
 Refused by name at load time: a `hidden_act` other than SiLU; `num_key_value_heads` other
 than `num_attention_heads`; rotary other than the default (`rope_type`, `rope_scaling`:
-`transformers` also rescales the softmax under YaRN); nonzero SwiGLU clipping limits
-(`expert_swiglu_limit_list`, `share_expert_swiglu_limit_list`: `recurrax.nn`'s routed experts
-have no clip of the up projection); `kda_lower_bound` ≥ 0 with the bounded gate; fields of
-Ling's own configs that `transformers` 5.25 ignores, where they ask for another model:
-`rope_interleave: false`, `no_kda_lora: false`, `gated_attention_proj_granularity_type` other
-than `head_wise`, a `moe_shared_expert_intermediate_size` other than `moe_intermediate_size ×
-num_shared_experts`.
+`transformers` also rescales the softmax under YaRN); `kda_lower_bound` ≥ 0 with the bounded
+gate; fields of Ling's own configs that `transformers` 5.25 ignores or fixes, where they ask for
+another model: `rope_interleave: false`, `no_kda_lora: false`,
+`gated_attention_proj_granularity_type` other than `head_wise`, `limit_after_act: false`, a
+`moe_shared_expert_intermediate_size` other than `moe_intermediate_size × num_shared_experts`.
+SwiGLU limit lists must hold one finite number ≥ 0 per layer.
 
 Decoding: as Kimi Linear's, MLA caching the latent and the rotated rope key.
 
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import re
 
-from .._config_checks import _check_fields, _is_int, _refuse, _rope
+from .._config_checks import _check_fields, _is_int, _is_number, _refuse, _rope
 from ..layers._mlp import per_expert, stacked_experts
 from . import _kimi_linear as kimi
 
@@ -78,7 +81,8 @@ POSITIVE_INTS = ("head_dim", "short_conv_kernel_size", "layer_group_size")
 BOOLS = ("kda_safe_gate",)
 SWIGLU_LIMITS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")
 IGNORED_BY_TRANSFORMERS = {  # field of Ling's own configs: the only value accepted (what transformers computes)
-    "rope_interleave": True, "no_kda_lora": True, "gated_attention_proj_granularity_type": "head_wise"}
+    "rope_interleave": True, "no_kda_lora": True, "gated_attention_proj_granularity_type": "head_wise",
+    "limit_after_act": True}
 
 
 def _check(c: dict) -> None:
@@ -87,11 +91,6 @@ def _check(c: dict) -> None:
     if c["hidden_act"] not in ("silu", "swish"):
         raise NotImplementedError(f"only hidden_act='silu' is supported (the MLPs and the short convolutions use "
                                   f"it), got {c['hidden_act']!r}")
-    for field in SWIGLU_LIMITS:
-        limits = c[field]
-        if limits is not None and (not isinstance(limits, list) or any(limit != 0 for limit in limits)):
-            raise NotImplementedError(f"config field {field!r} = {limits!r} is not supported: SwiGLU clipping "
-                                      "limits must be absent or 0 (no clipping)")
     for field, accepted in IGNORED_BY_TRANSFORMERS.items():
         if c.get(field, accepted) not in (None, accepted):
             raise NotImplementedError(f"config field {field!r} = {c[field]!r} is not supported: transformers' "
@@ -114,6 +113,7 @@ def resolve(config: dict) -> dict:
     c.update(linear_num_heads=c["num_attention_heads"], linear_head_dim=c["head_dim"],
              linear_conv_kernel_dim=c["short_conv_kernel_size"])
     kimi._check(c)
+    limits = swiglu_limits(c)
     if c["layer_types"] is None:
         every = c["layer_group_size"]
         c["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
@@ -134,10 +134,26 @@ def resolve(config: dict) -> dict:
                             qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
                             v_head_dim=c["v_head_dim"], bias=bool(c["attention_bias"]), rotary="interleaved",
                             rope_theta=theta, output_gate=True),
-        mlp=dict(width=c["intermediate_size"]))
+        mlp=dict(width=c["intermediate_size"]),
+        swiglu_limits=[pair if ffn == "sparse" else (None, None) for pair, ffn in zip(limits, ffns)])
     if "sparse" in ffns:
         spec["moe"] = kimi.moe_spec(c)
     return spec
+
+
+def swiglu_limits(c: dict) -> list[tuple[float | None, float | None]]:
+    """Each layer's `(routed, shared)` SwiGLU clipping limits, None where 0 or absent (no clipping)."""
+    layers, columns = c["num_hidden_layers"], []
+    for field in SWIGLU_LIMITS:
+        limits = c[field]
+        if limits is None:
+            limits = [0] * layers
+        if not (isinstance(limits, (list, tuple)) and len(limits) == layers
+                and all(_is_number(limit) and limit >= 0 for limit in limits)):
+            _refuse(field, f"null or a list of num_hidden_layers ({layers}) finite numbers ≥ 0 (0: no clipping)",
+                    limits)
+        columns.append([float(limit) if limit else None for limit in limits])
+    return list(zip(*columns))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ and body; its KDA and MLA are the shared `layers/_kda.py` and `layers/_mla.py`.
     MoE:  sigmoid scores σ = sigmoid(x W_router); experts chosen on σ + bias among the g best of
           G groups (each scored by its two best), weighted by σ (÷ their sum with
           `moe_renormalize`) · s; SwiGLU experts on the routed pairs only (`routed_experts`),
-          plus the shared experts (one SwiGLU MLP of width F · `num_shared_experts`)
+          plus the shared experts (one SwiGLU MLP of width F · `num_shared_experts`); a layer's
+          `swiglu_limits` (Ling's spec only) clip the routed and the shared experts (`GatedMLP`)
 
 Which layers are what: `layer_types`, else `linear_attn_config`'s 1-indexed `kda_layers` and
 `full_attn_layers` (the Hub's spelling), else attention at every 4th layer from the 5th
@@ -233,7 +234,7 @@ def resolve(config: dict) -> dict:
     return spec
 
 
-def moe_spec(c: dict, *, limits: tuple[float, float] = (0.0, 0.0)) -> dict:
+def moe_spec(c: dict) -> dict:
     """`SparseMoE`'s arguments from a canonical config (Kimi's and Ling's field names)."""
     return dict(experts=c["num_experts"], width=c["moe_intermediate_size"],
                 shared_width=c["moe_intermediate_size"] * c["num_shared_experts"],
@@ -248,13 +249,14 @@ def moe_spec(c: dict, *, limits: tuple[float, float] = (0.0, 0.0)) -> dict:
 
 class SparseMoE(nnx.Module):
     """`gate` (sigmoid, group-limited, score-correction bias: `NemotronRouter`), `experts`,
-    `shared_experts` (one SwiGLU MLP)."""
+    `shared_experts` (one SwiGLU MLP); `limits`: the routed and the shared experts' SwiGLU
+    clipping (`GatedMLP`), None for none."""
 
     def __init__(self, hidden_size: int, *, experts: int, width: int, shared_width: int, router: dict,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 limits: tuple[float | None, float | None] = (None, None), dtype=jnp.float32, rngs: nnx.Rngs):
         self.gate = NemotronRouter(hidden_size, experts, **router, rngs=rngs)
-        self.experts = StackedSwiGLUExperts(hidden_size, experts, width, dtype=dtype, rngs=rngs)
-        self.shared_experts = GatedMLP(hidden_size, shared_width, dtype=dtype, rngs=rngs)
+        self.experts = StackedSwiGLUExperts(hidden_size, experts, width, limit=limits[0], dtype=dtype, rngs=rngs)
+        self.shared_experts = GatedMLP(hidden_size, shared_width, limit=limits[1], dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "... D"], *, all_experts: bool = False) -> Float[Array, "... D"]:
         """The layer's output; `all_experts`: every expert on every token (the test oracle)."""
@@ -264,16 +266,19 @@ class SparseMoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """`input_layernorm`, `self_attn` (KDA or MLA), `post_attention_layernorm`, `mlp` (MLP or MoE)."""
+    """`input_layernorm`, `self_attn` (KDA or MLA), `post_attention_layernorm`, `mlp` (MLP or MoE,
+    its experts clipped by `limits`: `SparseMoE`)."""
 
-    def __init__(self, spec: dict, mixer: str, ffn: str, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, spec: dict, mixer: str, ffn: str, *, limits=(None, None), dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         D, eps, common = spec["hidden_size"], spec["eps"], dict(dtype=dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
         self.linear = mixer == "linear_attention"
         self.self_attn = (KimiDeltaAttention(D, **spec["linear_attention"], **common) if self.linear
                           else LatentAttention(D, **spec["full_attention"], **common))
         self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
-        self.mlp = SparseMoE(D, **spec["moe"], **common) if ffn == "sparse" else GatedMLP(D, **spec["mlp"], **common)
+        self.mlp = (SparseMoE(D, **spec["moe"], limits=limits, **common) if ffn == "sparse"
+                    else GatedMLP(D, **spec["mlp"], **common))
         self.dtype = dtype
 
     def init_cache(self, rows: int, capacity: int):
@@ -290,11 +295,14 @@ class DecoderLayer(nnx.Module):
 
 class Body(DecoderBody):
     """`embed_tokens`, `layers`, `norm`: the `model` of a Kimi Linear (or Ling) `CausalLM`; a
-    layer's cache is KDA's `MixerCache` or MLA's `MLACache`."""
+    layer's cache is KDA's `MixerCache` or MLA's `MLACache`; `spec["swiglu_limits"]` (Ling's, one
+    `(routed, shared)` pair a layer, absent: none) clip the MoE layers' experts."""
 
     def __init__(self, spec: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        super().__init__(spec, lambda: [DecoderLayer(spec, mixer, ffn, dtype=dtype, rngs=rngs)
-                                        for mixer, ffn in spec["layers"]], RMSNorm, dtype=dtype, rngs=rngs)
+        limits = spec.get("swiglu_limits") or [(None, None)] * len(spec["layers"])
+        super().__init__(spec, lambda: [DecoderLayer(spec, mixer, ffn, limits=pair, dtype=dtype, rngs=rngs)
+                                        for (mixer, ffn), pair in zip(spec["layers"], limits)], RMSNorm,
+                         dtype=dtype, rngs=rngs)
 
 
 # ----------------------------------------------------------------------------------------------

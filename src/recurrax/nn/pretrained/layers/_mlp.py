@@ -7,13 +7,15 @@
 | E, k   | routed experts, experts per token                      |
 | n      | tokens (all rows flattened)                            |
 
-    GatedMLP        W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d      Bamba, Falcon-H1 (m: Falcon's mlp_multipliers)
+    GatedMLP        W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d      Bamba, Falcon-H1 (m: Falcon's mlp_multipliers);
+                    with a `limit` L, act(·) capped at L and x W_up clipped to [−L, L] (Ling's shared experts)
     PlainMLP        W_down(act(x W_up))                              Nemotron-H (relu²)
     NemotronMoE     sigmoid router with group-limited top-k and a score-correction bias; relu²
                     experts; optional latent projections; plus the shared MLP
     GraniteMoE      softmax over the top-k router logits; SwiGLU experts stored as `[E, 2F, D]`
     SoftmaxRouter   softmax over all E, the top k (renormalised or not): Qwen3-Next's, MiniMax's `gate`
-    StackedSwiGLUExperts  SwiGLU experts `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`;
+    StackedSwiGLUExperts  SwiGLU experts `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`
+                    (clipped as GatedMLP with a `limit`: Ling's);
                     their checkpoint names per expert or fused (`stacked_experts`, `per_expert`)
     StackedPlainExperts   the same without a gate (`up_proj`, `down_proj`): Nemotron-H's experts
 
@@ -35,6 +37,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from ..._moe import ExpertWeights as StackedExperts
+from ..._expert_blocks import glu
 from ..._moe import Routing, route, routed_experts
 from ..._moe import all_experts as every_expert
 from ..._sharding import mesh_axis, param
@@ -63,19 +66,21 @@ def activation(name: str, what: str):
 
 
 class GatedMLP(nnx.Module):
-    """`W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d` (Bamba's and Falcon-H1's `feed_forward`)."""
+    """`W_down(act(x W_gate · m_g) ⊙ x W_up) · m_d` (Bamba's and Falcon-H1's `feed_forward`); with a
+    `limit` L, `W_down(min(act(x W_gate · m_g), L) ⊙ clip(x W_up, −L, L)) · m_d` (Ling's shared experts)."""
 
     def __init__(self, hidden_size: int, width: int, *, bias: bool = False, act: str = "silu",
-                 multipliers: tuple[float, float] = (1.0, 1.0), dtype=jnp.float32, rngs: nnx.Rngs):
+                 multipliers: tuple[float, float] = (1.0, 1.0), limit: float | None = None, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.gate_proj = linear(hidden_size, width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
         self.up_proj = linear(hidden_size, width, axes=("embed", "mlp"), bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = linear(width, hidden_size, axes=("mlp", "embed"), bias=bias, dtype=dtype, rngs=rngs)
-        self.act, self.multipliers = act, tuple(float(m) for m in multipliers)
+        self.act, self.multipliers, self.limit = act, tuple(float(m) for m in multipliers), limit
         activation(act, "hidden_act")
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         gate_multiplier, down_multiplier = self.multipliers
-        y = self.up_proj(x) * activation(self.act, "hidden_act")(self.gate_proj(x) * gate_multiplier)
+        y = glu(activation(self.act, "hidden_act"), self.limit, self.gate_proj(x) * gate_multiplier, self.up_proj(x))
         return self.down_proj(y) * down_multiplier
 
 
@@ -143,11 +148,11 @@ class NemotronMoE(nnx.Module):
 
 
 def run_experts(x, routing: Routing, weights: StackedExperts, act, *, transposed: bool = False,
-                all_experts: bool = False):
+                all_experts: bool = False, limit: float | None = None):
     """The routed experts (`recurrax.nn.routed_experts`), or with `all_experts` every expert."""
     if all_experts:
-        return every_expert(x, routing, weights, act=act, transposed=transposed)
-    return routed_experts(x, routing, weights, act=act, transposed=transposed)
+        return every_expert(x, routing, weights, act=act, transposed=transposed, limit=limit)
+    return routed_experts(x, routing, weights, act=act, transposed=transposed, limit=limit)
 
 
 class GraniteRouter(nnx.Module):
@@ -190,18 +195,22 @@ class SoftmaxRouter(nnx.Module):
 
 
 class StackedSwiGLUExperts(nnx.Module):
-    """The routed SwiGLU experts, stacked: `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`."""
+    """The routed SwiGLU experts, stacked: `gate_proj`, `up_proj` `[E, F, D]`, `down_proj` `[E, D, F]`;
+    `limit`: their clipping (`recurrax.nn.routed_experts`), None for none."""
 
-    def __init__(self, hidden_size: int, experts: int, width: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, experts: int, width: int, *, limit: float | None = None,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         stacked = lambda d_out, d_in, axes: ExpertWeights(experts, d_out, d_in, axes=axes, dtype=dtype,  # noqa
                                                           rngs=rngs)
         self.gate_proj, self.up_proj = stacked(width, hidden_size, ("mlp", "embed")), stacked(width, hidden_size,
                                                                                               ("mlp", "embed"))
         self.down_proj = stacked(hidden_size, width, ("embed", "mlp"))
+        self.limit = limit
 
     def __call__(self, x: Float[Array, "n D"], routing: Routing, *, all_experts: bool = False):
         weights = StackedExperts(self.up_proj.weight[...], self.down_proj.weight[...], self.gate_proj.weight[...])
-        return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts)
+        return run_experts(x, routing, weights, jax.nn.silu, transposed=True, all_experts=all_experts,
+                           limit=self.limit)
 
 
 class StackedPlainExperts(nnx.Module):
