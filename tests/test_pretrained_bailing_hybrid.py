@@ -141,7 +141,8 @@ def test_the_layer_pattern_and_transformers_spellings_read_the_same():
     (dict(num_key_value_heads=1), ValueError, "'num_key_value_heads' must be num_attention_heads"),
     (dict(qk_rope_head_dim=5), ValueError, "'qk_rope_head_dim' must be an even integer"),
     (dict(short_conv_kernel_size=1), ValueError, "'short_conv_kernel_size' must be at least 2"),
-    (dict(num_expert_group=3), ValueError, "'num_expert_group' must be a divisor"),    (dict(rope_parameters="x"), ValueError, "'rope_parameters' must be null or an object"),  # was AttributeError
+    (dict(num_expert_group=3), ValueError, "'num_expert_group' must be a divisor"),
+    (dict(rope_parameters="x"), ValueError, "'rope_parameters' must be null or an object"),  # was AttributeError
 ])
 def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
     with pytest.raises(error, match=words):

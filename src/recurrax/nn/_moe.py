@@ -88,7 +88,8 @@ def route(logits: Float[Array, "n E"], top_k: int, *, score: str = "softmax", re
     if select_on not in ("scores", "logits"):
         raise ValueError(f"select_on must be 'scores' or 'logits', got {select_on!r}")
     if getattr(logits, "ndim", None) != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {getattr(logits, 'shape', type(logits).__name__)}")
+        shape = getattr(logits, "shape", type(logits).__name__)
+        raise ValueError(f"logits must be [tokens, experts], got shape {shape}")
     n, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
