@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from _cases import equations, float64, floor_tolerance
 
+import recurrax.nn as rnn
 from recurrax.nn import MixtureOfExperts
 from recurrax.nn._moe import (
     ExpertWeights,
@@ -385,3 +386,34 @@ def test_grouped_matmul_follows_the_backend_calls_are_compiled_for():
     for chip in ("h100", "v5e"):
         with recurrax.target(chip):
             assert default_method() == "ragged"
+
+
+def test_mismatched_routing_inputs_name_the_argument():
+    """Routing, tokens and expert weights that do not fit together are a ValueError naming the
+    argument (issue 49: they were accepted, computing from the wrong rows or experts)."""
+    x = jnp.ones((5, 8))
+    weights = rnn.ExpertWeights(jnp.ones((4, 8, 6)), jnp.ones((4, 6, 8)), jnp.ones((4, 8, 6)))
+    routing = rnn.route(jnp.ones((5, 4)), 2)
+    cases = [
+        ((x[:4], routing, weights), {}, r"^routing must hold experts and weights of one shape \[tokens, top_k\] "
+                                        r"with x's 4 tokens"),
+        ((x, rnn.Routing(routing.experts, routing.weights[:, :1]), weights), {}, r"^routing must hold"),
+        ((x, rnn.Routing(routing.experts + 3, routing.weights), weights), {},
+         r"^routing.experts must be expert ids in \[0, 4\) \(weights' experts\), got 4"),
+        ((x, rnn.Routing(routing.experts.astype(jnp.float32), routing.weights), weights), {},
+         r"^routing.experts must be integer"),
+        ((jnp.ones((5, 7)), routing, weights), {}, r"^weights must be \[E, in, out\] .* d_model 7"),
+        ((x, routing, weights._replace(down=jnp.ones((4, 8, 6)))), {}, r"^weights must be .*down \(4, 8, 6\)"),
+        ((x, routing, weights._replace(down=jnp.ones((3, 6, 8)))), {}, r"^weights must be .*down \(3, 6, 8\)"),
+        ((x, routing, weights._replace(gate=jnp.ones((3, 8, 6)))), {}, r"^weights must be .*gate \(3, 8, 6\)"),
+        ((x, routing, weights), dict(transposed=True), r"^weights must be \[E, out, in\] \(transposed\)"),
+        ((x[None], routing, weights), {}, r"^x must be \[tokens, d_model\]"),
+    ]
+    for args, options, match in cases:
+        for function in (rnn.routed_experts, rnn.all_experts):
+            with pytest.raises(ValueError, match=match):
+                function(*args, **options)
+    with pytest.raises(ValueError, match=r"^bias must be \[experts\] = \(4,\)"):
+        rnn.route(jnp.ones((5, 4)), 2, bias=jnp.ones(1))
+    transposed = rnn.ExpertWeights(*(jnp.swapaxes(w, 1, 2) for w in weights))
+    assert rnn.routed_experts(x, routing, transposed, transposed=True).shape == x.shape  # PyTorch's layout passes

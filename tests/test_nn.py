@@ -206,6 +206,9 @@ def test_input_errors_name_the_argument():
         layer(inputs(2, 3, D), cache=make("gla", conv_size=2).init_cache(2, jnp.float64))
     with pytest.raises(TypeError, match="^cache "):
         layer(inputs(2, 3, D), cache=jnp.zeros((2, H, K, V)))
+    for empty in (inputs(2, 0, D), inputs(0, 3, D)):  # issue 49: ZeroDivisionError from a reshape
+        with pytest.raises(ValueError, match="^x must have at least one batch row and one token"):
+            layer(empty)
 
 
 def small_model(mixer: str, num_layers: int = 2, **options):

@@ -254,6 +254,10 @@ def test_initialisation_and_parameter_names():
         (dict(expand_v=0.3), "expand_v"),
         (dict(conv_size=1), "conv_size"),
         (dict(implementation="triton"), "implementation"),
+        (dict(norm_eps=-1.0), "norm_eps must be a finite number > 0"),  # issue 49: these gave NaN outputs
+        (dict(norm_eps=float("nan")), "norm_eps must be a finite number > 0"),
+        (dict(norm_eps=0.0), "norm_eps must be a finite number > 0"),
+        (dict(norm_eps="1e-5"), "norm_eps must be a finite number > 0"),
     ],
 )
 def test_configuration_errors_name_the_option(options, match):
@@ -273,6 +277,17 @@ def test_input_and_cache_errors_name_the_argument():
         layer(inputs(2, 3, D), cache=make(conv_size=2).init_cache(2, jnp.float64))
     with pytest.raises(TypeError, match="^cache "):
         layer(inputs(2, 3, D), cache=jnp.zeros((2, H, K, 6)))
+
+
+@pytest.mark.parametrize("shape, packed", [((2, 0, D), False), ((0, 3, D), False), ((0, D), True)])
+def test_an_empty_input_names_the_argument(shape, packed):
+    """Zero tokens or rows are a ValueError naming `x` / `tokens` (issue 49: ZeroDivisionError
+    from a reshape), in the layer and in the language model."""
+    cu_seqlens = jnp.array([0, 0, 0]) if packed else None
+    with pytest.raises(ValueError, match=r"^x must have at least one batch row and one token .*got shape"):
+        make()(jnp.zeros(shape), cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match=r"^tokens must have at least one batch row and one token .*got shape"):
+        small_model()(jnp.zeros(shape[:-1], jnp.int32), cu_seqlens=cu_seqlens)
 
 
 # ----------------------------------------------------------------------------- the language model

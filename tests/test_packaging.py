@@ -56,3 +56,19 @@ def test_recurrax_imports_and_runs_without_absl():
     reason, shape = child.stdout.strip().splitlines()[-2:]
     assert "Mosaic GPU backend does not import here" in reason and "absl" in reason
     assert shape == "(1, 8, 2, 4)"
+
+
+def test_what_the_commands_write_by_default_is_ignored():
+    """`recurrax demo`'s plot, `examples/train_text.py`'s checkpoint directory and the README's
+    `--output my_model` are not offered for commit (issue 49: they were untracked files)."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    demo = re.search(r'"--out", default="([^"]+)"', (ROOT / "src/recurrax/tools/demo.py").read_text()).group(1)
+    trained = re.search(r'"--output", default="([^"]+)"', (ROOT / "examples/train_text.py").read_text()).group(1)
+    for path in (demo, f"{trained}/config.json", "my_model/model.safetensors"):
+        checked = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+        assert checked.returncode == 0, f"{path} is not ignored by .gitignore"

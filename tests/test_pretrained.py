@@ -376,3 +376,26 @@ def test_tied_feature_map_loads_under_either_name():
         expected = kept[k_name if drop == q_name else q_name]
         np.testing.assert_array_equal(loaded[q_name], expected)
         np.testing.assert_array_equal(loaded[k_name], expected)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("d_model", "16", "config field 'd_model' must be a positive integer, got '16'"),
+    ("num_layers", [1], "config field 'num_layers' must be a positive integer"),
+    ("num_heads", 2.5, "config field 'num_heads' must be a positive integer"),
+    ("mlp_ratio", {"x": 1}, "config field 'mlp_ratio' must be a positive integer"),
+    ("mixer", ["gla"], "config field 'mixer' must be a mixer's name"),
+    ("mixer_options", "x", "config field 'mixer_options' must be an object"),
+    ("implementation", 3, "config field 'implementation' must be null or an implementation's name"),
+    ("model_type", ["gla"], r"unsupported model_type \['gla'\]; supported:"),
+])
+def test_a_mistyped_language_model_config_names_the_file_and_field(tmp_path, field, value, words):
+    """A saved LanguageModel's config.json with a field of the wrong kind is a ValueError naming
+    the file and the field (issue 49: TypeErrors such as "unsupported operand type(s) for **",
+    or an unhashable model_type without the file)."""
+    from recurrax.nn import LanguageModel
+
+    save_pretrained(LanguageModel(40, 16, 1, 2, rngs=nnx.Rngs(0)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=rf"config.json: {words}"):
+        from_pretrained(tmp_path)

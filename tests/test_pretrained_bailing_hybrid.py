@@ -219,6 +219,7 @@ def test_clipped_moe_layer_equals_an_independent_float64_computation(layer):
     (dict(qk_rope_head_dim=5), ValueError, "'qk_rope_head_dim' must be an even integer"),
     (dict(short_conv_kernel_size=1), ValueError, "'short_conv_kernel_size' must be at least 2"),
     (dict(num_expert_group=3), ValueError, "'num_expert_group' must be a divisor"),
+    (dict(rope_parameters="x"), ValueError, "'rope_parameters' must be null or an object"),  # was AttributeError
 ])
 def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
     with pytest.raises(error, match=words):

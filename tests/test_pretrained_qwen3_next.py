@@ -139,6 +139,7 @@ def test_older_config_spellings_read_the_same():
     (dict(linear_conv_kernel_dim=1), ValueError, "'linear_conv_kernel_dim' must be at least 2"),
     (dict(layer_types=["linear_attention"]), ValueError, "'layer_types' must be null or a list of 4"),
     (dict(rms_norm_eps=0), ValueError, "'rms_norm_eps'"),
+    (dict(rope_parameters="x"), ValueError, "'rope_parameters' must be null or an object"),  # was AttributeError
 ])
 def test_unsupported_and_bad_options_are_refused_by_name(edit, error, words):
     with pytest.raises(error, match=words):

@@ -60,6 +60,24 @@ def test_extras_table_matches_pyproject():
         assert named == _requirement_names(own) | pulled, (name, named)
 
 
+def test_toolchain_extras_say_the_python_they_need():
+    """The compile extras need JAX ≥ 0.12, hence Python ≥ 3.12 (issue 49: pip refuses them on
+    Python 3.11, which the library supports): their rows and the compile section say so."""
+    import tomllib
+
+    from recurrax.targets._compile import TOOLCHAIN_PYTHON
+
+    needed = f"Python ≥ {'.'.join(map(str, TOOLCHAIN_PYTHON))}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rows = {row[0].strip("`"): row[1] for row in _table_rows("extra")}
+    for name in ("compile-cuda", "compile-tpu"):
+        assert any(re.fullmatch(r"jax\[[^]]+\]>=0\.12", r) for r in extras[name]), extras[name]
+        assert needed in rows[name], (name, rows[name])
+    heading = "## Compiling for a GPU or TPU you do not have"
+    section = README[README.index(heading):README.index("\n## ", README.index(heading) + 1)]
+    assert needed in section and "3.11" in section
+
+
 def test_g_gamma_shapes_in_the_tables_are_accepted():
     """The Semantics table's g_gamma shapes all run, dense and packed, and nothing else is listed."""
     import jax.numpy as jnp

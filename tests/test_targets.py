@@ -225,4 +225,21 @@ def test_recurrax_compile_says_which_extra_is_missing(capsys):
         pytest.skip("libtpu is installed here")
     assert main(["--target", "v6e"]) == 2
     assert capsys.readouterr().out.strip() == f"cannot compile for v6e: {missing}"
-    assert "compile-tpu" in missing
+    assert "compile-tpu" in missing and "under Python ≥ 3.12" in missing
+
+
+@pytest.mark.parametrize("version", [(3, 11, 9), (3, 13, 1)])
+def test_a_missing_toolchain_names_the_python_its_extra_needs(monkeypatch, version):
+    """The toolchain extras need JAX ≥ 0.12, so Python ≥ 3.12; under 3.11 the message says it
+    will not install there (issue 49: it recommended the extra that pip refuses on 3.11)."""
+    import importlib.util
+    import types
+
+    from recurrax.targets import _compile
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    monkeypatch.setattr(_compile, "sys", types.SimpleNamespace(version_info=version))
+    for name, extra in (("h100", "compile-cuda"), ("v5e", "compile-tpu")):
+        missing = _compile.toolchain_missing(name)
+        assert f"pip install 'recurrax[{extra}]' under Python ≥ 3.12 (the extra needs JAX ≥ 0.12)" in missing
+        assert ("this is Python 3.11, where it does not install" in missing) == (version < (3, 12))

@@ -111,3 +111,8 @@ def test_stream_text_checks_its_arguments(checkpoint):
     for bad in (0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="repetition_penalty"):
             stream_text(model, tokenizer, "x", 4, repetition_penalty=bad)
+    for raw in (b"Once", bytearray(b"Once")):  # issue 49: its byte values were taken as token ids
+        with pytest.raises(TypeError, match=r"^prompt must be text .* got bytes"):
+            generate_text(model, tokenizer, raw, 4)
+        with pytest.raises(TypeError, match=r"^prompts\[0\] must be a sequence of integer token ids, got"):
+            generate(model, [raw], 4)

@@ -78,3 +78,16 @@ def test_missing_tokenizer_json_is_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("[1")
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("eos_token", {"special": True}), ("bos_token", {"content": 5}), ("pad_token", 5), ("eos_token", ["<|im_end|>"]),
+    ("chat_template", 5), ("chat_template", [1]), ("chat_template", [{"name": "default"}]),
+])
+def test_a_malformed_tokenizer_config_names_the_file_and_key(directory, key, value):
+    """A special token that is neither text nor `{"content": text}`, or a chat template that is
+    neither text nor named templates, is a ValueError naming tokenizer_config.json and the key
+    (issue 49: bare KeyError / TypeError, or a number taken as the token's text)."""
+    write_json(directory, "tokenizer_config.json", {key: value})
+    with pytest.raises(ValueError, match=rf"tokenizer_config.json: '{key}' must be .*, got"):
+        load_tokenizer(directory)

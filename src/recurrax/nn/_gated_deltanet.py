@@ -58,7 +58,7 @@ class GatedRMSNorm(nnx.Module):
     """
 
     def __init__(self, size: int, *, eps: float = 1e-5, dtype=jnp.float32):
-        self.eps = float(eps)
+        self.eps = check_eps("eps", eps)
         self.weight = param(jnp.ones((size,), dtype), "head_dim")
 
     def __call__(self, x: Float[Array, "... V"], gate: Float[Array, "... V"] | None = None) -> Float[Array, "... V"]:
@@ -116,6 +116,7 @@ class GatedDeltaNet(CachedMixer):
         rngs: nnx.Rngs,
     ):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        check_eps("norm_eps", norm_eps)
         _check_heads(d_model, num_heads, num_v_heads, head_dim)
         K = head_dim or d_model // num_heads
         if not float(K * expand_v).is_integer() or K * expand_v < 1:
@@ -246,3 +247,12 @@ def _check_heads(d_model: int, num_heads: int, num_v_heads: int, head_dim: int |
     if head_dim is None and d_model % num_heads:
         raise ValueError(f"num_heads must divide d_model={d_model} when head_dim is not given (heads of "
                          f"d_model // num_heads), got num_heads={num_heads}")
+
+
+def check_eps(name: str, eps) -> float:
+    """A norm's ε as a float: a finite number > 0 (≤ 0 or NaN makes the norm of a zero row NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not (
+            math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name} must be a finite number > 0 (added to the mean square before its root), "
+                         f"got {eps!r}")
+    return float(eps)

@@ -243,9 +243,13 @@ class RecurrentMixer(CachedMixer):
 
 
 def check_width(name: str, x, d_model: int, cu_seqlens) -> None:
-    """`x` must be [batch, seq_len, d_model], or packed [total_tokens, d_model] with cu_seqlens."""
+    """`x` must be [batch, seq_len, d_model], or packed [total_tokens, d_model] with cu_seqlens,
+    with at least one token (recurrax's operations take no empty input)."""
     packed = cu_seqlens is not None
     if hasattr(x, "ndim") and x.ndim in ((2, 3) if packed else (3,)) and x.shape[-1] == d_model:
+        if 0 in x.shape[:-1]:
+            raise ValueError(f"{name} must have at least one batch row and one token (the layers take "
+                             f"no empty input), got shape {x.shape}")
         return
     words = f"[batch, seq_len, {d_model}]" + (f" or [total_tokens, {d_model}] (packed)" if packed else "")
     hint = ""

@@ -265,6 +265,9 @@ def _check_tokens(tokens, cu_seqlens) -> None:
         raise TypeError(f"tokens must be an integer array of token ids, got {what}")
     packed = cu_seqlens is not None
     if len(shape) == 2 or (packed and len(shape) == 1):
+        if 0 in shape:
+            raise ValueError(f"tokens must have at least one batch row and one token (the model takes "
+                             f"no empty input), got shape {tuple(shape)}")
         return
     words = "[batch, seq_len]" + (" or packed [total_tokens]" if packed else "")
     hint = " (a 1-D input is packed sequences: pass cu_seqlens)" if len(shape) == 1 else ""

@@ -45,6 +45,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -88,9 +89,15 @@ def route(logits: Float[Array, "n E"], top_k: int, *, score: str = "softmax", re
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     if select_on not in ("scores", "logits"):
         raise ValueError(f"select_on must be 'scores' or 'logits', got {select_on!r}")
+    if getattr(logits, "ndim", None) != 2:
+        shape = getattr(logits, "shape", type(logits).__name__)
+        raise ValueError(f"logits must be [tokens, experts], got shape {shape}")
     n, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
+    if bias is not None and getattr(bias, "shape", None) != (E,):
+        raise ValueError(f"bias must be [experts] = ({E},), one per column of logits, got shape "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if select_on == "scores" else logits
@@ -230,6 +237,7 @@ def routed_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeig
     Under a mesh whose rules map the `experts` axis to a mesh axis (`logical_rules("expert")`,
     `use_mesh`), the experts run split over it, each pair sent to its expert's device
     (`recurrax.nn._expert_parallel`); the result is the same up to float rounding."""
+    check_routed_inputs(x, routing, weights, transposed)
     if limit is not None and weights.gate is None:
         raise ValueError(f"limit={limit} clips a gated FFN (min(act(G), limit) ⊙ clip(U, ±limit)); these experts "
                          "have no gate: pass limit=None")
@@ -272,6 +280,7 @@ def all_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeights
                 ) -> Float[Array, "n D"]:
     """Every expert on every token, combined by the routing's weights (zero outside S_t): the
     oracle `routed_experts` equals, at E/k times its work."""
+    check_routed_inputs(x, routing, weights, transposed)
     n, E = x.shape[0], weights.up.shape[0]
     dense = jnp.zeros((n, E), routing.weights.dtype).at[jnp.arange(n)[:, None], routing.experts].add(routing.weights)
     spec = "nd,efd->nef" if transposed else "nd,edf->nef"
@@ -282,6 +291,39 @@ def all_experts(x: Float[Array, "n D"], routing: Routing, weights: ExpertWeights
         hidden = glu(act, limit, hidden, jnp.einsum(spec, x, weights.up))
     spec = "nef,edf->nd" if transposed else "nef,efd->nd"
     return jnp.einsum(spec, hidden * dense.astype(hidden.dtype)[:, :, None], weights.down)
+
+
+def check_routed_inputs(x, routing: Routing, weights: ExpertWeights, transposed: bool) -> None:
+    """`x [n, D]`, `routing` of `[n, k]` int experts and weights, `weights` of E experts whose
+    `up` (and `gate`) read D and whose `down` gives D back (their hidden widths may differ: an
+    `act` may halve it); concrete expert ids in `[0, E)`.
+    A `ValueError` naming the argument otherwise."""
+    shape = lambda a: getattr(a, "shape", type(a).__name__)  # noqa: E731
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"x must be [tokens, d_model], got shape {shape(x)}")
+    n, D = x.shape
+    experts, combine_weights = routing
+    if getattr(experts, "ndim", None) != 2 or experts.shape[0] != n or shape(combine_weights) != experts.shape:
+        raise ValueError(f"routing must hold experts and weights of one shape [tokens, top_k] with x's {n} tokens, "
+                         f"got experts {shape(experts)}, weights {shape(combine_weights)}")
+    if not jnp.issubdtype(experts.dtype, jnp.integer):
+        raise ValueError(f"routing.experts must be integer expert ids, got dtype {experts.dtype}")
+    up, down = getattr(weights.up, "shape", ()), getattr(weights.down, "shape", ())
+    gate = None if weights.gate is None else getattr(weights.gate, "shape", ())
+    in_axis, out_axis = (2, 1) if transposed else (1, 2)
+    fits = (len(up) == 3 and len(down) == 3 and up[0] == down[0] > 0 and up[in_axis] == D
+            and down[out_axis] == D and gate in (None, up))
+    if not fits:
+        layout = "[E, out, in] (transposed)" if transposed else "[E, in, out]"
+        raise ValueError(f"weights must be {layout} matrices of the same E experts, up and gate (like up, or None) "
+                         f"reading x's d_model {D}, down giving it back; got up {shape(weights.up)}, down "
+                         f"{shape(weights.down)}, gate {None if gate is None else shape(weights.gate)}")
+    E = up[0]
+    if not isinstance(experts, jax.core.Tracer) and experts.size:
+        ids = np.asarray(experts)
+        if ids.min() < 0 or ids.max() >= E:
+            bad = int(ids[(ids < 0) | (ids >= E)][0])
+            raise ValueError(f"routing.experts must be expert ids in [0, {E}) (weights' experts), got {bad}")
 
 
 class MixtureOfExperts(nnx.Module):

@@ -12,7 +12,7 @@ ptxas's resource report per Mosaic GPU kernel.
 
 **Toolchains** (extras): `pip install 'recurrax[compile-cuda]'` (the CUDA plugin and ptxas;
 about 1.2 GB, no GPU needed) and `pip install 'recurrax[compile-tpu]'` (libtpu), in separate
-environments. Before JAX starts: `prepare_environment()` (or set `ENVIRONMENT` yourself).
+environments of Python ≥ 3.12 (they need JAX ≥ 0.12). Before JAX starts: `prepare_environment()` (or set `ENVIRONMENT` yourself).
 `toolchain_missing(name)` says why a target cannot be compiled for here, or None.
 
 **API:**

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -95,14 +96,27 @@ def toolchain_missing(name: str | Target) -> str | None:
     return None
 
 
+TOOLCHAIN_PYTHON = (3, 12)
+"""The toolchain extras need JAX ≥ 0.12, which needs Python ≥ 3.12 (pip refuses them on 3.11)."""
+
+
 def _extra_missing(chosen: Target) -> str | None:
     """The extra to install when the target's toolchain (CUDA plugin, libtpu) is absent, or None."""
     if chosen.backend == "gpu":
         if not any(importlib.util.find_spec(f"jax_cuda{version}_plugin") for version in (12, 13)):
-            return "the CUDA toolchain is not installed: pip install 'recurrax[compile-cuda]'"
+            return f"the CUDA toolchain is not installed: {_install('compile-cuda')}"
     elif importlib.util.find_spec("libtpu") is None:
-        return "libtpu is not installed: pip install 'recurrax[compile-tpu]'"
+        return f"libtpu is not installed: {_install('compile-tpu')}"
     return None
+
+
+def _install(extra: str) -> str:
+    """How to install a toolchain extra, and the Python it needs."""
+    needed = ".".join(map(str, TOOLCHAIN_PYTHON))
+    advice = f"pip install 'recurrax[{extra}]' under Python ≥ {needed} (the extra needs JAX ≥ 0.12)"
+    if sys.version_info[:2] < TOOLCHAIN_PYTHON:
+        advice += f"; this is Python {sys.version_info[0]}.{sys.version_info[1]}, where it does not install"
+    return advice
 
 
 def topology(name: str | Target):

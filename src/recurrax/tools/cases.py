@@ -163,6 +163,13 @@ def make_cotangents(case: Case, seed: int = 1) -> tuple:
 
 def run_vjp(implementation: str | Callable, kwargs: dict, seed: int = 1):
     """Forward outputs and the gradients of every differentiable argument (one jitted call)."""
+    step, diff = vjp_step(implementation, kwargs, seed)
+    return step(diff)
+
+
+def vjp_step(implementation: str | Callable, kwargs: dict, seed: int = 1) -> tuple[Callable, dict]:
+    """`run_vjp` as a jitted function of the differentiable arguments, and those arguments:
+    `step(diff)` gives (output, final state, gradients)."""
     diff, rest = split_args(kwargs)
 
     def forward_backward(diff):
@@ -173,7 +180,7 @@ def run_vjp(implementation: str | Callable, kwargs: dict, seed: int = 1):
         (grads,) = pullback((do, dstate))
         return o, state, grads
 
-    return jax.jit(forward_backward)(diff)
+    return jax.jit(forward_backward), diff
 
 
 def max_rel_error(x, y, floor: float = 1e-30) -> float:
@@ -199,16 +206,33 @@ def _exact(kwargs: dict) -> dict:
 def compare(implementation: str | Callable, case: Case, seed: int = 0, oracle: str = "reference") -> dict[str, float]:
     """Max relative errors of `implementation` vs `oracle` (in float64), per output and gradient."""
     kwargs = make_inputs(case, seed)
-    o, state, grads = run_vjp(implementation, kwargs)
-    o_ref, state_ref, grads_ref = run_vjp(oracle, _exact(kwargs))
-    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0.0)) for y in (o_ref, state_ref, *grads_ref.values()))
-    floor = max(ZERO_FLOOR * scale, 1e-30)
-    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
+    return compare_results(run_vjp(implementation, kwargs), oracle_results(kwargs, oracle), kwargs)
+
+
+def oracle_results(kwargs: dict, oracle: str = "reference"):
+    """`oracle`'s (output, final state, gradients) on `kwargs` in float64 (x64 on)."""
+    return run_vjp(oracle, _exact(kwargs))
+
+
+def compare_results(results, exact, kwargs: dict) -> dict[str, float]:
+    """Max relative errors of `run_vjp`'s `results` on `kwargs` against the `exact` ones; the
+    gradients must have their arguments' dtypes and shapes (an `AssertionError` otherwise)."""
+    o, _, grads = results
     for name, grad in grads.items():
         assert grad.dtype == kwargs[name].dtype, (name, grad.dtype)
         assert grad.shape == kwargs[name].shape, (name, grad.shape)
-        errors["d" + name] = max_rel_error(grad, grads_ref[name], floor)
     assert o.dtype == kwargs["query"].dtype
+    return relative_errors(results, exact)
+
+
+def relative_errors(results, exact) -> dict[str, float]:
+    """Max relative errors of (output, final state, gradients) against the `exact` ones, an
+    array near zero judged against `ZERO_FLOOR` times the largest exact array."""
+    (o, state, grads), (o_ref, state_ref, grads_ref) = results, exact
+    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0.0)) for y in (o_ref, state_ref, *grads_ref.values()))
+    floor = max(ZERO_FLOOR * scale, 1e-30)
+    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
+    errors.update({"d" + name: max_rel_error(grads[name], grads_ref[name], floor) for name in grads})
     return errors
 
 
@@ -317,21 +341,24 @@ def delta_forward_backward(implementation: str, arrays: dict, options: dict, see
 
 def delta_vjp(implementation: str, arrays: dict, options: dict, seed: int = 1):
     """`delta_forward_backward` as one jitted call."""
-    return jax.jit(lambda arrays: delta_forward_backward(implementation, arrays, options, seed))(arrays)
+    return delta_vjp_step(implementation, options, seed)(arrays)
+
+
+def delta_vjp_step(implementation: str, options: dict, seed: int = 1) -> Callable:
+    """`delta_forward_backward` jitted, as a function of the arrays."""
+    return jax.jit(lambda arrays: delta_forward_backward(implementation, arrays, options, seed))
+
+
+def delta_oracle_results(case: DeltaCase, seed: int = 0):
+    """The delta rule's `reference` (output, final state, gradients) on `case`'s inputs in float64 (x64 on)."""
+    arrays = {n: jnp.asarray(x, jnp.float64) for n, x in make_delta_inputs(case, seed).items()}
+    return delta_vjp("reference", arrays, delta_options(case))
 
 
 def compare_delta(implementation: str, case: DeltaCase, dtype: str = "float32", seed: int = 0) -> dict[str, float]:
     """Max relative errors of `implementation` on `dtype` inputs vs the delta rule's
     `reference` on the same inputs in float64 (x64 on), per output and gradient (judged as
     `compare` judges them)."""
-    inputs = make_delta_inputs(case, seed)
-    options = delta_options(case)
-    o, state, grads = delta_vjp(implementation, {n: jnp.asarray(x, dtype) for n, x in inputs.items()}, options)
-    o_ref, state_ref, grads_ref = delta_vjp("reference", {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()},
-                                            options)
-    exact = (o_ref, state_ref, *grads_ref.values())
-    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0.0)) for y in exact)
-    floor = max(ZERO_FLOOR * scale, 1e-30)
-    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
-    errors.update({"d" + name: max_rel_error(grads[name], grads_ref[name], floor) for name in grads})
-    return errors
+    arrays = {n: jnp.asarray(x, dtype) for n, x in make_delta_inputs(case, seed).items()}
+    results = delta_vjp(implementation, arrays, delta_options(case))
+    return relative_errors(results, delta_oracle_results(case, seed))

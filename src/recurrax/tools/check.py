@@ -4,6 +4,7 @@ against the float64 reference."""
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -20,15 +21,16 @@ from .cases import (
     Case,
     DeltaCase,
     canonical,
-    compare,
-    compare_delta,
+    compare_results,
     default_tolerance,
-    delta_forward_backward,
+    delta_oracle_results,
     delta_options,
+    delta_vjp_step,
     make_delta_inputs,
     make_inputs,
-    run_vjp,
-    split_args,
+    oracle_results,
+    relative_errors,
+    vjp_step,
 )
 from .options import positive_float
 
@@ -47,9 +49,12 @@ CASES = {
     "varlen, reverse": Case(**SHAPE, gates=("g_head",), cu_seqlens=(0, 17, 40, 48), reverse=True),
     "g_gamma per row": Case(**SHAPE, gates=("g_gamma_rows", "gk")),
     "g_gamma per seq, varlen": Case(**SHAPE, gates=("g_gamma_rows",), cu_seqlens=(0, 9, 9, 48), packed_3d=True),
+    "varlen, g per channel": Case(**SHAPE, gates=("g_channel",), cu_seqlens=(0, 5, 5, 30, 31, 48), packed_3d=True),
 }
-QUICK = ("g per channel", "all gates, reverse", "varlen")
-"""`--quick`: one case per decay form, reverse, and packed input (a few compiles per implementation)."""
+QUICK = ("all gates, reverse", "varlen, g per channel")
+"""`--quick`: every decay form and reverse in one case, packed input in the other, which
+every implementation on a CPU runs (`pallas_interpret` takes no `gv`): one compile per
+implementation and case, and one of the float64 reference per case."""
 
 DELTA_SHAPE = dict(B=2, T=48, Hqk=4, H=4, K=16, V=16)
 DELTA_CASES = {
@@ -60,8 +65,11 @@ DELTA_CASES = {
     "grouped q/k 1:4": DeltaCase(**{**DELTA_SHAPE, "Hqk": 1, "V": 8}, gates=("g",)),
     "strong decay (-20)": DeltaCase(**DELTA_SHAPE, gates=("g", "gk"), gate_range=(-20.0, 0.0)),
     "varlen, an empty one": DeltaCase(**DELTA_SHAPE, gates=("gk",), cu_seqlens=(0, 5, 5, 30, 31, 48)),
+    "g + gk, l2norm, varlen": DeltaCase(**DELTA_SHAPE, gates=("g", "gk"), qk_l2norm=True,
+                                        cu_seqlens=(0, 5, 5, 30, 31, 48)),
 }
-DELTA_QUICK = ("Gated DeltaNet, l2norm", "varlen, an empty one")
+DELTA_QUICK = ("g + gk, l2norm, varlen",)
+"""`--quick`: both gates, normalised q/k and packed input with an empty sequence in one case."""
 CASE_WIDTH = max(len(name) for name in (*CASES, *DELTA_CASES))
 NAME_WIDTH = 20
 """The implementation column: the longest registered name (`pallas_tpu_interpret`)."""
@@ -74,29 +82,35 @@ class Operation(NamedTuple):
     registry: KernelRegistry
     cases: Callable[[], dict[str, Any]]
     quick: Callable[[], tuple[str, ...]]
-    errors: Callable[[str, Any, str], dict[str, float]]  # (implementation, case, dtype)
+    measure: Callable[[str, Any, str], tuple[dict[str, float], float]]  # (implementation, case, dtype)
     refusal: Callable[[str, Any, str], str | None]
-    seconds: Callable[[str, Any, str], float]
 
 
-def _steady_seconds(step, argument) -> float:
-    """Steady-state time of one call of the jitted `step` (compile excluded)."""
-    jax.block_until_ready(step(argument))
+def _results_and_seconds(step, argument) -> tuple[Any, float]:
+    """The jitted `step`'s results on `argument` (its one compile) and the steady-state time
+    of a second call."""
+    results = jax.block_until_ready(step(argument))
     start = time.perf_counter()
     jax.block_until_ready(step(argument))
-    return time.perf_counter() - start
+    return results, time.perf_counter() - start
 
 
-def _recurrent_errors(name: str, case: Case, dtype: str) -> dict[str, float]:
-    return compare(name, Case(**{**case.__dict__, "dtype": dtype}))
+def _recurrent_measure(name: str, case: Case, dtype: str) -> tuple[dict[str, float], float]:
+    """Errors against the float64 reference and the time of one forward + backward."""
+    case = Case(**{**case.__dict__, "dtype": dtype})
+    kwargs = make_inputs(case)
+    results, seconds = _results_and_seconds(*vjp_step(name, kwargs))
+    return compare_results(results, _recurrent_oracle(case), kwargs), seconds
+
+
+@functools.lru_cache(maxsize=1)
+def _recurrent_oracle(case: Case):
+    """The reference in float64 on `case`'s inputs, once per case (every implementation's oracle)."""
+    return oracle_results(make_inputs(case))
 
 
 def _recurrent_refusal(name: str, case: Case, dtype: str) -> str | None:
     return _refusal(name, Case(**{**case.__dict__, "dtype": dtype}))
-
-
-def _recurrent_seconds(name: str, case: Case, dtype: str) -> float:
-    return _fwd_bwd_seconds(name, Case(**{**case.__dict__, "dtype": dtype}))
 
 
 def _delta_arrays(case: DeltaCase, dtype: str) -> dict:
@@ -111,17 +125,22 @@ def _delta_refusal(name: str, case: DeltaCase, dtype: str) -> str | None:
     return impl.refusal(Request.of(problem))
 
 
-def _delta_seconds(name: str, case: DeltaCase, dtype: str) -> float:
-    options = delta_options(case)
-    step = jax.jit(lambda arrays: delta_forward_backward(name, arrays, options))
-    return _steady_seconds(step, _delta_arrays(case, dtype))
+def _delta_measure(name: str, case: DeltaCase, dtype: str) -> tuple[dict[str, float], float]:
+    """Errors against the delta rule's float64 reference and the time of one forward + backward."""
+    results, seconds = _results_and_seconds(delta_vjp_step(name, delta_options(case)), _delta_arrays(case, dtype))
+    return relative_errors(results, _delta_oracle(case)), seconds
+
+
+@functools.lru_cache(maxsize=1)
+def _delta_oracle(case: DeltaCase):
+    return delta_oracle_results(case)
 
 
 OPERATIONS = {
     "recurrent": Operation("recurrent", kernel_registry, lambda: CASES, lambda: QUICK,
-                           _recurrent_errors, _recurrent_refusal, _recurrent_seconds),
+                           _recurrent_measure, _recurrent_refusal),
     "delta_rule": Operation("delta_rule", delta_registry, lambda: DELTA_CASES, lambda: DELTA_QUICK,
-                            lambda name, case, dtype: compare_delta(name, case, dtype), _delta_refusal, _delta_seconds),
+                            _delta_measure, _delta_refusal),
 }
 """The operations `check` covers (cases looked up at call time, so tests may replace them)."""
 
@@ -162,12 +181,6 @@ def chosen_implementations(requested: list[str] | None, registry: KernelRegistry
     return chosen
 
 
-def _fwd_bwd_seconds(name: str, case: Case) -> float:
-    """Steady-state time of one jitted forward + backward (compile excluded)."""
-    diff, rest = split_args(make_inputs(case))
-    return _steady_seconds(jax.jit(lambda diff: run_vjp(name, {**diff, **rest})), diff)
-
-
 def _refusal(name: str, case: Case) -> str | None:
     """Why `name` declares it cannot run `case`, or None."""
     problem, _, _ = canonical(make_inputs(case))
@@ -193,15 +206,15 @@ def _check_operation(operation: Operation, names: list[str], args, tolerance: fl
     print(f"{'implementation':<{NAME_WIDTH}} {'case':<{CASE_WIDTH}} {'max rel err':>11} {'(worst of)':<16} {'fwd+bwd ms':>9}")
     counts = {"matched": 0, "mismatched": 0, "unsupported": 0}
     total, start = len(names) * len(cases), time.perf_counter()
-    for name in names:
-        for case_name, case in cases.items():
+    for case_name, case in cases.items():
+        for name in names:
             refusal = operation.refusal(name, case, args.dtype)
             if refusal is None:
-                errors = operation.errors(name, case, args.dtype)
+                errors, seconds = operation.measure(name, case, args.dtype)
                 worst = max(errors, key=errors.get)
                 ok = errors[worst] <= tolerance
                 counts["matched" if ok else "mismatched"] += 1
-                line = _row(name, case_name, errors[worst], worst, operation.seconds(name, case, args.dtype), ok)
+                line = _row(name, case_name, errors[worst], worst, seconds, ok)
             else:
                 counts["unsupported"] += 1
                 line = f"{name:<{NAME_WIDTH}} {case_name:<{CASE_WIDTH}} {'-':>11} declared unsupported: {refusal}"
@@ -222,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--tolerance", type=positive_float, help="max relative error, > 0 (default by dtype)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"only the cases {', '.join(QUICK)} (about a minute instead of several)")
+                        help=f"only the cases {' and '.join(map(repr, QUICK))} of recurrent and "
+                             f"{' and '.join(map(repr, DELTA_QUICK))} of delta_rule (under a minute on 2 cores "
+                             "instead of several)")
     args = parser.parse_args(argv)
     operations = list(OPERATIONS.values()) if args.operation == "all" else [OPERATIONS[args.operation]]
     try:

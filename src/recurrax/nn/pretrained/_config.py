@@ -75,7 +75,7 @@ def resolve(config: dict) -> dict:
     if not isinstance(config, dict):
         raise TypeError(f"the config must be a dict (config.json's object), got {type(config).__name__}")
     model_type = config.get("model_type")
-    if model_type not in FAMILY_DEFAULTS:
+    if not isinstance(model_type, str) or model_type not in FAMILY_DEFAULTS:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
     full = {**COMMON_DEFAULTS, **FAMILY_DEFAULTS[model_type], **config}
     check_config(full)
@@ -153,5 +153,6 @@ def intermediate_size(config: dict) -> int:
 def text_model_config(config: dict) -> dict:
     """`config`, or the text model's config of a multimodal config whose text model a family
     module reads (Qwen3.5's `qwen3_5`, `qwen3_5_moe`)."""
-    module = MULTIMODAL.get(config.get("model_type")) if isinstance(config, dict) else None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    module = MULTIMODAL.get(model_type) if isinstance(model_type, str) else None
     return config if module is None else module.text_model_config(config)

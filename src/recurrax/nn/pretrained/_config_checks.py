@@ -203,9 +203,17 @@ def decode_floats(value):
     return value
 
 
+def rope_parameters(c: dict) -> dict:
+    """`c["rope_parameters"]`: null (as {}) or an object; a ConfigError naming it otherwise."""
+    params = c.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        _refuse("rope_parameters", "null or an object (rope_theta, rope_type, partial_rotary_factor, ...)", params)
+    return params
+
+
 def _rope(c: dict, head_dim: int, factor: float | None = None) -> tuple[int, float]:
     """(rotated channels per head, θ) from `rope_parameters` or the older top-level keys."""
-    params = c.get("rope_parameters") or {}
+    params = rope_parameters(c)
     if params.get("rope_type", "default") != "default" or c.get("rope_scaling"):
         raise NotImplementedError(f"only the default rotary embedding is supported, got {params or c['rope_scaling']}")
     theta = params.get("rope_theta", c.get("rope_theta", 10000.0))

@@ -559,7 +559,7 @@ def _check_number(name: str, value, low: float, *, optional: bool = False, high:
 
 def _checked_ids(name: str, ids, vocab_size: int) -> list[int]:
     """`ids` as a list of Python ints, each an integer in `[0, vocab_size)`."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
         raise TypeError(f"{name} must be a sequence of integer token ids, got {type(ids).__name__}")
     ids = list(ids)
     for position, token in enumerate(ids):
@@ -570,7 +570,7 @@ def _checked_ids(name: str, ids, vocab_size: int) -> list[int]:
 
 
 def _checked_prompts(prompts, vocab_size: int) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+    if isinstance(prompts, (str, bytes, bytearray)) or not hasattr(prompts, "__iter__"):
         raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
     checked = [_checked_ids(f"prompts[{i}]", prompt, vocab_size) for i, prompt in enumerate(prompts)]
     if any(len(p) == 0 for p in checked):

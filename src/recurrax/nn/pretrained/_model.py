@@ -170,7 +170,8 @@ class CausalLM(nnx.Module):
                  rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.remat = check_remat(remat)
-        family_module = FAMILY_MODULES.get(config.get("model_type")) if isinstance(config, dict) else None
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        family_module = FAMILY_MODULES.get(model_type) if isinstance(model_type, str) else None
         if family_module is not None:
             spec = family_module.resolve(config)
             family, hidden_size = config["model_type"], spec["hidden_size"]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._model import CONFIG_MODEL_TYPE, MIXERS, LanguageModel
+from ._config_checks import _check_fields, _refuse
 from ._model import CausalLM
 
 LANGUAGE_MODEL_ARGUMENTS = ("vocab_size", "d_model", "num_layers", "num_heads", "mixer", "mlp_ratio", "mixer_options",
@@ -82,9 +83,22 @@ def model_from_config(config: dict, *, dtype=jnp.float32, param_dtype=None, rema
     missing = [k for k in LANGUAGE_MODEL_ARGUMENTS if k not in config]
     if missing:
         raise ValueError(f"a {CONFIG_MODEL_TYPE} config needs the fields {', '.join(missing)}")
+    _check_language_model_fields(config)
     arguments = {k: config[k] for k in LANGUAGE_MODEL_ARGUMENTS}
     return LanguageModel(**arguments, dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
                          remat=remat, rngs=rngs)
+
+
+def _check_language_model_fields(config: dict) -> None:
+    """The kinds of a LanguageModel config's fields (a `ConfigError` naming the field); the
+    constructor checks the values."""
+    _check_fields(config, ints=("vocab_size", "d_model", "num_layers", "num_heads", "mlp_ratio"))
+    if not isinstance(config["mixer"], str):
+        _refuse("mixer", "a mixer's name (a string)", config["mixer"])
+    if not isinstance(config["mixer_options"], dict):
+        _refuse("mixer_options", "an object of the mixer's keyword arguments", config["mixer_options"])
+    if config["implementation"] is not None and not isinstance(config["implementation"], str):
+        _refuse("implementation", "null or an implementation's name (a string)", config["implementation"])
 
 
 def from_size(name: str, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,

@@ -205,6 +205,9 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
     the first stop. The arguments are checked here (as `generate` checks them; a stop string
     must be a non-empty `str`).
     """
+    if isinstance(prompt, (bytes, bytearray)):
+        raise TypeError("prompt must be text (a str) or a sequence of token ids, got bytes (their values would "
+                        "be read as token ids): decode them first, e.g. prompt.decode('utf-8')")
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
         raise TypeError(f"stop must be a sequence of non-empty strings, got {stop!r}")

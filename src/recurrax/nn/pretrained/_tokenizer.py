@@ -103,15 +103,22 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     except Exception as error:  # tokenizers raises its own exception type for unreadable files
         raise ValueError(f"{file}: not a tokenizers tokenizer.json ({error})") from error
     settings = _json_object(path, "tokenizer_config.json")
-    special = {name: _token_text(settings[name]) for name in SPECIAL_TOKENS if settings.get(name) is not None}
+    config_file = os.path.join(path, "tokenizer_config.json")
+    special = {name: _token_text(config_file, name, settings[name]) for name in SPECIAL_TOKENS
+               if settings.get(name) is not None}
     eos = _eos_ids(path) or ((backend.token_to_id(special["eos_token"]),) if "eos_token" in special else ())
     return Tokenizer(backend, chat_template=_chat_template(path, settings), special_tokens=special,
                      eos_token_ids=tuple(i for i in eos if i is not None))
 
 
-def _token_text(token) -> str:
-    """A special token as tokenizer_config.json writes it: its text, or `{"content": text, …}`."""
-    return token["content"] if isinstance(token, Mapping) else str(token)
+def _token_text(file: str, name: str, token) -> str:
+    """A special token as tokenizer_config.json writes it: its text, or `{"content": text, …}`;
+    a `ValueError` naming the file and key otherwise."""
+    text = token.get("content") if isinstance(token, Mapping) else token
+    if not isinstance(text, str):
+        raise ValueError(f"{file}: {name!r} must be the token's text or an object with a \"content\" text, "
+                         f"got {token!r}")
+    return text
 
 
 def _chat_template(path: str, settings: Mapping[str, Any]) -> str | None:
@@ -121,9 +128,19 @@ def _chat_template(path: str, settings: Mapping[str, Any]) -> str | None:
             return f.read()
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": …, "template": …}]
+        if not all(isinstance(entry, Mapping) and isinstance(entry.get("name"), str)
+                   and isinstance(entry.get("template"), str) for entry in template):
+            _refuse_template(path, template)
         named = {entry["name"]: entry["template"] for entry in template}
         template = named.get("default", next(iter(named.values()), None))
+    elif template is not None and not isinstance(template, str):
+        _refuse_template(path, template)
     return template
+
+
+def _refuse_template(path: str, template) -> None:
+    raise ValueError(f"{os.path.join(path, 'tokenizer_config.json')}: 'chat_template' must be null, a Jinja "
+                     f"template (a string) or a list of {{\"name\": ..., \"template\": ...}} objects, got {template!r}")
 
 
 def _eos_ids(path: str) -> tuple[int, ...]:

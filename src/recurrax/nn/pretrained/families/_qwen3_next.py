@@ -76,7 +76,7 @@ from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
 from ..._gated_deltanet import initial_A_log
 from ..._mixers import MixerCache, check_width
 from ..._sharding import param
-from .._config_checks import _check_fields, _is_int, _refuse, _rope, check_layer_types, decode_floats
+from .._config_checks import _check_fields, _is_int, _refuse, _rope, check_layer_types, decode_floats, rope_parameters
 from ..layers._attention import HFAttention, KVCache
 from ..layers._decoder import DecoderBody
 from ..layers._mixer import heads, linear, run_mixer
@@ -204,7 +204,7 @@ def text_model_config(config: dict) -> dict:
 
 def _partial_rotary_factor(c: dict) -> float:
     """`partial_rotary_factor` from `rope_parameters` or the top level (older configs), default 1/4."""
-    factor = (c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+    factor = rope_parameters(c).get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
     if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1):
         _refuse("partial_rotary_factor", "a number in (0, 1]", factor)
     return float(factor)
