@@ -57,7 +57,9 @@ of 64×128 matmuls) run one scan step at a time.
   sequence's initial state, and each sequence's final state is the state leaving its last
   chunk (an empty sequence keeps its initial state). Shapes depend only on N and S, so
   `cu_seqlens` may be traced.
-- Non-finite inputs are not guarded.
+- Non-finite inputs: each step reads its chunk's non-finite token entries (and output
+  cotangents) as 0 and its gates as `_finite.clean_gate` does, where it loads them; `_finite`
+  marks NaN the results that depend on them, as the token loop's autodiff does.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .. import varlen
+from .._finite import clean_gate, clean_tokens
 from ..chunk._intra import ChunkDecay, dot
 from ..problem import Gate
 from ._chunk_adjoint import chunk_backward
 from ._chunk_vjp import chunk_scan
+from ._finite import guarded
 from ._problem import DeltaProblem
 from ._unit_lower import unit_lower_inverse
 
@@ -211,14 +215,21 @@ def _stepper(scale: float, leaf: int):
             functools.partial(_chunk_adjoint, scale=scale, leaf=leaf))
 
 
+def _loaded(x: tuple) -> tuple:
+    """One chunk's inputs as the step reads them: non-finite token entries as 0, gates cleaned
+    (`recurrax.delta._finite`)."""
+    q, k, v, beta, log_decay = x
+    return (*map(clean_tokens, (q, k, v, beta)), clean_gate(log_decay))
+
+
 def _chunk_from_inputs(x: tuple, state: Array, *, scale: float, leaf: int):
-    out, exit_state = chunk_step(state, chunk_terms(*map(_heads_first, _expanded(x)), leaf), scale)
+    out, exit_state = chunk_step(state, chunk_terms(*map(_heads_first, _expanded(_loaded(x))), leaf), scale)
     return _tokens_first(out), exit_state
 
 
 def _chunk_adjoint(x: tuple, state: Array, d_out: Array, d_exit: Array, *, scale: float, leaf: int):
     qk_heads = x[0].shape[2]
-    x = tuple(map(_heads_first, _expanded(x)))
+    x, d_out = tuple(map(_heads_first, _expanded(_loaded(x)))), clean_tokens(d_out)
     _, _, v, beta, log_decay = x
     decay = _chunk_decay(log_decay, log_decay is not None and log_decay.ndim == beta.ndim, leaf, v.shape[-2])
     d_x, d_state = chunk_backward(x, state, _heads_first(d_out), d_exit, decay, scale)
@@ -261,6 +272,10 @@ def chunk_delta(
         if size < 1 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two, got {size}")
     C, leaf = _fitted_sizes(problem.query.shape[1], chunk_size, leaf_size)
+    return guarded(functools.partial(_chunk_delta, float(scale), C, leaf), problem)
+
+
+def _chunk_delta(scale: float, C: int, leaf: int, problem: DeltaProblem):
     run = _dense if problem.cu_seqlens is None else _packed
-    out, final = run(problem, float(scale), C, leaf)
+    out, final = run(problem, scale, C, leaf)
     return out.astype(problem.query.dtype), final

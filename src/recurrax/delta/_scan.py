@@ -93,11 +93,13 @@ def _block(scale: float, init: Array, state: Array, block: Tokens):
 
 
 def _up_to(block: Tokens, last: Int[Array, ""]) -> Tokens:
-    """The block with every token after position `last` a no-op."""
+    """The block with every token after position `last` a no-op: q = k = v = 0, β = 0, a = 0
+    (selected, not multiplied: a NaN there must not reach the earlier sequence's state)."""
     keep = jnp.arange(block.seq.shape[0]) <= last
-    beta = jnp.where(keep[:, None, None], block.beta, 0)
-    a = None if block.log_decay is None else jnp.where(keep[:, None, None, None], block.log_decay, 0)
-    return block._replace(beta=beta, log_decay=a, start=block.start & keep)
+    kept = lambda x: None if x is None else jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, 0)  # noqa: E731
+    arrays = (block.query, block.key, block.value, block.beta, block.log_decay)
+    return block._replace(**dict(zip(("query", "key", "value", "beta", "log_decay"), map(kept, arrays))),
+                          start=block.start & keep)
 
 
 def _packed_finals(scale, init, entries, tokens: Tokens, cu_seqlens, C: int):
