@@ -177,3 +177,19 @@ def test_a_nan_beta_leaves_earlier_tokens_and_other_sequences_alone():
     assert np.isnan(o[0, 12:, 1]).all() and np.isfinite(o[0, 12:, 0]).all()
     np.testing.assert_array_equal(s[:2], clean_s[:2])
     assert np.isnan(s[2, 1]).all()
+
+
+@pytest.mark.parametrize("implementation", [n for n in IMPLEMENTATIONS if n != "reference"])
+def test_issue_49_cases(implementation):
+    """The three leaks issue 49 found, forward: a NaN in the value of token 20 (the last
+    sequence, the last shard) reached the earlier tokens of its chunk (`chunk`), the final
+    state of the sequence before (`scan`'s packed final states), and every later shard of
+    `parallel.delta_rule`. Here only token 20 on of its sequence and its final state are NaN."""
+    case = LAYOUTS["packed"]
+    arrays = {n: jnp.asarray(x, jnp.float32) for n, x in make_delta_inputs(case).items()}
+    run = functools.partial(IMPLEMENTATIONS[implementation], **delta_options(case))
+    clean_o, clean_s = map(np.asarray, run(**arrays))
+    o, s = map(np.asarray, run(**{**arrays, "value": arrays["value"].at[0, 20].set(np.nan)}))
+    np.testing.assert_array_equal(o[0, :20], clean_o[0, :20])
+    np.testing.assert_array_equal(s[:2], clean_s[:2])
+    assert np.isnan(o[0, 20:]).all() and np.isnan(s[2]).all()
