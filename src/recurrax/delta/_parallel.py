@@ -72,7 +72,7 @@ from ..registry import Request
 from ._api import _packed_tokens
 from ._finite import cleaned, guarded
 from ._implementations import kernel_registry
-from ._problem import DeltaProblem, canonicalize_delta, check_beta
+from ._problem import DeltaProblem, canonicalize_delta, check_beta, check_update
 
 __all__ = ["delta_rule"]
 
@@ -284,6 +284,7 @@ def delta_rule(
                       allow_positive_gates=allow_positive_gates)
     check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
     check_beta(beta)
+    check_update(key, beta, qk_l2norm)
     return output
 
 
