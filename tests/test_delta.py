@@ -5,6 +5,7 @@ packed sequences with a traced `cu_seqlens`, the validation messages, and `delta
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -277,13 +278,14 @@ def _small():
 @pytest.mark.parametrize("change, message", [
     (dict(beta=lambda a: a["beta"] + 2.5), r"beta must lie in \[0, 2\]"),
     (dict(beta=lambda a: -a["beta"] - 0.1), r"beta must lie in \[0, 2\]"),
+    (dict(beta=lambda a: np.where(np.arange(4)[:, None] == 0, [np.nan, 5.0], a["beta"])), r"beta must lie in \[0, 2\]"),
     (dict(g=lambda a: -a["g"] + 0.1), r"g must be log decays"),
     (dict(gk=lambda a: -a["gk"]), r"gk must be log decays"),
     (dict(beta=lambda a: a["beta"][..., None]), r"beta must be \[batch, seq_len, num_heads\]"),
     (dict(key=lambda a: a["key"][:, :, :1]), r"key must be of the query's head count"),
     (dict(value=lambda a: a["value"][:, :, :1]), r"value must be"),
     (dict(initial_state=lambda a: a["initial_state"][..., :2]), r"initial_state must be"),
-], ids=["beta_above_2", "beta_negative", "positive_g", "positive_gk", "beta_shape", "key_heads",
+], ids=["beta_above_2", "beta_negative", "beta_above_2_beside_nan", "positive_g", "positive_gk", "beta_shape", "key_heads",
         "value_heads", "state_shape"])
 def test_errors_name_the_argument(change, message):
     args = _small()
@@ -307,6 +309,44 @@ def test_traced_beta_is_checked_under_runtime_checks():
     with recurrax.runtime_checks():
         error, _ = jax.jit(checkify.checkify(f))(args["beta"] + 3.0)
     with pytest.raises(Exception, match=r"beta must lie in \[0, 2\]"):
+        error.throw()
+
+
+def test_traced_nan_beta_is_a_non_finite_input_not_a_range_error():
+    """Issue 49: a NaN β is judged as any non-finite input (its effect causal,
+    tests/test_delta_finite.py), the range on the other values, concrete or traced."""
+    args = _small()
+    nan_beta = args["beta"].copy()
+    nan_beta[0, 1, 0] = np.nan
+    recurrax.delta_rule(**{**args, "beta": nan_beta})  # concrete: no error
+    f = lambda beta: recurrax.delta_rule(**{**args, "beta": beta})[0]  # noqa: E731
+    with recurrax.runtime_checks():
+        clean, _ = jax.jit(checkify.checkify(f))(nan_beta)
+        error, _ = jax.jit(checkify.checkify(f))(np.where(np.isnan(nan_beta), np.nan, nan_beta + 3.0))
+    clean.throw()
+    with pytest.raises(Exception, match=r"beta must lie in \[0, 2\]"):
+        error.throw()
+
+
+def test_expansive_keys_warn_and_fail_under_runtime_checks():
+    """β‖k‖² > 2 makes the update expansive (issue 49: the README's example reached 5e17 with no
+    word): concrete arguments warn, traced ones fail inside runtime_checks; unit keys
+    (`qk_l2norm`) never do."""
+    args = _small()
+    beta = np.full_like(args["beta"], 1.0)
+    key = args["key"] * 1.5  # unit keys (make_inputs): ‖k‖² = 2.25 > 2 at β = 1
+    with pytest.warns(recurrax.delta.ExpansiveUpdateWarning, match=r"reaches 2\.25 > 2"):
+        recurrax.delta_rule(**{**args, "key": key, "beta": beta})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recurrax.delta.ExpansiveUpdateWarning)
+        recurrax.delta_rule(**{**args, "key": key, "beta": beta}, qk_l2norm=True)
+        recurrax.delta_rule(**{**args, "key": args["key"] * 1.4, "beta": beta})  # 1.96 ≤ 2
+    f = lambda key: recurrax.delta_rule(**{**args, "key": key, "beta": beta})[0]  # noqa: E731
+    with recurrax.runtime_checks():
+        error, _ = jax.jit(checkify.checkify(f))(key)
+        fine, _ = jax.jit(checkify.checkify(f))(args["key"])
+    fine.throw()
+    with pytest.raises(Exception, match="update is expansive"):
         error.throw()
 
 

@@ -4,7 +4,8 @@
 |---------------|----------------------------------------------------------------------------|
 | `_api`        | `delta_rule`, `delta_rule_step`: validate, dispatch through the registry  |
 | `_implementations` | `kernel_registry`: the algorithms, their priority and `Support`      |
-| `_problem`    | `DeltaProblem`: validation (reusing `recurrax.problem`'s), β, `qk_l2norm`  |
+| `_problem`    | `DeltaProblem`: validation (reusing `recurrax.problem`'s), β, `qk_l2norm`, the β‖k‖² ≤ 2 check |
+| `_finite`     | non-finite inputs: their effect kept causal (`recurrax._finite` for the delta rule) |
 | `_reference`  | the token loop (the oracle)                                                |
 | `_step`       | one token for `delta_rule_step`: one read of the state and one write     |
 | `_scan`       | the token loop in blocks, one stored state per block (the fallback)        |
@@ -17,7 +18,7 @@
 from ._api import delta_rule, delta_rule_step
 from ._chunk import chunk_delta
 from ._implementations import DEFAULT_IMPLEMENTATION, IMPLEMENTATIONS, kernel_registry
-from ._problem import DeltaProblem, canonicalize_delta
+from ._problem import DeltaProblem, ExpansiveUpdateWarning, canonicalize_delta
 from ._reference import reference_delta
 from ._scan import scan_delta
 
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_IMPLEMENTATION",
     "IMPLEMENTATIONS",
     "DeltaProblem",
+    "ExpansiveUpdateWarning",
     "canonicalize_delta",
     "chunk_delta",
     "delta_rule",

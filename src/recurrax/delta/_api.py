@@ -10,7 +10,7 @@ from .._matmul_precision import matmul_precision, resolve
 from ..problem import _fail, check_values
 from ..registry import Request
 from ._implementations import kernel_registry
-from ._problem import canonicalize_delta, check_beta
+from ._problem import canonicalize_delta, check_beta, check_update
 from ._step import delta_token_one_pass
 
 _STATIC = ("softmax_scale", "qk_l2norm", "implementation", "precision", "allow_positive_gates")
@@ -46,7 +46,13 @@ def delta_rule(
       `[total_tokens, ...]` / `[1, total_tokens, ...]` with `cu_seqlens`.
     - `value`: `[batch, seq_len, num_heads, v_head_dim]`, `num_qk_heads` dividing `num_heads`
       (value head h reads query/key head `h // (num_heads // num_qk_heads)`).
-    - `beta`: the write strength `[batch, seq_len, num_heads]`, in [0, 2].
+    - `beta`: the write strength `[batch, seq_len, num_heads]`, in [0, 2]. The update is
+      stable while β‖k‖² ≤ 2 (I − β k kᵀ then has no eigenvalue below −1): keys of norm ≤ 1,
+      as `qk_l2norm=True` makes them. Beyond it the state can grow without bound (256 tokens of
+      Gaussian keys without `qk_l2norm` gave outputs near 5e17): concrete keys and
+      β that reach it raise `recurrax.delta.ExpansiveUpdateWarning` (turn it into an error
+      with `warnings.simplefilter("error", ExpansiveUpdateWarning)`); traced ones are checked
+      under `recurrax.runtime_checks()`.
     - `g`: log decay per head `[batch, seq_len, num_heads]` (a per-channel `g`
       `[..., qk_head_dim]` is taken as `gk`).
     - `gk`: log decay per key channel `[batch, seq_len, num_heads, qk_head_dim]`.
@@ -71,8 +77,12 @@ def delta_rule(
     its backward (one stored state per chunk), `pallas_tpu` through its backward kernel (one
     state per chunk recomputed by the forward kernel), `scan` and `reference` through JAX's
     autodiff.
-    Non-finite inputs are not guarded: a NaN or infinity propagates (a log decay of −inf, a
-    hard reset, is exact).
+    Non-finite inputs are causal, as for `recurrent`: a NaN or infinity in the query, key,
+    value, β or gate of token t, or in the output cotangent, makes NaN exactly the outputs and
+    gradients the token loop's own autodiff makes non-finite, per token and head (never the
+    outputs of earlier tokens, other rows or other packed sequences), in every implementation;
+    the rule is tabled in `recurrax/delta/_finite.py`. A log decay of −inf is a hard reset,
+    finite (as −1e4).
 
     **Returns:** `(output, final_state)`: `output` shaped like `value` (per value head), in the
     query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32
@@ -83,6 +93,7 @@ def delta_rule(
                          allow_positive_gates=allow_positive_gates)
     check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
     check_beta(beta)
+    check_update(key, beta, qk_l2norm)
     return output
 
 
@@ -142,6 +153,7 @@ def delta_rule_step(
     output = _delta_rule_step(*arrays, state, softmax_scale, qk_l2norm, allow_positive_gates=allow_positive_gates)
     check_values({"g": g, "gk": gk}, None, None, allow_positive_gates)
     check_beta(beta)
+    check_update(key, beta, qk_l2norm)
     return output
 
 

@@ -41,6 +41,11 @@ h ↦ N_p (a reset) with no special case. A sequence's final state, M h_p + N, l
 shard holding its last token; one psum over the sequence axis collects them (S·H·K·V
 numbers, again no T). An empty sequence keeps its initial state.
 
+Non-finite inputs (`_finite`): each shard runs on its block cleaned (non-finite token entries
+and output cotangents read as 0), so no NaN enters a transfer, and marks NaN what the token
+loop makes non-finite, its first tainted and last adjoint-tainted positions reduced over the
+sequence axis (a `pmin` and a `pmax` of [rows or S, H] integers).
+
 The backward is JAX's autodiff through `shard_map`, as for `recurrax.parallel.recurrent`:
 the all-gather transposes to a reduce-scatter of the same size, and the local algorithm's
 own backward runs once per shard on the widened state (its memory grows by the factor
@@ -50,6 +55,7 @@ own backward runs once per shard on the widened state (its memory grows by the f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -58,14 +64,16 @@ from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Float, Int
 
 from .._eager import cached_when_eager
+from .._finite import clean_cotangent
 from .._matmul_precision import matmul_precision, resolve
 from ..chunk._intra import dot
 from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map, head_axis_splits
 from ..problem import check_values
 from ..registry import Request
 from ._api import _packed_tokens
+from ._finite import cleaned, guarded
 from ._implementations import kernel_registry
-from ._problem import DeltaProblem, canonicalize_delta, check_beta
+from ._problem import DeltaProblem, canonicalize_delta, check_beta, check_update
 
 __all__ = ["delta_rule"]
 
@@ -170,10 +178,18 @@ def _packed_shard(plan: DeltaPlan, problem: DeltaProblem, shard: Int[Array, ""],
 
 
 def _shard(plan: DeltaPlan, problem: DeltaProblem, dtype):
-    """The body run on every device of the mesh, on its own block of the canonical problem."""
+    """The body run on every device of the mesh, on its own block of the canonical problem:
+    the cleaned problem's results, marked NaN where the token loop's are (`_finite`)."""
+    return guarded(functools.partial(_cleaned_shard, plan, dtype), problem, plan.axes.sequence)
+
+
+def _cleaned_shard(plan: DeltaPlan, dtype, problem: DeltaProblem):
+    """The shard on the cleaned problem, its output cotangent cleaned: no non-finite value
+    enters the transfers, so none reaches another shard through them."""
     shard = jax.lax.axis_index(plan.axes.sequence)
     body = _dense_shard if problem.cu_seqlens is None else _packed_shard
-    return body(plan, problem, shard, dtype)
+    output, final_state = body(plan, cleaned(problem), shard, dtype)
+    return clean_cotangent(output), final_state
 
 
 def _specs(problem: DeltaProblem, axes: MeshAxes) -> tuple[DeltaProblem, tuple[Spec, Spec]]:
@@ -271,6 +287,7 @@ def delta_rule(
                       allow_positive_gates=allow_positive_gates)
     check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
     check_beta(beta)
+    check_update(key, beta, qk_l2norm)
     return output
 
 

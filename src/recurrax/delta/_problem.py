@@ -17,8 +17,12 @@ query and key at the interface. What leaves this module is a `DeltaProblem`:
 | initial_state    | [R, H, K, V]    | state dtype              | R = B, or S sequences when packed        |
 | cu_seqlens       | [S + 1]         | int32, or None           | packed input: then B == 1                |
 
-The state dtype is float32, or float64 for float64 inputs. Non-finite inputs are not guarded
-(unlike `recurrent`'s hard-reset handling): a NaN or infinity anywhere propagates.
+The state dtype is float32, or float64 for float64 inputs. Non-finite inputs are guarded as
+`recurrent`'s are (`_finite`): their effect is causal, a NaN β included.
+
+Stability: with β‖k‖² ≤ 2 for every token (unit keys, `qk_l2norm`, and β ∈ [0, 2]) the update
+I − β k kᵀ is non-expansive; above it the state can grow without bound. `check_update` warns
+for concrete arguments, `runtime_checks()` checks traced ones.
 """
 
 from __future__ import annotations
@@ -103,11 +107,16 @@ def l2_normalised(x: Array) -> Array:
 
 
 def check_beta(beta: object) -> None:
-    """Refuse a concrete `beta` with a value outside [0, 2] (traced ones: `runtime_checks`)."""
+    """Refuse a concrete `beta` with a value outside [0, 2] (traced ones: `runtime_checks`).
+
+    A NaN is not out of range: like a NaN in any input it is a non-finite value, whose effect
+    stays causal (`_finite`); the range is judged on the other values."""
     if not (_concrete(beta) and jnp.issubdtype(beta.dtype, jnp.floating) and np.size(beta)):
         return
     values = np.asarray(beta, np.float64)
-    low, high = float(np.min(values)), float(np.max(values))
+    if np.isnan(values).all():
+        return
+    low, high = float(np.nanmin(values)), float(np.nanmax(values))
     if low < BETA_RANGE[0] or high > BETA_RANGE[1]:
         raise ValueError(f"beta must lie in [0, 2] (the write strength), got values in [{low:.6g}, {high:.6g}]")
 
@@ -116,8 +125,57 @@ def _runtime_check_beta(beta: Array) -> None:
     from jax.experimental import checkify
 
     if isinstance(beta, jax.core.Tracer):
-        low, high = jnp.min(beta), jnp.max(beta)
-        checkify.check((low >= 0) & (high <= 2), "beta must lie in [0, 2], got values in [{}, {}]", low, high)
+        low, high = jnp.nanmin(beta), jnp.nanmax(beta)
+        ok = ~(low < BETA_RANGE[0]) & ~(high > BETA_RANGE[1])  # all NaN: nothing out of range
+        checkify.check(ok, "beta must lie in [0, 2], got values in [{}, {}]", low, high)
+
+
+CONTRACTION_BOUND = 2.0
+"""β‖k‖² above this makes the update expansive: I − β k kᵀ has the eigenvalue 1 − β‖k‖² < −1
+along k, and a state with a component along k grows (`check_update`)."""
+
+
+class ExpansiveUpdateWarning(RuntimeWarning):
+    """The keys and β of a `delta_rule` call make the state update expansive (β‖k‖² > 2)."""
+
+
+def largest_write(key: Array, beta: Array) -> Array:
+    """max over tokens and heads of β‖k‖², query/key heads shared by groups of value heads
+    (key [..., Hqk, K] and beta [..., H] with the same leading axes); NaNs ignored."""
+    squared = jnp.sum(jnp.square(key.astype(beta.dtype)), axis=-1)  # [..., Hqk]
+    groups = beta.shape[-1] // squared.shape[-1]
+    return jnp.nanmax(beta.reshape(*beta.shape[:-1], squared.shape[-1], groups) * squared[..., None])
+
+
+def _expansive_message(largest) -> str:
+    return (f"beta·‖key‖² reaches {largest:.6g} > 2: the delta rule's update I − β k kᵀ is then expansive "
+            "and the state can grow without bound. Normalise the keys (qk_l2norm=True, or scale them to "
+            "norm ≤ 1 as the models do) or keep β‖k‖² ≤ 2")
+
+
+def check_update(key: object, beta: object, qk_l2norm: bool) -> None:
+    """Warn (`ExpansiveUpdateWarning`) when concrete keys and β make the update expansive,
+    β‖k‖² > 2 for some token; one reduction on the device and one number read back. With
+    `qk_l2norm` the keys have norm ≤ 1 and β ≤ 2: nothing to check. Traced values are checked
+    under `recurrax.runtime_checks()`, as an error."""
+    if qk_l2norm or not (_concrete(key) and _concrete(beta)) or not (np.size(key) and np.size(beta)):
+        return
+    with jax.ensure_compile_time_eval():  # concrete arrays met while tracing a caller: eager
+        largest = float(largest_write(jnp.asarray(key), jnp.asarray(beta)))
+    if largest > CONTRACTION_BOUND:
+        import warnings
+
+        warnings.warn(_expansive_message(largest), ExpansiveUpdateWarning, stacklevel=3)
+
+
+def _runtime_check_update(key: Array, beta: Array) -> None:
+    from jax.experimental import checkify
+
+    if isinstance(key, jax.core.Tracer) or isinstance(beta, jax.core.Tracer):
+        largest = largest_write(key, beta)
+        checkify.check(~(largest > CONTRACTION_BOUND),
+                       "beta·‖key‖² reaches {} > 2: the delta rule's update is expansive (use qk_l2norm=True or "
+                       "keys of norm ≤ 1)", largest)
 
 
 def _same_heads(query: object, key: object) -> None:
@@ -144,6 +202,8 @@ def canonicalize_delta(
     check_beta(beta)
     if runtime_checks_enabled():
         _runtime_check_beta(beta)
+        if not qk_l2norm:
+            _runtime_check_update(problem.key, _opaque(beta))
     if not isinstance(qk_l2norm, (bool, np.bool_)):
         _fail("qk_l2norm", "a Python bool (static configuration)", type(qk_l2norm).__name__, TypeError)
     q, k = problem.query, problem.key

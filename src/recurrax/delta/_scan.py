@@ -22,8 +22,10 @@ O(T·K·V). Padding tokens (q = k = v = 0, β = 0, a = 0) leave the state as it 
 
 Packed final states: sequence s's state after e_s is the scan's state only when e_s closes its
 block. So the block holding e_s is run once more from its entry state, with every token after
-e_s made a no-op (β = 0, a = 0, no reset); an empty sequence keeps its initial state. That is
-S extra blocks of work, and no [S, H, K, V] carry threaded through every token.
+e_s made a no-op (q = k = v = 0, β = 0, a = 0, no reset); an empty sequence keeps its initial
+state. That is S extra blocks of work, and no [S, H, K, V] carry threaded through every token;
+the reruns go max(1, N / C²) sequences at a time, each checkpointed, so their backward holds
+about as many states as the scan's N / C entry states, not S·C.
 """
 
 from __future__ import annotations
@@ -93,11 +95,13 @@ def _block(scale: float, init: Array, state: Array, block: Tokens):
 
 
 def _up_to(block: Tokens, last: Int[Array, ""]) -> Tokens:
-    """The block with every token after position `last` a no-op."""
+    """The block with every token after position `last` a no-op: q = k = v = 0, β = 0, a = 0
+    (selected, not multiplied: a NaN there must not reach the earlier sequence's state)."""
     keep = jnp.arange(block.seq.shape[0]) <= last
-    beta = jnp.where(keep[:, None, None], block.beta, 0)
-    a = None if block.log_decay is None else jnp.where(keep[:, None, None, None], block.log_decay, 0)
-    return block._replace(beta=beta, log_decay=a, start=block.start & keep)
+    kept = lambda x: None if x is None else jnp.where(keep.reshape(-1, *[1] * (x.ndim - 1)), x, 0)  # noqa: E731
+    arrays = (block.query, block.key, block.value, block.beta, block.log_decay)
+    return block._replace(**dict(zip(("query", "key", "value", "beta", "log_decay"), map(kept, arrays))),
+                          start=block.start & keep)
 
 
 def _packed_finals(scale, init, entries, tokens: Tokens, cu_seqlens, C: int):
@@ -111,7 +115,10 @@ def _packed_finals(scale, init, entries, tokens: Tokens, cu_seqlens, C: int):
         block = jax.tree.map(lambda x: x[n], tokens)
         return _block(scale, init, entries[n], _up_to(block, token_index % C))[0][0]
 
-    finals = jax.vmap(final)(index)
+    # a few sequences at a time, each rerun checkpointed: its backward holds batch·C states,
+    # about the N / C entry states the scan keeps anyway (all S at once: S·C states)
+    batch = max(1, tokens.seq.size // (C * C))
+    finals = jax.lax.map(jax.checkpoint(final), index, batch_size=min(batch, index.shape[0]))
     return jnp.where(empty[:, None, None, None], init, finals)
 
 

@@ -24,6 +24,10 @@ as the `recurrent` kernels' backward reads them), then the backward kernel, whic
 every gradient, the per-token log decay's included (`kernels/tpu/_delta_backward.py`). The
 rest (repeated heads, the decay's floor and sum, padding, the packed layout, `qk_l2norm`
 before the problem reaches the kernel) is JAX's autodiff around it.
+
+**Non-finite inputs** (`recurrax.delta._finite`): inside the custom VJP the operands are read
+with their non-finite entries (β's and the output cotangent's included) as 0 and a NaN or +inf
+gate as 0; `_finite.guarded` around the whole marks NaN what depends on them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import varlen
+from .._finite import clean_gate, clean_tokens
 from ..problem import Gate
 from ._driver import STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, vary_alike, vary_over, varying_axes
 
@@ -82,6 +87,12 @@ def _floored(g):
     return None if g is None else jnp.maximum(g.astype(F32), STRONGEST_DECAY)
 
 
+def _operands(q, k, v, beta, g):
+    """The kernels' operands cleaned (`recurrax.delta._finite`: non-finite token entries and
+    β read as 0, a NaN or +inf gate as 0) inside the custom VJP, so gradients pass as they are."""
+    return (*map(clean_tokens, (q, k, v, beta)), None if g is None else jnp.maximum(clean_gate(g), STRONGEST_DECAY))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _delta_chunk(call: DeltaKernelCall, q, k, v, beta, g, h0, table, empty):
     """(o [B, Tp, H, V], h_T [R, H, K, V]) of padded arrays (heads expanded, `g` the floored
@@ -95,7 +106,8 @@ def _local(g, call: DeltaKernelCall):
 
 
 def _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty):
-    o, h_T = call.forward(q, k, v, beta, _local(g, call), h0, table, static=call.static)
+    cq, ck, cv, c_beta, cg = _operands(q, k, v, beta, g)
+    o, h_T = call.forward(cq, ck, cv, c_beta, _local(cg, call), h0, table, static=call.static)
     if empty is not None:
         h_T = jnp.where(empty[:, None, None, None], h0, h_T)
     return (o, h_T), (q, k, v, beta, g, h0, table, empty)
@@ -104,10 +116,13 @@ def _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty):
 def _delta_chunk_bwd(call, residuals, cotangents):
     q, k, v, beta, g, h0, table, empty = residuals
     do, dh_T = cotangents
-    a = _local(g, call)
-    _, states = call.forward(q, k, v, beta, a, h0, table, static=call.static, emit_output=False, emit_states=True)
+    cq, ck, cv, c_beta, cg = _operands(q, k, v, beta, g)
+    a = _local(cg, call)
+    _, states = call.forward(cq, ck, cv, c_beta, a, h0, table, static=call.static, emit_output=False,
+                             emit_states=True)
     dh_T = dh_T.astype(F32)
-    grads = call.backward(q, k, v, beta, a, do.astype(q.dtype), states, dh_T, table, static=call.static)
+    grads = call.backward(cq, ck, cv, c_beta, a, clean_tokens(do).astype(q.dtype), states, dh_T, table,
+                          static=call.static)
     dq, dk, dv, d_beta, dg, dh0 = vary_over(varying_axes(q, k, v, beta, g, h0, do, dh_T), *grads)
     if empty is not None:
         dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
@@ -153,7 +168,13 @@ def delta_kernel(problem, *, scale: float, forward: Callable, backward: Callable
       (`DeltaKernelCall`); `tiles`: its tiles.
     - `interpret`: run the kernels in the backend's interpret mode.
     """
+    from ..delta._finite import guarded  # here: recurrax.delta imports these kernels
+
     gate = Gate.KEY if problem.log_decay_key is not None else Gate.HEAD if problem.log_decay_head is not None else None
     call = DeltaKernelCall(forward, backward, KernelConfig(float(scale), gate, bool(interpret), tiles))
+    return guarded(functools.partial(_delta_kernel, call), problem)
+
+
+def _delta_kernel(call: DeltaKernelCall, problem):
     o, h_T = _run_kernel(call, *problem)
     return o.astype(problem.query.dtype), h_T.astype(problem.state_dtype)
