@@ -122,11 +122,12 @@ def test_prompts_longer_than_a_prefill_chunk_are_prefilled_in_chunks(name):
 
 
 def test_saved_states_are_a_bounded_lru_keyed_by_the_tokens_consumed():
-    """Three conversations through a store of two states: the least recently used one is
-    evicted (its next turn is prefilled whole), the others continue; a prompt equal to a key
-    (nothing left to feed) is prefilled whole."""
+    """Three conversations through a store of four states (each sequence keeps two: after its
+    prompt, after its output): the least recently used are overwritten (a conversation whose
+    states are gone is prefilled whole), the others continue; a prompt equal to a key (nothing
+    left to feed) is prefilled whole."""
     model = model_of("gla")
-    pool = DecodePool(model, 2, 1, saved_states=2)
+    pool = DecodePool(model, 2, 1, saved_states=4)
 
     def cost(prompt, n=3):
         before = pool.prefilled_tokens
@@ -135,15 +136,28 @@ def test_saved_states_are_a_bounded_lru_keyed_by_the_tokens_consumed():
         return tokens, pool.prefilled_tokens - before
 
     a, b, c = [1, 2, 3], [4, 5, 6, 7], [8, 9]
-    outputs = dict(zip("ab", drive(pool, [a, b], 3)))  # kept: a, b (used last)
-    cost(c)                                           # kept: b, c
+    outputs = dict(zip("ab", drive(pool, [a, b], 3)))  # kept: a, b, a's and b's outputs
+    cost(c)                                           # kept: a's and b's outputs, c, c's output
     b_next = b + outputs["b"] + [10]
-    b_reply, fed = cost(b_next)                       # kept: b, then b_next's state
+    b_reply, fed = cost(b_next)                       # kept: c's output, b's output, b_next, its output
     assert fed == 2
     a_next = a + outputs["a"] + [10]
-    assert cost(a_next)[1] == len(a_next)             # a's state was evicted by c's
-    key = b_next + b_reply[:-1]                       # b_next's state's key, still kept
+    assert cost(a_next)[1] == len(a_next)             # a's states were overwritten by c's
+    key = b_next + b_reply[:-1]                       # b_next's output state's key, still kept
     assert cost(key + [11])[1] == 1 and cost(key)[1] == len(key)
+
+
+def test_a_prompt_that_extends_an_earlier_prompt_but_not_its_output_continues_from_the_prompt():
+    """A chat client that sends the reply back as text encoded to other tokens: the state
+    after the previous prompt is kept too, so only the tokens after that prompt are fed."""
+    model = model_of("gla")
+    pool = DecodePool(model, 1, 1, saved_states=2)
+    first = [1, 2, 3, 4]
+    reply, = drive(pool, [first], 4)
+    other = first + [(t + 1) % VOCAB for t in reply] + [5, 6]
+    before = pool.prefilled_tokens
+    assert drive(pool, [other], 3) == [greedy_reference(model, other, 3)]
+    assert pool.prefilled_tokens - before == len(other) - len(first)
 
 
 def mapped_regions() -> int:

@@ -386,11 +386,13 @@ class DecodePool:
     slot's cache. Each call is padded to a power of two ≥ 64, so the compiled shapes are the
     `log2(prefill_chunk / 64) + 1` prefill lengths and one step, whatever the prompt lengths.
 
-    Saved states (`saved_states` > 0): `release` keeps the slot's cache (the state after every
-    token it consumed: its prompt and its output but the last token) in a store of
-    `saved_states` rows, keyed by those tokens, the least recently used evicted. A prompt that
-    extends a stored key starts from that state and prefills only the tokens after it
-    (a chat's next turn: the conversation so far is the key). `prefilled_tokens` counts the
+    Saved states (`saved_states` > 0): `admit` keeps each slot's cache after its prompt, and
+    `release` after its output (every token it consumed: its prompt and its output but the
+    last token, sampled and not fed), in a store of `saved_states` rows keyed by those
+    tokens, the least recently used overwritten. A prompt that extends a stored key starts
+    from that state and prefills only the tokens after it: a chat's next turn (the
+    conversation so far, with the reply as generated; or, where the reply's text encodes to
+    other tokens, the previous prompt) costs its new tokens. `prefilled_tokens` counts the
     tokens fed to prefills.
 
     **Arguments:**
@@ -461,6 +463,8 @@ class DecodePool:
                 starts[i] += len(part)
         for i, slot in enumerate(targets):
             self._pending[slot] = first[i]
+            if self._saved is not None:
+                self._saved.save(self._pool, slot, prompts[i])
         return [(slot, first[i]) for i, slot in enumerate(targets)]
 
     def step(self) -> list[tuple[int, int]]:
