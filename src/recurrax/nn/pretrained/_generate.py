@@ -4,20 +4,29 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
 | symbol | meaning                                                          |
 |--------|------------------------------------------------------------------|
 | P      | cache slots (sequences decoded together)                         |
-| N      | tokens of one packed prefill, padded up to a bucket ≥ 64         |
+| N      | tokens of one packed prefill: 64, 128, … ≤ `prefill_chunk`       |
 | L      | attention capacity: longest prompt + max_new_tokens, bucketed    |
 
     loop:
-      admit: up to (free slots) queued prompts → one packed prefill (cu_seqlens) → their
-             caches go into free slots, their first new tokens are sampled
+      admit: up to (free slots) queued prompts → packed prefills (cu_seqlens) of at most
+             `prefill_chunk` tokens (a longer prompt continues from its slot in the next)
+             → their caches go into free slots, their first new tokens are sampled
       step:  all P slots advance one token (finished or empty slots compute and are ignored)
       a sequence ends at a stop token or after max_new_tokens; its slot is free again
 
 Every compiled function has a fixed shape: the prefill takes P sequences (the unused ones
 empty) plus one padding sequence that absorbs the padding tokens, and the decode step always
 runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed), i), j)`,
-so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
-buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
+so results do not depend on the number of slots or on scheduling. A prefill's length is a
+power of two from 64 to `prefill_chunk` (2048): however many prompt lengths a long-lived
+process sees, the prefill compiles at most 6 programs per pool shape (XLA's CPU JIT keeps
+every compiled program mapped, so unbounded shapes would exhaust `vm.max_map_count`); the
+attention capacity is rounded up to buckets of 8 per octave (at most 1/8 more than needed).
+
+A `DecodePool` with `saved_states` keeps released caches keyed by the tokens they consumed;
+a prompt that extends one prefills only its new tokens. `GenerationSession` keeps such a
+pool between calls (a chat's turns; `recurrax generate --chat`), `recurrax serve` one for
+all requests.
 
 `DecodePool` holds the loop's state (the pool, which slot holds what, each slot's sampling
 settings and seed as arrays `[P]`, so one compiled step serves slots sampled differently);
