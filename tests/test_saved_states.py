@@ -111,7 +111,8 @@ def drive(pool, prompts, n):
 @pytest.mark.parametrize("name", ["gla", "hybrid"])
 def test_prompts_longer_than_a_prefill_chunk_are_prefilled_in_chunks(name):
     """Two prompts of 100 and 40 tokens, at most 64 a call (three calls: one prompt split
-    over two, the other starting in the second call's room), and one of 150 alone."""
+    over two, the other starting in the second call's room; with a repetition penalty, each
+    row's seen tokens are its own prompt's), and one of 150 alone."""
     model = model_of(name)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, VOCAB, n)) for n in (100, 40, 150)]
@@ -119,6 +120,9 @@ def test_prompts_longer_than_a_prefill_chunk_are_prefilled_in_chunks(name):
     assert drive(pool, prompts[:2], 4) == [greedy_reference(model, p, 4) for p in prompts[:2]]
     assert drive(pool, prompts[2:], 4) == [greedy_reference(model, prompts[2], 4)]
     assert pool.prefilled_tokens == 290
+    penalised = DecodePool(model, 2, 160, prefill_chunk=64, repetition_penalty=1.8)
+    assert drive(penalised, prompts[:2], 4) == [greedy_reference(model, p, 4, repetition_penalty=1.8)
+                                                for p in prompts[:2]]
 
 
 def test_saved_states_are_a_bounded_lru_keyed_by_the_tokens_consumed():

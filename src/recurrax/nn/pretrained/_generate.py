@@ -344,7 +344,8 @@ class GenerationSession:
         """The kept pool, or a new one where it holds too few positions for this call or its
         repetition penalty differs."""
         pool, needed = self._pool, prompt_length + max_new_tokens
-        if pool is not None and self._penalty == repetition_penalty and (pool.capacity == 1 or pool.capacity >= needed):
+        fits = pool is not None and (pool.capacity == 1 or pool.capacity >= needed)
+        if fits and self._penalty == repetition_penalty:
             return pool
         capacity = _checked_capacity(self.model, 1, prompt_length, max_new_tokens, max_cache_bytes)
         if pool is not None:
@@ -454,22 +455,21 @@ class DecodePool:
             self._settings.set(slot, options, self.vocab_size)
             self.occupied[slot], self._counts[slot] = True, 1
             self._consumed[slot] = prompt
-        seen = self._prompts_seen(prompts, targets)
         first = {}
-        for rows in _chunks([p[s:] for p, s in zip(prompts, starts)], starts, packed_length or self.prefill_chunk):
-            parts = [part for _, part, _ in rows]
-            tokens, cu_seqlens, target = _pack(parts, [targets[i] for i, _, _ in rows], self.slots, packed_length)
+        remaining = [prompt[start:] for prompt, start in zip(prompts, starts)]
+        for rows in _chunks(remaining, [start > 0 for start in starts], packed_length or self.prefill_chunk):
+            order = [i for i, _, _, _ in rows]
+            parts = [part for _, part, _, _ in rows]
+            tokens, cu_seqlens, target = _pack(parts, [targets[i] for i in order], self.slots, packed_length)
             continues = np.zeros(self.slots, bool)
-            continues[: len(rows)] = [started for _, _, started in rows]
+            continues[: len(rows)] = [continued for _, _, continued, _ in rows]
             sampled, self._pool, self._penalty = self._admit(
                 self._params, self._pool, tokens, cu_seqlens, target, jnp.asarray(continues),
-                self._settings.arrays(), self._penalty, seen, **self._static)
+                self._settings.arrays(), self._penalty, self._prompts_seen([prompts[i] for i in order]),
+                **self._static)
             self.prefilled_tokens += sum(map(len, parts))
             sampled = np.asarray(sampled)
-            for row, (i, part, _) in enumerate(rows):
-                if starts[i] + len(part) == len(prompts[i]):
-                    first[i] = int(sampled[row])
-                starts[i] += len(part)
+            first.update((i, int(sampled[row])) for row, (i, _, _, last) in enumerate(rows) if last)
         for i, slot in enumerate(targets):
             self._pending[slot] = first[i]
             if self._saved is not None:
@@ -516,8 +516,9 @@ class DecodePool:
             self._pool = _copy_rows(self._pool, self._saved.store, jnp.asarray(into), jnp.asarray(rows))
         return starts
 
-    def _prompts_seen(self, prompts: list[list[int]], targets: list[int]):
-        """With a repetition penalty, `[P, vocab]`: the tokens of each packed row's whole prompt."""
+    def _prompts_seen(self, prompts: list[list[int]]):
+        """With a repetition penalty, `[P, vocab]`: the tokens of each packed row's whole
+        prompt (`prompts`, in the rows' order)."""
         if self._penalty is None:
             return None
         seen = np.zeros((self.slots, self.vocab_size), bool)
@@ -526,23 +527,24 @@ class DecodePool:
         return jnp.asarray(seen)
 
 
-def _chunks(parts: list[list[int]], starts: list[int], limit: int) -> Iterator[list[tuple[int, list[int], bool]]]:
-    """The packed prefill calls that feed `parts` (each prompt's tokens to prefill) at most
-    `limit` tokens at a time, in order: rows `(prompt index, tokens, continues)`, `continues`
-    when the prompt's cache already holds tokens (a saved state or an earlier call)."""
+def _chunks(parts: list[list[int]], kept: list[bool], limit: int) -> Iterator[list[tuple[int, list[int], bool, bool]]]:
+    """The packed prefill calls that feed `parts` (each prompt's tokens to prefill), at most
+    `limit` tokens a call, in order: rows `(prompt index, tokens, continues, last)`;
+    `continues` where the prompt's cache holds tokens already (`kept`: a saved state; or an
+    earlier call), `last` where these are the prompt's last tokens."""
     fed = [0] * len(parts)
     pending = deque(range(len(parts)))
     while pending:
         rows, room = [], limit
-        for i in list(pending):
-            if room == 0:
-                break
+        while pending and room:
+            i = pending[0]
             take = parts[i][fed[i]: fed[i] + room]
-            rows.append((i, take, starts[i] + fed[i] > 0))
+            continues = kept[i] or fed[i] > 0
             fed[i] += len(take)
             room -= len(take)
             if fed[i] == len(parts[i]):
-                pending.remove(i)
+                pending.popleft()
+            rows.append((i, take, continues, fed[i] == len(parts[i])))
         yield rows
 
 
