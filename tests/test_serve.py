@@ -144,13 +144,19 @@ def tokenizer(directory):
     return load_tokenizer(directory)
 
 
+def idle(health: dict) -> bool:
+    """/health of a server with nothing running or waiting (its other counts aside)."""
+    return {k: health[k] for k in ("status", "slots", "running", "waiting")} == dict(
+        status="ok", slots=SLOTS, running=0, waiting=0)
+
+
 def chat_ids(directory, messages):
     return load_tokenizer(directory).apply_chat_template(messages, tokenize=True)
 
 
 def test_models_lists_the_served_model(server):
     assert [m.id for m in server.client().models.list().data] == [server.model]
-    assert server.health() == {"status": "ok", "slots": SLOTS, "running": 0, "waiting": 0}
+    assert idle(server.health())
 
 
 def test_completion_equals_offline_greedy(server, offline, tokenizer):
@@ -189,6 +195,23 @@ def test_chat_equals_offline_streamed_and_not(server, offline, directory):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_a_chats_next_turn_prefills_only_what_follows_the_kept_conversation(server, offline, directory):
+    """Turn 2 sends turn 1's messages, its reply and a new message: the engine continues a
+    state it kept (after turn 1's prompt, or after its reply where the reply's text encodes to
+    the tokens generated), so it prefills at most the tokens after turn 1's prompt (/health's
+    count); the reply equals the offline one for the whole conversation."""
+    turn = [{"role": "user", "content": "Once upon a time"}]
+    client = server.client()
+    first = client.chat.completions.create(model=server.model, messages=turn, max_tokens=8, temperature=0)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "The state stays"}]
+    ids, before = chat_ids(directory, turn), server.health()["prefilled_tokens"]
+    second = client.chat.completions.create(model=server.model, messages=turn, max_tokens=8, temperature=0)
+    fed = server.health()["prefilled_tokens"] - before
+    assert second.choices[0].message.content == offline(ids, 8)
+    assert 0 < fed <= len(ids) - len(chat_ids(directory, turn[:1]))
 
 
 def test_seeded_sampling_equals_offline(server, offline):
@@ -324,7 +347,7 @@ def test_a_full_queue_is_429(server):
     assert health["running"] + health["waiting"] == accepted and health["waiting"] <= MAX_QUEUE
     assert response.status_code == 429
     assert error["error"]["code"] == "queue_full" and "--max-queue" in error["error"]["message"]
-    assert wait_until(lambda: server.health() == {"status": "ok", "slots": SLOTS, "running": 0, "waiting": 0})
+    assert wait_until(lambda: idle(server.health()))
 
 
 @pytest.mark.parametrize("fields, param", [

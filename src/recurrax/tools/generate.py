@@ -8,8 +8,14 @@
 Greedy unless `--temperature` is above 0. Without `--prompt`, the prompt (or with `--chat`
 the conversation: a JSON list of messages, or plain text as one user message) is read from
 stdin; with `--chat` and a terminal, it is an interactive chat (an empty line or end of input
-ends it). The load time and, for each reply, the time to its first token and the tokens/s
-after it go to stderr.
+ends it). The load time and, for each reply, the time to its first token, the tokens/s
+after it and the prompt tokens prefilled go to stderr.
+
+An interactive chat keeps the model's state between turns (a `GenerationSession`): a turn
+prefills only its new tokens (the end of the reply, the user's message, the template's
+markup), not the whole conversation, and compiles nothing new (prefills are chunked to fixed
+lengths). A checkpoint directory, chat template or missing package that fails at start-up
+ends the command with one line on stderr (status 1), not a traceback.
 """
 
 from __future__ import annotations
@@ -49,25 +55,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from recurrax.nn.pretrained import from_pretrained, load_tokenizer
-
     start = time.perf_counter()
     try:
+        from recurrax.nn.pretrained import GenerationSession, from_pretrained, load_tokenizer
+
         tokenizer = load_tokenizer(args.model)
         model = from_pretrained(args.model)
-    except (OSError, ValueError, TypeError) as error:
-        print(f"recurrax generate: {error}", file=sys.stderr)
-        return 1
+    except startup_errors() as error:
+        return _failed(error, args.model)
     print(f"loaded {args.model} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
-    if args.chat and args.prompt is None and sys.stdin.isatty():
-        return _interactive(model, tokenizer, args)
+    session = GenerationSession(model)
     try:
+        if args.chat and args.prompt is None and sys.stdin.isatty():
+            return _interactive(model, tokenizer, session, args)
         prompt = _prompt(tokenizer, args)
-    except (ValueError, TypeError) as error:
-        print(f"recurrax generate: {error}", file=sys.stderr)
-        return 1
-    _reply(model, tokenizer, prompt, args)
+    except startup_errors() as error:
+        return _failed(error, args.model)
+    _reply(model, tokenizer, session, prompt, args)
     return 0
+
+
+def startup_errors() -> tuple[type[BaseException], ...]:
+    """What a bad checkpoint directory, chat template or missing package raises while the
+    command starts: each ends it with one line on stderr, not a traceback."""
+    errors: list[type[BaseException]] = [ImportError, OSError, ValueError, TypeError, KeyError]
+    for module, name in (("safetensors", "SafetensorError"), ("jinja2", "TemplateError")):
+        try:
+            errors.append(getattr(__import__(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _failed(error: BaseException, model: str) -> int:
+    """One line on stderr for `error` (with the directory and its type where the message of a
+    library's own error would not say them); status 1."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not isinstance(error, (ImportError, OSError, ValueError)):
+        message = f"{model}: {type(error).__name__}: {message}"
+    print(f"recurrax generate: {message}", file=sys.stderr)
+    return 1
 
 
 def _prompt(tokenizer, args) -> str | list[int]:
@@ -95,9 +122,12 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     return messages if system is None else [{"role": "system", "content": system}, *messages]
 
 
-def _interactive(model, tokenizer, args) -> int:
-    """A chat at the terminal; the conversation so far goes into each prompt."""
-    messages = _with_system([], args.system)
+def _interactive(model, tokenizer, session, args) -> int:
+    """A chat at the terminal: each turn continues the session's state of the conversation so
+    far (see `Conversation`)."""
+    from recurrax.nn.pretrained import end_of_sequence_ids
+
+    conversation = Conversation(tokenizer, args.system, end_of_sequence_ids(model, tokenizer))
     while True:
         try:
             line = input("> ")
@@ -105,26 +135,63 @@ def _interactive(model, tokenizer, args) -> int:
             return 0
         if not line.strip():
             return 0
-        messages.append({"role": "user", "content": line})
-        reply = _reply(model, tokenizer, tokenizer.apply_chat_template(messages, tokenize=True), args)
-        messages.append({"role": "assistant", "content": reply})
+        stream = _reply(model, tokenizer, session, conversation.prompt(line), args)
+        conversation.add_reply(stream)
 
 
-def _reply(model, tokenizer, prompt, args) -> str:
-    """Stream the continuation of `prompt` to stdout; its speed to stderr. Returns its text."""
+class Conversation:
+    """A chat's messages and the ids the model has consumed for them. The next turn's prompt
+    is the template's rendering of the whole conversation; where it starts with the previous
+    rendering and the reply (as it does for templates that only append), its ids are the
+    previous ones, the reply's tokens as generated and the rest encoded: it extends what the
+    session consumed, so only the new tokens are prefilled. Where it does not (a template
+    that rewrites earlier text, a reply cut by a stop string), the rendering is encoded whole
+    (a full prefill)."""
+
+    def __init__(self, tokenizer, system: str | None, stop_tokens):
+        self.tokenizer, self.stop_tokens = tokenizer, set(stop_tokens)
+        self.messages = _with_system([], system)
+        self.text, self.ids = "", []  # the conversation rendered so far, and its ids
+
+    def prompt(self, line: str) -> list[int]:
+        """Add the user's `line`; the ids of the whole conversation, the reply to come last."""
+        self.messages.append({"role": "user", "content": line})
+        text = self.tokenizer.apply_chat_template(self.messages)
+        if self.ids and text.startswith(self.text):
+            self.ids = self.ids + self.tokenizer.encode(text[len(self.text):], add_special_tokens=False)
+        else:
+            self.ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.text = text
+        return self.ids
+
+    def add_reply(self, stream) -> None:
+        """Add the reply `stream` (a finished `TextStream`) as the assistant's message."""
+        self.messages.append({"role": "assistant", "content": stream.text})
+        tokens = list(stream.tokens)
+        if tokens and tokens[-1] in self.stop_tokens:
+            tokens.pop()
+        if self.tokenizer.decode(tokens) == stream.text:
+            self.text, self.ids = self.text + stream.text, self.ids + tokens
+        else:
+            self.text, self.ids = "", []
+
+
+def _reply(model, tokenizer, session, prompt, args):
+    """Stream the continuation of `prompt` to stdout; its speed to stderr. Returns the
+    finished `TextStream`."""
     from recurrax.nn.pretrained import stream_text
 
-    start = time.perf_counter()
+    start, prefilled = time.perf_counter(), session.prefilled_tokens
     stream = stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                         seed=args.seed, stop=args.stop)
+                         seed=args.seed, stop=args.stop, session=session)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(_speed(stream, start), file=sys.stderr)
-    return stream.text
+    print(f"{_speed(stream, start)}; {session.prefilled_tokens - prefilled} prompt tokens prefilled", file=sys.stderr)
+    return stream
 
 
 def _speed(stream, start: float) -> str:

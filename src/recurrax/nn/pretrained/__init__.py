@@ -19,7 +19,8 @@ from .._conv import CausalConv1d
 from ._chat_template import render_chat
 from ._checkpoint import from_pretrained, load_weights, save_pretrained, state_dict
 from ._config import SUPPORTED
-from ._generate import CachedLanguageModel, DecodePool, Sampling, cache_capacity, generate, generate_tokens
+from ._generate import (CachedLanguageModel, DecodePool, GenerationSession, Sampling, cache_capacity, generate,
+                        generate_tokens)
 from ._model import CausalLM, ModelCache
 from ._sampling import greedy_tokens, sample_tokens
 from ._sizes import SIZES, from_size, model_from_config, size_config
@@ -43,6 +44,7 @@ __all__ = [
     "CausalConv1d",
     "CausalLM",
     "DecodePool",
+    "GenerationSession",
     "GatedDeltaNet",
     "GatedLinearAttention",
     "HGRN2Attention",

@@ -4,20 +4,29 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
 | symbol | meaning                                                          |
 |--------|------------------------------------------------------------------|
 | P      | cache slots (sequences decoded together)                         |
-| N      | tokens of one packed prefill, padded up to a bucket ≥ 64         |
+| N      | tokens of one packed prefill: 64, 128, … ≤ `prefill_chunk`       |
 | L      | attention capacity: longest prompt + max_new_tokens, bucketed    |
 
     loop:
-      admit: up to (free slots) queued prompts → one packed prefill (cu_seqlens) → their
-             caches go into free slots, their first new tokens are sampled
+      admit: up to (free slots) queued prompts → packed prefills (cu_seqlens) of at most
+             `prefill_chunk` tokens (a longer prompt continues from its slot in the next)
+             → their caches go into free slots, their first new tokens are sampled
       step:  all P slots advance one token (finished or empty slots compute and are ignored)
       a sequence ends at a stop token or after max_new_tokens; its slot is free again
 
 Every compiled function has a fixed shape: the prefill takes P sequences (the unused ones
 empty) plus one padding sequence that absorbs the padding tokens, and the decode step always
 runs all P slots. Token j of prompt i is sampled with `fold_in(fold_in(key(seed), i), j)`,
-so results do not depend on the number of slots or on scheduling. Sizes are rounded up to
-buckets of 8 per octave (at most 1/8 more than needed, few recompilations).
+so results do not depend on the number of slots or on scheduling. A prefill's length is a
+power of two from 64 to `prefill_chunk` (2048): however many prompt lengths a long-lived
+process sees, the prefill compiles at most 6 programs per pool shape (XLA's CPU JIT keeps
+every compiled program mapped, so unbounded shapes would exhaust `vm.max_map_count`); the
+attention capacity is rounded up to buckets of 8 per octave (at most 1/8 more than needed).
+
+A `DecodePool` with `saved_states` keeps released caches keyed by the tokens they consumed;
+a prompt that extends one prefills only its new tokens. `GenerationSession` keeps such a
+pool between calls (a chat's turns; `recurrax generate --chat`), `recurrax serve` one for
+all requests.
 
 `DecodePool` holds the loop's state (the pool, which slot holds what, each slot's sampling
 settings and seed as arrays `[P]`, so one compiled step serves slots sampled differently);
@@ -58,7 +67,7 @@ prompt, the slot count and the bytes.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from functools import partial
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
@@ -77,6 +86,10 @@ from ...problem import runtime_checks_enabled
 from .._sharding import constrain
 from .._tokens import check_token_ids
 from ._sampling import penalize_repetitions, sample_tokens
+
+
+PREFILL_CHUNK = 2048
+"""`DecodePool`'s default most tokens per packed prefill."""
 
 
 @runtime_checkable
@@ -118,12 +131,6 @@ def check_protocol(model) -> None:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"generate needs a flax.nnx.Module (it splits the model into graph and parameters for "
                         f"jit); {type(model).__name__} is not one")
-
-
-def seen_in_prompts(tokens, cu_seqlens, rows: int, vocab: int):
-    """`[rows, vocab]`: which tokens each of the first `rows` packed sequences holds."""
-    sequence = jnp.searchsorted(cu_seqlens, jnp.arange(tokens.shape[0]), side="right") - 1
-    return jnp.zeros((rows, vocab), bool).at[sequence, tokens].set(True, mode="drop")
 
 
 def _keys(seeds, indices, counts):
@@ -215,6 +222,21 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
     """The checked prompts and the iterator of `(prompt index, token)` that decodes them."""
     check_protocol(model)
     prompts = _checked_prompts(prompts, model.vocab_size)
+    _check_int("num_slots", num_slots, 1, optional=True)
+    max_new_tokens, stops, sampling = _checked_options(
+        model, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens, max_cache_bytes=max_cache_bytes)
+    if max_new_tokens == 0 or not prompts:
+        return prompts, (event for event in ())  # a generator: it has close()
+    P = num_slots or min(len(prompts), 8)
+    longest = max(map(len, prompts))
+    capacity = _checked_capacity(model, P, longest, max_new_tokens, max_cache_bytes)
+    return prompts, _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty)
+
+
+def _checked_options(model, max_new_tokens, *, temperature, top_k, top_p, repetition_penalty, seed, stop_tokens,
+                     max_cache_bytes) -> tuple[int, set[int], Sampling]:
+    """`generate`'s options checked: `(max_new_tokens, stop ids, Sampling)`."""
     _check_int("max_new_tokens", max_new_tokens, 0)
     _check_number("temperature", temperature, 0.0)
     _check_int("top_k", top_k, 1, optional=True)
@@ -223,23 +245,22 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
     if repetition_penalty == 0:
         raise ValueError("repetition_penalty must be > 0 (1 or None for no penalty), got 0")
     _check_int("seed", seed)
-    _check_int("num_slots", num_slots, 1, optional=True)
     _check_int("max_cache_bytes", max_cache_bytes, 1, optional=True)
     if stop_tokens is None:
         stop_tokens = getattr(model, "eos_token_ids", ())
     stop_tokens = _checked_ids("stop_tokens", stop_tokens, model.vocab_size)
-    if max_new_tokens == 0 or not prompts:
-        return prompts, (event for event in ())  # a generator: it has close()
-    P = num_slots or min(len(prompts), 8)
-    longest = max(map(len, prompts))
+    top_k = model.vocab_size if top_k is None else min(top_k, model.vocab_size)  # fits int32
+    return max_new_tokens, set(stop_tokens), Sampling(temperature=temperature, top_k=top_k, top_p=top_p or 1.0,
+                                                      seed=seed)
+
+
+def _checked_capacity(model, slots: int, longest: int, max_new_tokens: int, max_cache_bytes: int | None) -> int:
+    """The attention capacity for prompts of up to `longest` tokens, checked to fit memory."""
     capacity = cache_capacity(model, longest + max_new_tokens)
     if runtime_checks_enabled() and capacity > 1:  # the checks see the padding sequence's positions too
-        capacity = max(capacity, bucket(P * longest, 64))
-    _check_cache_bytes(model, P, capacity, max_new_tokens, longest, max_cache_bytes)
-    top_k = model.vocab_size if top_k is None else min(top_k, model.vocab_size)  # fits int32
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p or 1.0, seed=seed)
-    return prompts, _events(model, prompts, max_new_tokens, set(stop_tokens), P, capacity, sampling,
-                            repetition_penalty)
+        capacity = max(capacity, bucket(slots * longest, 64))
+    _check_cache_bytes(model, slots, capacity, max_new_tokens, longest, max_cache_bytes)
+    return capacity
 
 
 def _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty):
@@ -269,6 +290,86 @@ def _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repeti
             yield record(slot, token)
 
 
+class GenerationSession:
+    """One sequence at a time, its caches kept between calls: a call whose prompt extends the
+    tokens an earlier call consumed (its prompt and its output, the last token excepted)
+    prefills only the tokens after them. A chat's next turn, whose rendering starts with the
+    conversation so far, costs its new tokens only; a prompt that extends none of the kept
+    states (a template that rewrote earlier text, another conversation) is prefilled whole.
+
+    The results are `generate`'s for the same prompt (the kept state is the one a prefill of
+    the whole prompt computes, up to float rounding). The compiled shapes are one `DecodePool`'s
+    (`prefill_chunk` bounds the prefill lengths); a model with softmax attention gets a pool of
+    twice the capacity when a call needs more than the pool holds (that call is prefilled whole).
+
+    **Arguments:**
+    - `model`: a `CachedLanguageModel`.
+    - `saved_states`: the most states kept (least recently used dropped first; default 2).
+    - `prefill_chunk`: as `DecodePool`'s.
+
+    `prefilled_tokens` counts the tokens fed to prefills, all calls together.
+    """
+
+    def __init__(self, model, *, saved_states: int = 2, prefill_chunk: int = PREFILL_CHUNK):
+        check_protocol(model)
+        _check_int("saved_states", saved_states, 1)
+        self.model, self.saved_states, self.prefill_chunk = model, saved_states, prefill_chunk
+        self._pool: DecodePool | None = None
+        self._penalty: float | None = None
+        self._prefilled_before = 0  # tokens prefilled by the pools replaced
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self._prefilled_before + (self._pool.prefilled_tokens if self._pool is not None else 0)
+
+    def generate_tokens(self, prompt: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+                        top_k: int | None = None, top_p: float | None = None,
+                        repetition_penalty: float | None = None, seed: int = 0,
+                        stop_tokens: Sequence[int] | None = None,
+                        max_cache_bytes: int | None = None) -> Iterator[tuple[int, int]]:
+        """`generate_tokens(model, [prompt], ...)` (same arguments, checked here), continuing a
+        kept state where `prompt` extends one; the state after this call is kept when its
+        iterator ends or is closed."""
+        prompt, = _checked_prompts([prompt], self.model.vocab_size)
+        max_new_tokens, stops, sampling = _checked_options(
+            self.model, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
+            max_cache_bytes=max_cache_bytes)
+        if max_new_tokens == 0:
+            return (event for event in ())
+        pool = self._pool_for(len(prompt), max_new_tokens, repetition_penalty, max_cache_bytes)
+        return self._events(pool, prompt, max_new_tokens, stops, sampling)
+
+    def _pool_for(self, prompt_length: int, max_new_tokens: int, repetition_penalty, max_cache_bytes) -> DecodePool:
+        """The kept pool, or a new one where it holds too few positions for this call or its
+        repetition penalty differs."""
+        pool, needed = self._pool, prompt_length + max_new_tokens
+        fits = pool is not None and (pool.capacity == 1 or pool.capacity >= needed)
+        if fits and self._penalty == repetition_penalty:
+            return pool
+        capacity = _checked_capacity(self.model, 1, prompt_length, max_new_tokens, max_cache_bytes)
+        if pool is not None:
+            capacity = max(capacity, 2 * pool.capacity) if capacity > 1 else capacity
+            self._prefilled_before += pool.prefilled_tokens
+        self._pool = DecodePool(self.model, 1, capacity, repetition_penalty=repetition_penalty,
+                                saved_states=self.saved_states, prefill_chunk=self.prefill_chunk)
+        self._penalty = repetition_penalty
+        return self._pool
+
+    @staticmethod
+    def _events(pool: DecodePool, prompt: list[int], max_new_tokens: int, stops: set[int], sampling: Sampling):
+        (slot, token), = pool.admit([prompt], [sampling])
+        count = 1
+        try:
+            yield 0, token
+            while token not in stops and count < max_new_tokens:
+                (_, token), = pool.step()
+                count += 1
+                yield 0, token
+        finally:
+            pool.release(slot)
+
+
 class Sampling(NamedTuple):
     """How one sequence picks its tokens (see `sample_tokens`): greedy at `temperature` 0;
     `top_k` (≤ the vocabulary) and `top_p` cut the distribution. Its token j is drawn with
@@ -283,13 +384,26 @@ class Sampling(NamedTuple):
 
 class DecodePool:
     """`slots` cache slots decoding together, each with its own `Sampling`: the engine of
-    `generate` and of `recurrax serve`.
+    `generate`, `GenerationSession` and `recurrax serve`.
 
-    `admit` prefills new sequences as one packed batch into free slots and returns their
-    first tokens; `step` advances every occupied slot by one token in one compiled call (free
-    slots compute and are ignored); `release` frees a slot (a finished or cancelled sequence).
-    Sequences join and leave between steps (continuous batching). The compiled shapes depend
-    only on `slots`, `capacity` and the bucketed prefill length.
+    `admit` prefills new sequences as packed batches into free slots and returns their first
+    tokens; `step` advances every occupied slot by one token in one compiled call (free slots
+    compute and are ignored); `release` frees a slot (a finished or cancelled sequence).
+    Sequences join and leave between steps (continuous batching).
+
+    Bounded compilation: a packed prefill holds at most `prefill_chunk` tokens (a power of
+    two); more are prefilled in several calls, a prompt split between them continuing from its
+    slot's cache. Each call is padded to a power of two ≥ 64, so the compiled shapes are the
+    `log2(prefill_chunk / 64) + 1` prefill lengths and one step, whatever the prompt lengths.
+
+    Saved states (`saved_states` > 0): `admit` keeps each slot's cache after its prompt, and
+    `release` after its output (every token it consumed: its prompt and its output but the
+    last token, sampled and not fed), in a store of `saved_states` rows keyed by those
+    tokens, the least recently used overwritten. A prompt that extends a stored key starts
+    from that state and prefills only the tokens after it: a chat's next turn (the
+    conversation so far, with the reply as generated; or, where the reply's text encodes to
+    other tokens, the previous prompt) costs its new tokens. `prefilled_tokens` counts the
+    tokens fed to prefills.
 
     **Arguments:**
     - `model`: a `CachedLanguageModel`.
@@ -297,9 +411,14 @@ class DecodePool:
     - `capacity`: attention-cache positions per slot (1 for models without attention; see
       `generate`).
     - `repetition_penalty`: one factor for every slot, or None (nothing compiled for it).
+    - `saved_states`: rows of the store of released states (0: none kept).
+    - `prefill_chunk`: most tokens of one packed prefill (a power of two ≥ 64).
     """
 
-    def __init__(self, model, slots: int, capacity: int, *, repetition_penalty: float | None = None):
+    def __init__(self, model, slots: int, capacity: int, *, repetition_penalty: float | None = None,
+                 saved_states: int = 0, prefill_chunk: int = PREFILL_CHUNK):
+        if prefill_chunk < 64 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two ≥ 64, got {prefill_chunk}")
         graphdef, self._params = nnx.split(model)
         self._static = dict(graphdef=graphdef, slots=slots, capacity=capacity)
         self._admit, self._step = _compiled()
@@ -308,10 +427,14 @@ class DecodePool:
         if repetition_penalty is not None and repetition_penalty != 1:
             self._penalty = (jnp.float32(repetition_penalty), jnp.zeros((slots, model.vocab_size), bool))
         self.slots, self.capacity, self.vocab_size = slots, capacity, model.vocab_size
+        self.prefill_chunk = prefill_chunk
         self.occupied = np.zeros(slots, bool)
         self._pending = np.zeros(slots, np.int32)  # each slot's last sampled token (the next step's input)
         self._counts = np.zeros(slots, np.int32)   # tokens each slot has sampled
         self._settings = SlotSettings.empty(slots, model.vocab_size)
+        self._saved = SavedStates(model, saved_states, capacity) if saved_states else None
+        self._consumed: list[list[int]] = [[] for _ in range(slots)]  # tokens in each slot's cache
+        self.prefilled_tokens = 0
 
     def free_slots(self) -> list[int]:
         """The free slots, lowest first."""
@@ -320,20 +443,38 @@ class DecodePool:
     def admit(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], *,
               packed_length: int | None = None) -> list[tuple[int, int]]:
         """Prefill `prompts` (checked token ids, at most as many as free slots) into the lowest
-        free slots; returns `(slot, first token)` for each, in order. The packed prefill has
-        `packed_length` tokens (default: their total, bucketed; each length compiles once)."""
+        free slots; returns `(slot, first token)` for each, in order. A prompt that extends a
+        saved state prefills only its tokens after it. Each packed prefill has `packed_length`
+        tokens (default: its tokens, at most `prefill_chunk`, rounded up to a power of two)."""
         targets = self.free_slots()[: len(prompts)]
         if len(targets) < len(prompts):
             raise ValueError(f"{len(prompts)} prompts for {len(targets)} free slots")
-        for slot, options in zip(targets, sampling):
+        prompts = [list(p) for p in prompts]
+        starts = self._load_saved(prompts, targets)
+        for slot, options, prompt in zip(targets, sampling, prompts):
             self._settings.set(slot, options, self.vocab_size)
             self.occupied[slot], self._counts[slot] = True, 1
-        tokens, cu_seqlens, target = _pack([list(p) for p in prompts], targets, self.slots, packed_length)
-        first, self._pool, self._penalty = self._admit(self._params, self._pool, tokens, cu_seqlens, target,
-                                                       self._settings.arrays(), self._penalty, **self._static)
-        first = np.asarray(first)[: len(targets)]
-        self._pending[targets] = first
-        return [(slot, int(token)) for slot, token in zip(targets, first)]
+            self._consumed[slot] = prompt
+        first = {}
+        remaining = [prompt[start:] for prompt, start in zip(prompts, starts)]
+        for rows in _chunks(remaining, [start > 0 for start in starts], packed_length or self.prefill_chunk):
+            order = [i for i, _, _, _ in rows]
+            parts = [part for _, part, _, _ in rows]
+            tokens, cu_seqlens, target = _pack(parts, [targets[i] for i in order], self.slots, packed_length)
+            continues = np.zeros(self.slots, bool)
+            continues[: len(rows)] = [continued for _, _, continued, _ in rows]
+            sampled, self._pool, self._penalty = self._admit(
+                self._params, self._pool, tokens, cu_seqlens, target, jnp.asarray(continues),
+                self._settings.arrays(), self._penalty, self._prompts_seen([prompts[i] for i in order]),
+                **self._static)
+            self.prefilled_tokens += sum(map(len, parts))
+            sampled = np.asarray(sampled)
+            first.update((i, int(sampled[row])) for row, (i, _, _, last) in enumerate(rows) if last)
+        for i, slot in enumerate(targets):
+            self._pending[slot] = first[i]
+            if self._saved is not None:
+                self._saved.save(self._pool, slot, prompts[i])
+        return [(slot, first[i]) for i, slot in enumerate(targets)]
 
     def step(self) -> list[tuple[int, int]]:
         """Advance every occupied slot by one token: `(slot, token)` for each, slots in order
@@ -346,13 +487,107 @@ class DecodePool:
                                                         self._penalty, **self._static)
         sampled = np.asarray(sampled)
         slots = np.flatnonzero(occupied)
+        for slot in slots:
+            self._consumed[slot].append(int(self._pending[slot]))
         self._pending[slots] = sampled[slots]
         self._counts[slots] += 1
         return [(int(s), int(sampled[s])) for s in slots]
 
     def release(self, slot: int) -> None:
-        """Free `slot` (its cache is overwritten by the next sequence admitted there)."""
+        """Free `slot` (its cache is overwritten by the next sequence admitted there); with
+        saved states, its cache is kept first, keyed by the tokens it consumed."""
+        if self._saved is not None and self.occupied[slot]:
+            self._saved.save(self._pool, slot, self._consumed[slot])
         self.occupied[slot] = False
+        self._consumed[slot] = []
+
+    def _load_saved(self, prompts: list[list[int]], targets: list[int]) -> list[int]:
+        """Copy the longest saved state each prompt extends into its target slot; returns the
+        tokens of each prompt those states consumed (0 where none)."""
+        starts = [0] * len(prompts)
+        if self._saved is None:
+            return starts
+        into, rows = np.full(self.slots, self.slots, np.int32), np.zeros(self.slots, np.int32)
+        for i, (prompt, slot) in enumerate(zip(prompts, targets)):
+            row, starts[i] = self._saved.longest_prefix(prompt)
+            if starts[i]:
+                into[i], rows[i] = slot, row
+        if any(starts):
+            self._pool = _copy_rows(self._pool, self._saved.store, jnp.asarray(into), jnp.asarray(rows))
+        return starts
+
+    def _prompts_seen(self, prompts: list[list[int]]):
+        """With a repetition penalty, `[P, vocab]`: the tokens of each packed row's whole
+        prompt (`prompts`, in the rows' order)."""
+        if self._penalty is None:
+            return None
+        seen = np.zeros((self.slots, self.vocab_size), bool)
+        for row, prompt in enumerate(prompts):
+            seen[row, prompt] = True
+        return jnp.asarray(seen)
+
+
+def _chunks(parts: list[list[int]], kept: list[bool], limit: int) -> Iterator[list[tuple[int, list[int], bool, bool]]]:
+    """The packed prefill calls that feed `parts` (each prompt's tokens to prefill), at most
+    `limit` tokens a call, in order: rows `(prompt index, tokens, continues, last)`;
+    `continues` where the prompt's cache holds tokens already (`kept`: a saved state; or an
+    earlier call), `last` where these are the prompt's last tokens."""
+    fed = [0] * len(parts)
+    pending = deque(range(len(parts)))
+    while pending:
+        rows, room = [], limit
+        while pending and room:
+            i = pending[0]
+            take = parts[i][fed[i]: fed[i] + room]
+            continues = kept[i] or fed[i] > 0
+            fed[i] += len(take)
+            room -= len(take)
+            if fed[i] == len(parts[i]):
+                pending.popleft()
+            rows.append((i, take, continues, fed[i] == len(parts[i])))
+        yield rows
+
+
+class SavedStates:
+    """Up to `rows` single-sequence caches (a store shaped like a pool of `rows` slots), each
+    keyed by the tokens it consumed; the least recently used is overwritten first."""
+
+    def __init__(self, model, rows: int, capacity: int):
+        self.store = _empty_pool(model, rows, capacity)
+        self.rows = rows
+        self._keys: OrderedDict[tuple[int, ...], int] = OrderedDict()  # least recently used first
+
+    def longest_prefix(self, prompt: list[int]) -> tuple[int, int]:
+        """`(row, length)` of the longest key that is a proper prefix of `prompt` (at least one
+        token is left to prefill: its logits give the first new token); `(0, 0)` if none."""
+        found = max((key for key in self._keys if len(key) < len(prompt) and tuple(prompt[: len(key)]) == key),
+                    key=len, default=())
+        if not found:
+            return 0, 0
+        self._keys.move_to_end(found)
+        return self._keys[found], len(found)
+
+    def save(self, pool, slot: int, consumed: list[int]) -> None:
+        """Copy `pool`'s row `slot`, which consumed `consumed`, into the store."""
+        key = tuple(consumed)
+        if not key:
+            return
+        if key in self._keys:
+            row = self._keys.pop(key)
+        elif len(self._keys) < self.rows:
+            row = min(set(range(self.rows)) - set(self._keys.values()))
+        else:
+            row = self._keys.pop(next(iter(self._keys)))
+        self.store = _copy_rows(self.store, pool, jnp.asarray([row], jnp.int32), jnp.asarray([slot], jnp.int32))
+        self._keys[key] = row
+
+
+@partial(jax.jit, donate_argnums=0)
+def _copy_rows(into, source, into_rows, source_rows):
+    """`into` with its rows `into_rows` set to `source`'s rows `source_rows` (an out-of-range
+    row of `into_rows` is skipped)."""
+    return constrain_cache(jax.tree.map(
+        lambda a, b: a.at[into_rows].set(jnp.take(b, source_rows, axis=0, mode="clip"), mode="drop"), into, source))
 
 
 class SlotSettings:
@@ -383,22 +618,27 @@ caches reuse its buffers instead of fresh allocations each step (2.7× less CPU 
 for mamba2-130m at 64 slots)."""
 
 
-def _admit_body(params, pool, tokens, cu_seqlens, targets, settings, penalty=None, *, graphdef, slots, capacity):
-    """Prefill the packed prompts, put their caches into their target slots, sample their first
-    tokens with their target slots' settings. With a `penalty` (factor, seen), the slots' seen
-    tokens become their prompts' and first tokens."""
+def _admit_body(params, pool, tokens, cu_seqlens, targets, continues, settings, penalty=None, seen=None, *,
+                graphdef, slots, capacity):
+    """Prefill the packed prompts, each from its target slot's cache where `continues`, else
+    from an empty one; put their caches into their target slots, sample their first tokens with
+    their target slots' settings. With a `penalty` (factor, seen), the slots' seen tokens
+    become `seen` (their whole prompts') and their first tokens."""
     net = nnx.merge(graphdef, params)
-    logits, fresh = net.prefill(tokens, cu_seqlens, net.generation_cache(slots + 1, capacity))
+    empty = net.generation_cache(slots + 1, capacity)
+    start = jax.tree.map(lambda e, p: e.at[:slots].set(jnp.where(
+        continues.reshape(-1, *(1,) * (e.ndim - 1)), jnp.take(p, targets, axis=0, mode="clip"), e[:slots])),
+        empty, pool)
+    logits, fresh = net.prefill(tokens, cu_seqlens, start)
     last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
     pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
     rows = tuple(jnp.take(x, targets, mode="clip") for x in settings)  # each packed row's slot's settings
     if penalty is None:
         return _sample(last, rows, jnp.zeros_like(targets)), constrain_cache(pool), None
-    factor, seen = penalty
-    prompt_seen = seen_in_prompts(tokens, cu_seqlens, slots, seen.shape[1])
-    first = _sample(penalize_repetitions(last, prompt_seen, factor), rows, jnp.zeros_like(targets))
-    seen = seen.at[targets].set(prompt_seen.at[jnp.arange(slots), first].set(True), mode="drop")
-    return first, constrain_cache(pool), (factor, seen)
+    factor, slot_seen = penalty
+    first = _sample(penalize_repetitions(last, seen, factor), rows, jnp.zeros_like(targets))
+    slot_seen = slot_seen.at[targets].set(seen.at[jnp.arange(slots), first].set(True), mode="drop")
+    return first, constrain_cache(pool), (factor, slot_seen)
 
 
 def _step_body(params, tokens, pool, settings, counts, penalty=None, *, graphdef, slots, capacity):
@@ -580,11 +820,12 @@ def _checked_prompts(prompts, vocab_size: int) -> list[list[int]]:
 
 
 def _pack(prompts: list[list[int]], slots: list[int], P: int, length: int | None = None):
-    """Packed tokens `[N]` (N = `length`, or the total bucketed, ≥ 64), `cu_seqlens [P + 2]`
-    (prompts, empty sequences, one padding sequence) and target slots `[P]` (P = dropped)."""
+    """Packed tokens `[N]` (N = `length`, or the total rounded up to a power of two ≥ 64),
+    `cu_seqlens [P + 2]` (prompts, empty sequences, one padding sequence) and target slots
+    `[P]` (P = dropped)."""
     lengths = [len(p) for p in prompts] + [0] * (P - len(prompts))
     total = sum(lengths)
-    N = bucket(total, 64) if length is None else length
+    N = max(64, 1 << (total - 1).bit_length()) if length is None else length
     if N < total:
         raise ValueError(f"packed_length {N} is less than the prompts' {total} tokens")
     tokens = np.zeros(N, np.int32)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Iterator, Sequence
 
-from ._generate import generate_tokens
+from ._generate import GenerationSession, generate_tokens
 from ._tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 4
@@ -186,7 +186,8 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_new_tokens: int = 256, *,
                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                 repetition_penalty: float | None = None, seed: int = 0, stop: Sequence[str] = (),
-                stop_tokens: Sequence[int] | None = None, max_cache_bytes: int | None = None) -> TextStream:
+                stop_tokens: Sequence[int] | None = None, max_cache_bytes: int | None = None,
+                session: GenerationSession | None = None) -> TextStream:
     """Continue `prompt`, giving out its new text step by step (a `TextStream`).
 
     **Arguments:**
@@ -200,6 +201,8 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
       given out).
     - `stop_tokens`: ids that end the text (not decoded); default: the tokenizer's and the
       model's `eos_token_ids`.
+    - `session`: a `GenerationSession` of `model` to generate in: a prompt that extends an
+      earlier call's prompt and output (a chat's next turn) prefills only its new tokens.
 
     **Returns:** the `TextStream`; its pieces joined are `generate`'s tokens decoded up to
     the first stop. The arguments are checked here (as `generate` checks them; a stop string
@@ -213,9 +216,14 @@ def stream_text(model, tokenizer: Tokenizer, prompt: str | Sequence[int], max_ne
         raise TypeError(f"stop must be a sequence of non-empty strings, got {stop!r}")
     if stop_tokens is None:
         stop_tokens = end_of_sequence_ids(model, tokenizer)
-    events = generate_tokens(model, [prompt_ids], max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
-                             max_cache_bytes=max_cache_bytes)
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                   seed=seed, stop_tokens=stop_tokens, max_cache_bytes=max_cache_bytes)
+    if session is None:
+        events = generate_tokens(model, [prompt_ids], max_new_tokens, **options)
+    elif session.model is not model:
+        raise ValueError("session is a GenerationSession of another model: make one with GenerationSession(model)")
+    else:
+        events = session.generate_tokens(prompt_ids, max_new_tokens, **options)
     return TextStream(tokenizer, events, prompt_ids, stop_tokens, stop)
 
 

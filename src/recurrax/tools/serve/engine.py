@@ -10,9 +10,12 @@ queue and join the pool between decode steps.
     loop:
       release the slots of cancelled requests (a client went away)
       admit: waiting requests, in order, while there are free slots and their prompts fit
-             `--prefill-tokens` together (the first always) → one packed prefill of 64, 128,
-             256, … tokens (compiled at start-up up to `--prefill-tokens`); each gets its
-             first token
+             `--prefill-tokens` together (the first always) → packed prefills of 64, 128,
+             256, … tokens (compiled at start-up up to `--prefill-tokens`; a longer prompt
+             is prefilled in chunks of the longest); each gets its first token. A prompt
+             that extends a kept state (the pool keeps 2 × P: each request's state after its
+             prompt and after its output, least recently used dropped) prefills only the
+             tokens after it: a chat's next turn costs its new tokens
       step:  every running request advances one token in one compiled call
       each token → its request's text (stop ids, stop strings, max_tokens); a finished
              request frees its slot at once
@@ -73,7 +76,8 @@ class Engine:
         self.tokenizer, self.vocab_size = tokenizer, model.vocab_size
         self.slots, self.max_queue, self.prefill_tokens = slots, max_queue, prefill_tokens
         self.stop_tokens = end_of_sequence_ids(model, tokenizer)
-        self._pool = DecodePool(model, slots, capacity)
+        self._pool = DecodePool(model, slots, capacity, saved_states=2 * slots,
+                                prefill_chunk=packed_lengths(prefill_tokens)[-1])
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}
         self._changed = threading.Condition()
@@ -112,7 +116,8 @@ class Engine:
     def stats(self) -> dict:
         """Slots, running and waiting requests (a snapshot)."""
         with self._changed:
-            return {"slots": self.slots, "running": len(self._running), "waiting": len(self._waiting)}
+            return {"slots": self.slots, "running": len(self._running), "waiting": len(self._waiting),
+                    "prefilled_tokens": self._pool.prefilled_tokens}
 
     def close(self) -> None:
         """Stop the loop; what still waits or runs ends with finish_reason "abort"."""
@@ -168,9 +173,7 @@ class Engine:
         if admitted:
             for request in admitted:
                 request.text = TextPieces(self.tokenizer, request.job.prompt_ids, self.stop_tokens, request.job.stop)
-            total = sum(len(r.job.prompt_ids) for r in admitted)
-            first = self._pool.admit([r.job.prompt_ids for r in admitted], [r.job.sampling for r in admitted],
-                                     packed_length=next(n for n in packed_lengths(max(total, 64)) if n >= total))
+            first = self._pool.admit([r.job.prompt_ids for r in admitted], [r.job.sampling for r in admitted])
             with self._changed:
                 for request, (slot, _) in zip(admitted, first):
                     request.slot = slot

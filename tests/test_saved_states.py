@@ -1,0 +1,191 @@
+"""Generation that keeps its states between calls and compiles a bounded set of shapes:
+`DecodePool`'s saved states and chunked prefill, `GenerationSession` (a chat's turns).
+
+Reference: each next token is the argmax of one parallel forward (no cache) over the whole
+sequence so far, of a float64 model (its rounding, ~1e-15, cannot flip an argmax of random
+logits). What a call costs is counted in tokens fed to prefills (`prefilled_tokens`) and in
+compiled programs, never timed."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from recurrax.nn import LanguageModel
+from recurrax.nn.pretrained import CausalLM, DecodePool, GenerationSession, Sampling
+from recurrax.nn.pretrained import _generate
+
+VOCAB = 32
+
+
+@functools.lru_cache(maxsize=None)
+def model_of(name: str):
+    """A float64 recurrent model (GLA, short convolution) or a hybrid with softmax attention."""
+    if name == "gla":
+        return LanguageModel(VOCAB, 16, 2, 2, mixer="gla", mlp_ratio=2,
+                             mixer_options=dict(num_kv_heads=1, conv_size=3), dtype=jnp.float64,
+                             param_dtype=jnp.float64, rngs=nnx.Rngs(5))
+    config = dict(model_type="gla", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_heads=2,
+                  use_short_conv=True, attn=dict(layers=[1], num_heads=2, num_kv_heads=1))
+    return CausalLM(config, dtype=jnp.float64, rngs=nnx.Rngs(1))
+
+
+@functools.lru_cache(maxsize=None)
+def forward_of(model):
+    return jax.jit(lambda tokens: model(tokens))
+
+
+def greedy_reference(model, prompt, n, repetition_penalty=None):
+    """`n` greedy tokens, each the argmax of a parallel forward over everything so far (with a
+    penalty: `transformers`' rule in numpy on the tokens so far)."""
+    row, forward = list(prompt), forward_of(model)
+    for _ in range(n):
+        padded = np.zeros(max(64, 1 << len(row).bit_length()), np.int32)  # causal: the padding is not seen
+        padded[: len(row)] = row
+        last = np.asarray(forward(jnp.asarray(padded[None])))[0, len(row) - 1]
+        if repetition_penalty is not None:
+            seen = np.isin(np.arange(VOCAB), row)
+            last = np.where(seen, np.where(last > 0, last / repetition_penalty, last * repetition_penalty), last)
+        row.append(int(np.argmax(last)))
+    return row[len(prompt):]
+
+
+def session_turn(session, prompt, n, **options):
+    before = session.prefilled_tokens
+    tokens = [token for _, token in session.generate_tokens(prompt, n, stop_tokens=(), **options)]
+    return tokens, session.prefilled_tokens - before
+
+
+# turn 2 of the hybrid needs more attention positions than turn 1's pool holds (16): a pool of
+# twice the capacity, prefilled whole; turn 3 fits it and continues
+PREFILLED = {"gla": [7, 5, 3, 29], "hybrid": [7, 16, 3, 29]}
+
+
+@pytest.mark.parametrize("name", ["gla", "hybrid"])
+def test_a_turn_that_extends_the_conversation_prefills_only_its_new_tokens(name):
+    """Each turn's prompt is the conversation so far (prompt and reply) and new tokens: it
+    feeds its new tokens only (the last reply token too: it was sampled, not fed) and its
+    tokens equal a whole parallel forward's; a prompt that changes an earlier token (a
+    template that rewrote earlier text) is prefilled whole, and is right too."""
+    model = model_of(name)
+    session = GenerationSession(model, prefill_chunk=64)
+    prompt, fed = [3, 1, 4, 1, 5, 9, 2], []
+    for turn, new in enumerate([[], [6, 5, 3, 5], [8, 9]]):
+        prompt = prompt + new
+        tokens, cost = session_turn(session, prompt, 5)
+        assert tokens == greedy_reference(model, prompt, 5), turn
+        fed.append(cost)
+        prompt = prompt + tokens
+    rewritten = [7] + prompt[1:] + [2]
+    tokens, cost = session_turn(session, rewritten, 5)
+    assert tokens == greedy_reference(model, rewritten, 5)
+    assert fed + [cost] == PREFILLED[name] and PREFILLED[name][-1] == len(rewritten)
+
+
+def test_a_repetition_penalty_sees_the_whole_conversation():
+    """With a penalty, a continued turn penalises the tokens of the kept part too."""
+    model = model_of("gla")
+    session = GenerationSession(model)
+    first, _ = session_turn(session, [3, 1, 4, 1, 5], 6, repetition_penalty=1.8)
+    assert first == greedy_reference(model, [3, 1, 4, 1, 5], 6, repetition_penalty=1.8)
+    prompt = [3, 1, 4, 1, 5] + first + [2, 7]
+    tokens, cost = session_turn(session, prompt, 6, repetition_penalty=1.8)
+    assert cost == 3 and tokens == greedy_reference(model, prompt, 6, repetition_penalty=1.8)
+
+
+def drive(pool, prompts, n):
+    """Admit `prompts` into `pool`, decode each to `n` tokens, release: the tokens of each."""
+    first = pool.admit(prompts, [Sampling()] * len(prompts))
+    out = {slot: [token] for slot, token in first}
+    for _ in range(n - 1):
+        for slot, token in pool.step():
+            out[slot].append(token)
+    for slot, _ in first:
+        pool.release(slot)
+    return [out[slot] for slot, _ in first]
+
+
+@pytest.mark.parametrize("name", ["gla", "hybrid"])
+def test_prompts_longer_than_a_prefill_chunk_are_prefilled_in_chunks(name):
+    """Two prompts of 100 and 40 tokens, at most 64 a call (three calls: one prompt split
+    over two, the other starting in the second call's room; with a repetition penalty, each
+    row's seen tokens are its own prompt's), and one of 150 alone."""
+    model = model_of(name)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, VOCAB, n)) for n in (100, 40, 150)]
+    pool = DecodePool(model, 2, 160, prefill_chunk=64)
+    assert drive(pool, prompts[:2], 4) == [greedy_reference(model, p, 4) for p in prompts[:2]]
+    assert drive(pool, prompts[2:], 4) == [greedy_reference(model, prompts[2], 4)]
+    assert pool.prefilled_tokens == 290
+    penalised = DecodePool(model, 2, 160, prefill_chunk=64, repetition_penalty=1.8)
+    assert drive(penalised, prompts[:2], 4) == [greedy_reference(model, p, 4, repetition_penalty=1.8)
+                                                for p in prompts[:2]]
+
+
+def test_saved_states_are_a_bounded_lru_keyed_by_the_tokens_consumed():
+    """Three conversations through a store of four states (each sequence keeps two: after its
+    prompt, after its output): the least recently used are overwritten (a conversation whose
+    states are gone is prefilled whole), the others continue; a prompt equal to a key (nothing
+    left to feed) is prefilled whole."""
+    model = model_of("gla")
+    pool = DecodePool(model, 2, 1, saved_states=4)
+
+    def cost(prompt, n=3):
+        before = pool.prefilled_tokens
+        tokens, = drive(pool, [prompt], n)
+        assert tokens == greedy_reference(model, prompt, n)
+        return tokens, pool.prefilled_tokens - before
+
+    a, b, c = [1, 2, 3], [4, 5, 6, 7], [8, 9]
+    outputs = dict(zip("ab", drive(pool, [a, b], 3)))  # kept: a, b, a's and b's outputs
+    cost(c)                                           # kept: a's and b's outputs, c, c's output
+    b_next = b + outputs["b"] + [10]
+    b_reply, fed = cost(b_next)                       # kept: c's output, b's output, b_next, its output
+    assert fed == 2
+    a_next = a + outputs["a"] + [10]
+    assert cost(a_next)[1] == len(a_next)             # a's states were overwritten by c's
+    key = b_next + b_reply[:-1]                       # b_next's output state's key, still kept
+    assert cost(key + [11])[1] == 1 and cost(key)[1] == len(key)
+
+
+def test_a_prompt_that_extends_an_earlier_prompt_but_not_its_output_continues_from_the_prompt():
+    """A chat client that sends the reply back as text encoded to other tokens: the state
+    after the previous prompt is kept too, so only the tokens after that prompt are fed."""
+    model = model_of("gla")
+    pool = DecodePool(model, 1, 1, saved_states=2)
+    first = [1, 2, 3, 4]
+    reply, = drive(pool, [first], 4)
+    other = first + [(t + 1) % VOCAB for t in reply] + [5, 6]
+    before = pool.prefilled_tokens
+    assert drive(pool, [other], 3) == [greedy_reference(model, other, 3)]
+    assert pool.prefilled_tokens - before == len(other) - len(first)
+
+
+def mapped_regions() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_a_long_run_of_mixed_prompt_lengths_compiles_a_bounded_set_of_programs():
+    """Prompts of 1 to 700 tokens, admitted one or two at a time: the prefill compiles at most
+    its three lengths (64, 128, 256 tokens, chunks of ≤ 256), the step once; a second run of
+    other lengths compiles nothing more and the process maps (nearly) no more memory regions
+    (XLA's CPU JIT keeps every compiled program mapped)."""
+    model = model_of("gla")
+    pool = DecodePool(model, 2, 1, prefill_chunk=256)
+    rng = np.random.default_rng(1)
+
+    def run(admissions):
+        for _ in range(admissions):
+            drive(pool, [list(rng.integers(0, VOCAB, rng.integers(1, 700))) for _ in range(rng.integers(1, 3))], 2)
+
+    admits, steps = _generate._admit._cache_size(), _generate._step._cache_size()
+    run(30)
+    assert _generate._admit._cache_size() - admits <= 3 and _generate._step._cache_size() - steps <= 1
+    compiled, regions = _generate._admit._cache_size() + _generate._step._cache_size(), mapped_regions()
+    run(30)
+    assert _generate._admit._cache_size() + _generate._step._cache_size() == compiled
+    assert mapped_regions() - regions < 16
