@@ -60,8 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=positive_int, default=4096,
                         help="most tokens of a prompt and its completion (default 4096)")
     parser.add_argument("--prefill-tokens", type=positive_int, default=512,
-                        help="prompt tokens prefilled together in one step, at most (a longer prompt goes in pieces of that size); "
-                             "the packed lengths up to it compile at start-up (default 512)")
+                        help="prompt tokens prefilled together in one step, at most (a longer prompt goes in "
+                             "pieces of that size); the packed lengths up to it compile at start-up (default 512)")
     limits = parser.add_argument_group("limits", "what one client may take; a request beyond them is a 4xx in "
                                        "OpenAI's error JSON, a connection beyond them is closed")
     limits.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
