@@ -68,7 +68,8 @@ def rows(smoke: bool) -> list[dict]:
 def label(row: dict) -> str:
     kind = {"recurrent": "GLA", "delta_rule": "GDN" if row["gate"] == "g" else "KDA"}[row["op"]]
     heads = f"H{row['H']}" if row["H"] == row["Hqk"] else f"Hv{row['H']} Hqk{row['Hqk']}"
-    return f"{row['op']} `{row['gate']}` ({kind}), B{row['B']} T{row['T']} {heads} K{row['K']} V{row['V']}, {row['dtype']}"
+    shape = f"B{row['B']} T{row['T']} {heads} K{row['K']} V{row['V']}"
+    return f"{row['op']} `{row['gate']}` ({kind}), {shape}, {row['dtype']}"
 
 
 def make_arrays(row: dict, seed: int = 0) -> tuple[dict, dict]:
