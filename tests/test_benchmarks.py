@@ -174,3 +174,12 @@ def test_long_context_reports_a_full_depth_compile_over_its_estimate():
     assert chosen[32768]["basis"] == "2 and 4 layers" and chosen[32768]["peak"] == round(17.5 * 2**30)
     text = "\n".join(long_context.extrapolation(rows))
     assert "131,072 tokens: estimated 19.50 GiB from 2 and 4 layers, compiled 14.00 GiB" in text
+
+
+def test_remat_memory_reports_every_remat():
+    """`benchmarks/remat_memory.py` at a tiny size: one row per `remat`, `"block"` below none."""
+    remat_memory = pytest.importorskip("remat_memory")
+    rows = remat_memory.main(["--seq-len", "256", "--vocab", "64", "--d-model", "32", "--num-layers", "2",
+                              "--num-heads", "2"])
+    assert [row["remat"] for row in rows] == ["none", "block", "dots"]
+    assert rows[1]["temp_mib"] < rows[0]["temp_mib"], rows
