@@ -8,7 +8,8 @@ reports it) of one training step of a `recurrax.nn.LanguageModel`, for each `rem
 The step is `jax.jit(jax.value_and_grad(loss))` of the mean of `model.token_losses` (the
 chunked loss: no `[tokens, vocab]` logits), compiled ahead of time for the default backend,
 not run; `compiled.memory_analysis()` gives the temporaries (what the step holds beyond its
-arguments and outputs) and, on JAX versions that report it, the peak. Prints one JSON line per
+arguments and outputs) and, on JAX versions that report it, the peak (on a CPU the peak counts
+the arguments and outputs only: the temporaries are its figure). Prints one JSON line per
 `remat` and a table with each row's ratio to `remat=None`.
 """
 

@@ -160,8 +160,8 @@ def test_block_remat_frees_memory_in_the_compiled_step(capsys):
     of `jit(value_and_grad)` of the chunked loss grow with a second GLA layer by
     Δ_none (plain) and Δ_block; the compiled saving Δ_none − Δ_block is at least half of what
     JAX stops keeping for that layer (`print_saved_residuals`: its residuals plain minus under
-    `"block"`). Measured on CPU, 1,024 tokens, d_model 64: 7.3 of 11.9 MiB under JAX 0.10.2
-    and 0.12.1. Under `jax.checkpoint`, jaxlib 0.10's CPU compiler dropped the optimization
+    `"block"`). Measured on CPU, 1,024 tokens, d_model 64: 7.3 of 11.9 MiB under JAX 0.10.2,
+    7.8 under 0.12.1. Under `jax.checkpoint`, jaxlib 0.10's CPU compiler dropped the optimization
     barrier that holds the recompute back before it scheduled, ran the recompute in the
     forward, and saved nothing (Δ_block = Δ_none = 9.8 MiB)."""
     import jax.ad_checkpoint  # noqa: F401  (print_saved_residuals)
