@@ -192,3 +192,12 @@ def test_tpu_paths_smoke_run_times_chunk_and_says_why_the_kernel_does_not_run(tm
             assert "runs on tpu" in row["paths"]["pallas_tpu"]["refused"] and row["dispatch"] == "chunk"
     text = (tmp_path / "tpu.md").read_text()
     assert "| `chunk` |" in text and "% roof" in text and (tmp_path / "tpu.png").stat().st_size > 0
+
+
+def test_remat_memory_reports_every_remat():
+    """`benchmarks/remat_memory.py` at a tiny size: one row per `remat`, `"block"` below none."""
+    remat_memory = pytest.importorskip("remat_memory")
+    rows = remat_memory.main(["--seq-len", "256", "--vocab", "64", "--d-model", "32", "--num-layers", "2",
+                              "--num-heads", "2"])
+    assert [row["remat"] for row in rows] == ["none", "block", "dots"]
+    assert rows[1]["temp_mib"] < rows[0]["temp_mib"], rows

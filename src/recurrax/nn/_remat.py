@@ -7,17 +7,27 @@
 | `"dots"`  | the outputs of matmuls without batch dimensions (the     | norms, activations, gates and the  |
 |           | projections and MLPs: `x W`)                             | recurrent mixer's kernel           |
 
-A block under `"block"` or `"dots"` runs inside `flax.nnx.remat` (`jax.checkpoint`) with the
-policy above (`jax.checkpoint_policies.nothing_saveable`,
-`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); the values and the gradients
-are those of the plain block up to float rounding. The recurrent kernels' `custom_vjp`
-residuals are recomputed too: a kernel's batched chunk matmuls are not saved under `"dots"`.
+A block under `"dots"` runs inside `flax.nnx.remat` (`jax.checkpoint`) with the policy above
+(`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`). A block under `"block"` is a
+`jax.custom_vjp` whose forward keeps its inputs and whose backward is the backward of the
+block under `jax.checkpoint` (`nothing_saveable`), run on those inputs after the input is
+made to depend on the output's cotangent (`_after`): the recompute cannot start before the
+backward reaches the block, whatever the compiler's scheduler does. (`jax.checkpoint` alone
+holds it back by an optimization barrier; XLA's CPU compiler in jaxlib 0.10 removes the
+barriers before it schedules, ran every block's recompute during the forward and kept as
+much as without remat: 6 GLA blocks, d_model 512, 4,096 tokens, 2,406 MiB of temporaries
+plain, 2,342 under `jax.checkpoint`, 1,001 now; jaxlib 0.12.1, which removes them after
+scheduling: 2,374 plain, 881 either way.) The values and the gradients are those of the
+plain block up to float rounding. A `"block"` model has no forward-mode derivative
+(`jax.jvp`), as any `custom_vjp`. The recurrent kernels' `custom_vjp` residuals are
+recomputed too: a kernel's batched chunk matmuls are not saved under `"dots"`.
 Decoding (a call with a cache) runs the plain block: it has no backward.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 REMAT_POLICIES = {
@@ -53,4 +63,40 @@ def call_block(block: nnx.Module, remat: str | None, h, cache=None, **context):
     def run(block, h, arrays):
         return block(h, None, **arrays, **fixed)
 
-    return nnx.remat(run, policy=REMAT_POLICIES[remat])(block, h, arrays)
+    if remat == "dots":
+        return nnx.remat(run, policy=REMAT_POLICIES[remat])(block, h, arrays)
+    return _recomputed(block, h, arrays, fixed)
+
+
+def _after(x: jax.Array, cotangent) -> jax.Array:
+    """`x + 0·c`, c the cotangent's first number where finite (else 0): `x`'s values (up to
+    the sign of a zero) made to depend on the cotangent. XLA keeps it (it folds `0·c` only for
+    integers: `0·inf` is NaN), so nothing that reads the result runs before the cotangent exists."""
+    first = jax.tree.leaves(cotangent)[0].ravel()[0]
+    return x + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(x.dtype)
+
+
+def _recomputed(block: nnx.Module, h, arrays: dict, fixed: dict):
+    """`block(h, None, **arrays, **fixed)` keeping only its inputs for the backward, which
+    recomputes the block once the output's cotangent exists. (The backward's `jax.vjp`
+    computes the block's output too; unused, XLA drops it: the block runs once in the
+    forward and once in the backward, as under `jax.checkpoint`.)"""
+    graphdef, state = nnx.split(block)
+
+    def run(state, h, arrays):
+        return nnx.merge(graphdef, state)(h, None, **arrays, **fixed)
+
+    @jax.custom_vjp
+    def recomputed(state, h, arrays):
+        return run(state, h, arrays)
+
+    def forward(state, h, arrays):
+        return run(state, h, arrays), (state, h, arrays)
+
+    def backward(inputs, cotangent):
+        state, h, arrays = inputs
+        checkpointed = jax.checkpoint(run, policy=REMAT_POLICIES["block"])
+        return jax.vjp(checkpointed, state, _after(h, cotangent), arrays)[1](cotangent)
+
+    recomputed.defvjp(forward, backward)
+    return recomputed(state, h, arrays)
