@@ -4,10 +4,13 @@ reports it) of one training step of a `recurrax.nn.LanguageModel`, for each `rem
     python benchmarks/remat_memory.py                       # 6 GLA blocks, d_model 512, 4,096 tokens
     python benchmarks/remat_memory.py --seq-len 8192 --num-layers 12
     JAX_PLATFORMS=cpu python benchmarks/remat_memory.py     # the CPU's figures on a machine with a chip
+    python benchmarks/remat_memory.py --target v5e          # compiled for a TPU v5e by libtpu, no chip
+                                                            # needed (extra compile-tpu, Python >= 3.12)
 
 The step is `jax.jit(jax.value_and_grad(loss))` of the mean of `model.token_losses` (the
 chunked loss: no `[tokens, vocab]` logits), compiled ahead of time for the default backend,
-not run; `compiled.memory_analysis()` gives the temporaries (what the step holds beyond its
+not run (or, with `--target`, for that chip through `recurrax.targets.compile_for`: the figures
+the chip's compiler gives, without the chip); `compiled.memory_analysis()` gives the temporaries (what the step holds beyond its
 arguments and outputs) and, on JAX versions that report it, the peak (on a CPU the peak counts
 the arguments and outputs only: the temporaries are its figure). Prints one JSON line per
 `remat` and a table with each row's ratio to `remat=None`.
@@ -35,6 +38,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=6, help="blocks")
     parser.add_argument("--num-heads", type=int, default=4, help="query heads per mixer")
     parser.add_argument("--mixer", default="gla", help="the mixer of every block")
+    parser.add_argument("--target", help="compile for this chip instead of the default backend (recurrax.targets: "
+                                         "v5e, v6e, h100, ...)")
     return parser.parse_args(argv)
 
 
@@ -48,7 +53,13 @@ def measure(args, remat: str | None) -> dict:
         return nnx.merge(graphdef, params).token_losses(tokens[:, :-1], tokens[:, 1:]).mean()
 
     tokens = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)
-    memory = jax.jit(jax.value_and_grad(mean_loss)).lower(params, tokens).compile().memory_analysis()
+    step = jax.value_and_grad(mean_loss)
+    if args.target:
+        from recurrax import targets
+
+        memory = targets.compile_for(args.target, step, params, tokens).memory()
+    else:
+        memory = jax.jit(step).lower(params, tokens).compile().memory_analysis()
     peak = getattr(memory, "peak_memory_in_bytes", None)
     return {"remat": remat or "none", "temp_mib": memory.temp_size_in_bytes / 2**20,
             "peak_mib": None if peak is None else peak / 2**20,
@@ -58,8 +69,9 @@ def measure(args, remat: str | None) -> dict:
 def main(argv=None) -> list[dict]:
     args = parse(argv)
     device = jax.devices()[0]
+    where = f"compiled for {args.target} (no chip)" if args.target else f"{device.platform} ({device.device_kind})"
     print(f"# {args.mixer} LanguageModel, {args.num_layers} blocks, d_model {args.d_model}, vocab {args.vocab}, "
-          f"{args.batch_size} × {args.seq_len} tokens; {device.platform} ({device.device_kind}), JAX {jax.__version__}")
+          f"{args.batch_size} × {args.seq_len} tokens; {where}, JAX {jax.__version__}")
     rows = []
     for remat in (None, *REMAT_POLICIES):
         rows.append(measure(args, remat))
