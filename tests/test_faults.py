@@ -136,8 +136,9 @@ def test_prefill_memory_plan_close_to_a_forward():
     tokens, cu_seqlens, targets = _generate._pack([prompt], [0], 1)
     capacity = _generate.cache_capacity(model, n + 8)
     settings = _generate.SlotSettings.empty(1, VOCAB).arrays()
-    admit = _generate._admit.lower(params, model.init_cache(1, capacity), tokens, cu_seqlens, targets, settings,
-                                   graphdef=graphdef, slots=1, capacity=capacity)
+    continues = jnp.zeros(1, bool)  # a fresh prompt, not a continuation of the slot's state
+    admit = _generate._admit.lower(params, model.init_cache(1, capacity), tokens, cu_seqlens, targets, continues,
+                                   settings, graphdef=graphdef, slots=1, capacity=capacity)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, jnp.asarray([prompt], jnp.int32))
     temp = [c.compile().memory_analysis().temp_size_in_bytes for c in (admit, forward)]
     assert temp[0] <= 2 * temp[1], temp
