@@ -170,10 +170,13 @@ def test_mosaic_gpu_kernels_under_shard_map():
 
 
 @pytest.mark.compile
-def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips():
-    """Forward and gradient of the TPU kernels (picked by dispatch for the target) inside
-    `shard_map` over a 4-chip v5e slice, rows split over the chips, compiled by libtpu
-    without a TPU (`recurrax.targets`; Mosaic's passes and the VMEM check run here)."""
+@pytest.mark.parametrize("implementation", ["pallas_tpu", None])
+def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips(implementation):
+    """Forward and gradient of the TPU kernels (named), and of what dispatch picks for the
+    target (`chunk`: a v5e measured the kernel slower with `gk`; its output buffer must vary
+    over the mesh axis like its inputs), inside `shard_map` over a 4-chip v5e slice, rows split
+    over the chips, compiled by libtpu without a TPU (`recurrax.targets`; Mosaic's passes and
+    the VMEM check run here)."""
     from test_compile import need
 
     import recurrax
@@ -188,13 +191,14 @@ def test_tpu_kernels_compile_under_shard_map_for_four_v5e_chips():
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in zip(shapes, dtypes)]
 
     def local(q, k, v, gk, h0):
-        return recurrax.recurrent(q, k, v, gk=gk, initial_state=h0)
+        return recurrax.recurrent(q, k, v, gk=gk, initial_state=h0, implementation=implementation)
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=(P("x"), P("x")))
     loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in sharded(*a))  # noqa: E731
     program = targets.compile_for("v5e:2x2", jax.value_and_grad(loss, argnums=tuple(range(5))), *args)
     text = program.executable.as_text()
-    assert all(f"recurrax_tpu_chunk_{kind}" in text for kind in ("fwd", "states", "bwd"))
+    kernels = [f"recurrax_tpu_chunk_{kind}" in text for kind in ("fwd", "states", "bwd")]
+    assert all(kernels) if implementation == "pallas_tpu" else not any(kernels)
 
 
 @pytest.mark.compile
@@ -216,7 +220,8 @@ def test_tpu_delta_kernel_compiles_under_shard_map_for_four_v5e_chips():
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in zip(shapes, dtypes)]
 
     def local(q, k, v, beta, g, gk, h0):
-        return recurrax.delta_rule(q, k, v, beta, g, gk, initial_state=h0, qk_l2norm=True)
+        return recurrax.delta_rule(q, k, v, beta, g, gk, initial_state=h0, qk_l2norm=True,
+                                   implementation="pallas_tpu")
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 7, out_specs=(P("x"), P("x")), check_vma=True)
     loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in sharded(*a))  # noqa: E731

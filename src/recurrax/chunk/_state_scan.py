@@ -60,6 +60,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._finite import clean_gate, clean_tokens
 from .._matmul_precision import matmul_precision
+from ..kernels._driver import vary_over, varying_axes
 from ..problem import Gate
 from ..varlen import ChunkOwners
 from ._intra import ChunkDecay, chunk_cumsum, dot
@@ -239,7 +240,8 @@ def forward(static: ChunkCall, q, k, v, gates: LogDecays, init, meta: ChunkOwner
         return (leaving, out, finals), starts
 
     state0 = init if meta is None else jnp.zeros((1, *init.shape[1:]), dtype)
-    out0 = jnp.zeros(v.shape, q.dtype)
+    # the output buffer varies over the mesh axes the inputs vary over (inside `jax.shard_map`)
+    (out0,) = vary_over(varying_axes(q, k, v, state0), jnp.zeros(v.shape, q.dtype))
     carry0 = (state0, out0, None if meta is None else init)
     (last, out, finals), entries = lax.scan(body, carry0, jnp.arange(num_steps))
     return out, (last if meta is None else finals), entries
