@@ -24,12 +24,11 @@ from recurrax.tools.cases import (
     DIFF_ARGS,
     Case,
     DeltaCase,
-    ZERO_FLOOR,
     delta_options,
     delta_vjp,
     make_delta_inputs,
     make_inputs,
-    max_rel_error,
+    relative_errors,
     split_args,
 )
 
@@ -84,16 +83,6 @@ def on_host(kwargs: dict):
         return jax.device_get(vjp_of(lambda **kw: recurrax.recurrent(**kw, implementation="reference"), exact))
 
 
-def errors_against(reference, results) -> dict[str, float]:
-    """Every output and gradient's max |x − y| / max |y| (`recurrax check`'s measure)."""
-    (o, state, grads), (o_ref, state_ref, grads_ref) = results, reference
-    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)), initial=0)) for y in (o_ref, state_ref, *grads_ref.values()))
-    floor = max(ZERO_FLOOR * scale, 1e-30)
-    errors = {"output": max_rel_error(o, o_ref, floor), "final_state": max_rel_error(state, state_ref, floor)}
-    errors.update({"d" + name: max_rel_error(grads[name], grads_ref[name], floor) for name in grads})
-    return errors
-
-
 def chip_paths(dtype: str) -> list[str]:
     """The paths checked on the chip: the kernel and `chunk` in both dtypes; `scan` and
     `reference` (token loops, slow to compile) in float32, the precision they promise."""
@@ -143,7 +132,7 @@ def test_recurrent_on_the_chip(name, dtype, path):
     if refusal is not None:
         pytest.skip(f"{path} refuses the call: {refusal}")
     call = lambda **kw: recurrax.recurrent(**kw, implementation=path)  # noqa: E731
-    assert_within(errors_against(reference, jax.device_get(vjp_of(call, kwargs))), dtype)
+    assert_within(relative_errors(jax.device_get(vjp_of(call, kwargs)), reference), dtype)
 
 
 @pytest.mark.parametrize("name,dtype,path", cases(DELTA))
@@ -152,7 +141,7 @@ def test_delta_rule_on_the_chip(name, dtype, path):
     refusal = dict(recurrax.delta.kernel_registry.select(**on_chip, **options).answers)[path]
     if refusal is not None:
         pytest.skip(f"{path} refuses the call: {refusal}")
-    assert_within(errors_against(reference, jax.device_get(delta_vjp(path, on_chip, options))), dtype)
+    assert_within(relative_errors(jax.device_get(delta_vjp(path, on_chip, options)), reference), dtype)
 
 
 def test_one_pass_float32_misses_the_bound():
@@ -163,5 +152,5 @@ def test_one_pass_float32_misses_the_bound():
     errors = {}
     for precision in (None, "default"):
         call = lambda **kw: recurrax.recurrent(**kw, implementation="chunk", precision=precision)  # noqa: E731
-        errors[precision] = max(errors_against(reference, jax.device_get(vjp_of(call, kwargs))).values())
+        errors[precision] = max(relative_errors(jax.device_get(vjp_of(call, kwargs)), reference).values())
     assert errors[None] <= BOUND["float32"] < errors["default"], errors
