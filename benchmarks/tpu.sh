@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The TPU run, one command on a fresh TPU VM without network (under 9 minutes on one v5e):
-#   1. set-up: what recurrax, its report and ejKernel need (jaxtyping, matplotlib, absl-py, toolz, einops) from the machine's own package
-#      index (PIP_INDEX, default file:///opt/pypi/simple) into a temporary folder on PYTHONPATH, the
-#      machine's own JAX kept first; ejKernel from wheels in .whl-tpu/ when that folder is there
-#      (`pip download` them where pip reaches PyPI: benchmarks/README.md says which);
+#   1. set-up: benchmarks/tpu_env.sh (what recurrax, its report and ejKernel need, from the machine's
+#      own package index and .whl-tpu/);
 #   2. the chip's own tests: `pytest -m tpu` (tests/test_tpu.py: every path of both operations
 #      against the float64 reference on the host, float32 and bfloat16);
 #   3. both operations timed on every path that can run each call, with each row's fraction of the
@@ -38,22 +36,11 @@ export PYTHONUNBUFFERED=1
 say() { echo "tpu.sh: $1 at $((SECONDS - start)) s" >&2; }
 copy_out() { if [ -n "${OUT:-}" ]; then cp "$@" "$OUT"/ 2>/dev/null; fi; }
 
-if [ ${#smoke[@]} -eq 0 ] && ! "$PY" -c 'import jaxtyping, matplotlib' 2>/dev/null; then
-    site=$(mktemp -d)
-    PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
-        --index-url "${PIP_INDEX:-file:///opt/pypi/simple}" --target "$site" jaxtyping matplotlib absl-py toolz einops \
-        || echo "tpu.sh: set-up from the package index failed" >&2
-    rm -rf "$site"/jax "$site"/jaxlib "$site"/jax-* "$site"/jaxlib-* "$site"/numpy "$site"/numpy-*  # the machine's own stay
-    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"
+if [ ${#smoke[@]} -eq 0 ]; then
+    source benchmarks/tpu_env.sh
+else
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if [ ${#smoke[@]} -eq 0 ] && [ -d .whl-tpu ] && ! "$PY" -c 'import ejkernel' 2>/dev/null; then
-    wheels=$(mktemp -d)
-    PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --no-index --no-deps --no-compile --target "$wheels" \
-        .whl-tpu/*.whl || echo "tpu.sh: ejKernel's wheels did not install" >&2
-    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$wheels"
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import jax; print(jax.__version__, jax.devices())" || true
 say "set-up done"
 
 timeout "${seconds[0]}" "$PY" -m pytest -q -o addopts="" -p no:cacheprovider -m tpu tests/test_tpu.py -ra \
