@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -192,6 +193,22 @@ def test_tpu_paths_smoke_run_times_chunk_and_says_why_the_kernel_does_not_run(tm
             assert "runs on tpu" in row["paths"]["pallas_tpu"]["refused"] and row["dispatch"] == "chunk"
     text = (tmp_path / "tpu.md").read_text()
     assert "| `chunk` |" in text and "% roof" in text and (tmp_path / "tpu.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # compiles chunk's fwd+bwd for both operations
+def test_tpu_chunk_sweep_smoke_run_times_each_tiling_and_compares_it(tmp_path):
+    """`benchmarks/tpu_chunk_sweep.py --smoke`: every tiling of a row timed both ways and its
+    output compared with the row's first (the same math: a rounding-level difference)."""
+    sweep = pytest.importorskip("tpu_chunk_sweep")
+    assert sweep.main(["--smoke", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "tpu_chunk_sweep.json").read_text())["rows"]
+    assert [(row["row"], row["tiling"]) for row in rows] == [("recurrent gk", "16x1x2"), ("recurrent gk", "16x4x1"),
+                                                              ("delta KDA", "32x1")]
+    for row in rows:
+        assert "error" not in row and min(row["forward"]) > 0 and min(row["fwd+bwd"]) > 0
+    # bf16 outputs of the same math: a few of bf16's roundings apart, relative to the largest entry
+    assert rows[0]["difference"] == 0 and rows[1]["difference"] < 4 * float(jnp.finfo(jnp.bfloat16).eps)
+    assert "| recurrent gk | 16x4x1 |" in (tmp_path / "tpu_chunk_sweep.md").read_text()
 
 
 def test_remat_memory_reports_every_remat():

@@ -121,6 +121,21 @@ def test_registered_default_tiling(case):
     assert_matches("chunk", case)
 
 
+TPU_ONLY_TILINGS = sorted({(name, tiling) for name, tiling in vars(DEFAULT_TILING["tpu"]).items()
+                           if tiling != getattr(DEFAULT_TILING["cpu"], name)}, key=str)
+
+
+@pytest.mark.parametrize("kind, tiling", TPU_ONLY_TILINGS, ids=str)
+def test_the_tpus_own_default_tilings_match(kind, tiling):
+    """The TPU's default chunk sizes where they differ from the CPU's (those run in every
+    other test here): three chunks of that size, the last one padded, with the gates they
+    serve; one chunk per step (the step loop is the CPU tilings' to test)."""
+    gates = {"scalar_decays": ("g_head",), "channel_decays": ("gk", "gv"), "shared_query_key": ("g_head",)}[kind]
+    Hqk = 1 if kind == "shared_query_key" else 2
+    case = Case(B=1, T=2 * tiling.chunk_size + 3, H=2, Hqk=Hqk, Hkv=Hqk, K=4, V=4, gates=gates)
+    assert_matches(tiled(tiling.chunk_size, tiling.leaf_size, 1), case)
+
+
 def test_leaf_blocks_at_full_head_size():
     """Exact leaves (leaf_size > 1) at K = V = 64: their first formulation (broadcast,
     multiply, reduce) crashed XLA CPU at run time at this shape; they are einsums now."""

@@ -79,10 +79,17 @@ class BackendTiling:
 
 _SWEPT_ON_CPU = BackendTiling(scalar_decays=Tiling(64, 1, 8), channel_decays=Tiling(32, 1, 4))
 
-DEFAULT_TILING = {"cpu": _SWEPT_ON_CPU, "gpu": _SWEPT_ON_CPU, "tpu": _SWEPT_ON_CPU}
+_SWEPT_ON_V5E = BackendTiling(scalar_decays=Tiling(128, 1, 8), channel_decays=Tiling(32, 1, 4))
+"""A TPU v5e, bfloat16, B = 4, T = 4096, H = 16, K = V = 64 (`benchmarks/tpu_chunk_sweep.py`,
+`benchmarks/results/tpu_chunk_sweep.md`): a per-head decay runs fastest at C = 128
+(3.10 / 9.91 ms forward / fwd+bwd against 4.88 / 13.47 at the CPU's 64x1x8; 256x1x4 within 2%);
+per-channel decays keep 32x1x4 (6.98 / 23.76 ms; every larger C or P tried was slower: the
+ladder's levels grow with C). The shared query/key tiling was not swept there."""
+
+DEFAULT_TILING = {"cpu": _SWEPT_ON_CPU, "gpu": _SWEPT_ON_CPU, "tpu": _SWEPT_ON_V5E}
 """Default tiling per backend. The CPU entries come from `benchmarks/chunk_sweep.py` (results
-and reasons in `benchmarks/results/chunk_sweep.md`); GPU and TPU have not been swept and reuse
-them."""
+and reasons in `benchmarks/results/chunk_sweep.md`), the TPU's from a v5e; GPUs have not been
+swept and reuse the CPU's."""
 
 
 def default_tiling(per_channel: bool, backend: str | None = None, shared_query_key: bool = False) -> Tiling:
