@@ -1,7 +1,8 @@
 """Sequence parallelism: the token axis split over a device mesh, exact forward and backward.
 
-(One file of ~460 lines on purpose: the derivation below, the shard bodies that implement it
-and the mesh plumbing are one algorithm and are read together.)
+(The derivation below and the shard bodies that implement it are one algorithm and are read
+together; the mesh plumbing both operations share is `_mesh.py`; the delta rule's parallel
+form, `delta_rule` here, lives in `delta/_parallel.py`.)
 
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
@@ -61,57 +62,21 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._eager import cached_when_eager
 from ._matmul_precision import matmul_precision, resolve
+from ._mesh import (
+    MeshAxes,
+    Pieces,
+    check_divisible,
+    explicit_axes,
+    head_axis_splits,
+    local_sequences,
+    shard_map_unchecked,
+)
 from ._recurrent import _packed_tokens
+from .delta._parallel import delta_rule
 from .problem import Problem, canonicalize, check_values
 from .registry import Implementation, Request, kernel_registry
 
 __all__ = ["delta_rule", "recurrent"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshAxes:
-    """The mesh axes a call is split over, validated against the mesh.
-
-    **Arguments:**
-    - `sequence`: the axis the token axis is split over.
-    - `batch`, `head`: optional axes for the batch rows and the heads.
-    - `shards`: the size of `sequence` (P).
-    """
-
-    sequence: str
-    batch: str | None
-    head: str | None
-    shards: int
-
-    @classmethod
-    def of(cls, mesh: Any, sequence_axis: Any, batch_axis: Any, head_axis: Any) -> MeshAxes:
-        names = tuple(getattr(mesh, "axis_names", ()))
-        if not names or not hasattr(mesh, "shape"):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        given = {"sequence_axis": sequence_axis, "batch_axis": batch_axis, "head_axis": head_axis}
-        for argument, axis in given.items():
-            if axis is None and argument != "sequence_axis":
-                continue
-            if axis not in names:
-                raise ValueError(f"{argument}={axis!r} is not an axis of the mesh; the mesh has axes {names}")
-        used = [axis for axis in given.values() if axis is not None]
-        if len(set(used)) != len(used):
-            raise ValueError(f"sequence_axis, batch_axis and head_axis must be different mesh axes, got {given}")
-        return cls(sequence_axis, batch_axis, head_axis, int(mesh.shape[sequence_axis]))
-
-
-def _check_divisible(problem: Problem, mesh: Any, axes: MeshAxes) -> None:
-    """Each split axis must divide evenly: no padding is done (H: the value heads)."""
-    (B, T), H = problem.query.shape[:2], problem.value.shape[2]
-    if T % axes.shards:
-        what = "total_tokens" if problem.cu_seqlens is not None else "seq_len"
-        raise ValueError(
-            f"{what}={T} is not divisible by the {axes.shards} shards of sequence_axis={axes.sequence!r}; "
-            "pad the token axis to a multiple of it (packed input: append a padding sequence to cu_seqlens)"
-        )
-    for axis, size, what in ((axes.batch, B, "batch"), (axes.head, H, "num_heads")):
-        if axis is not None and size % mesh.shape[axis]:
-            raise ValueError(f"{what}={size} is not divisible by the {mesh.shape[axis]} shards of {axis!r}")
 
 
 def _specs(problem: Problem, axes: MeshAxes) -> tuple[Problem, tuple[Spec, Spec]]:
@@ -221,42 +186,6 @@ def correction(
     return output if decays.value is None else output * jnp.exp(decays.value)
 
 
-class Pieces(NamedTuple):
-    """Where packed sequences meet shard p (positions are global token indices).
-
-    **Arguments:**
-    - `head`, `tail`: the sequences holding the shard's first and last token.
-    - `continues`: whether `head` began in an earlier shard (the incoming state reaches it).
-    - `head_end`: the local index of `head`'s last token in this shard.
-    - `passes`: whether the incoming state reaches the outgoing one (`head` spans the shard).
-    """
-
-    head: Int[Array, "..."]
-    tail: Int[Array, "..."]
-    continues: Bool[Array, "..."]
-    head_end: Int[Array, "..."]
-    passes: Bool[Array, "..."]
-
-    @classmethod
-    def of(cls, cu_seqlens: Int[Array, " S_plus_1"], shard: Int[Array, "..."], length: int) -> Pieces:
-        first = shard * length
-        head = jnp.searchsorted(cu_seqlens[1:], first, side="right")
-        tail = jnp.searchsorted(cu_seqlens[1:], first + length - 1, side="right")
-        continues = cu_seqlens[head] < first
-        head_end = jnp.minimum(cu_seqlens[head + 1], first + length) - 1 - first
-        return cls(head, tail, continues, head_end, continues & (head == tail))
-
-
-def _local_sequences(cu_seqlens: Int[Array, " S_plus_1"], shard: Int[Array, ""], length: int):
-    """Local boundaries [S + 1] and which sequences start / end in the shard ([S] each)."""
-    first = shard * length
-    starts, stops = cu_seqlens[:-1], cu_seqlens[1:]
-    inside = lambda token: (token >= first) & (token < first + length)  # noqa: E731
-    nonempty = stops > starts
-    local_cu = jnp.clip(cu_seqlens - first, 0, length)
-    return local_cu, nonempty & inside(starts), nonempty & inside(stops - 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Static configuration of one sharded call.
@@ -327,7 +256,7 @@ def _packed_shard(plan: Plan, problem: Problem, shard: Int[Array, ""]):
     """
     length = problem.query.shape[1]
     cu_seqlens, initial = problem.cu_seqlens, problem.initial_state
-    local_cu, starts_here, ends_here = _local_sequences(cu_seqlens, shard, length)
+    local_cu, starts_here, ends_here = local_sequences(cu_seqlens, shard, length)
     own_initial = jnp.where(starts_here[:, None, None, None], initial, jnp.zeros_like(initial))
     local = problem._replace(initial_state=own_initial, cu_seqlens=local_cu)
     output, finals = plan.run(local)
@@ -363,21 +292,6 @@ def _shard(plan: Plan, problem: Problem):
     return output, final_state
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-    """`jax.shard_map`, or `jax.experimental.shard_map` on older JAX, without replication checks.
-
-    The local algorithm comes from the registry and may start its own scans from fresh
-    (unsharded) zero carries, which the varying-axes type check rejects; every output here
-    is either sharded over the sequence axis or computed identically on every shard, which
-    is what unchecked autodiff needs to be exact.
-    """
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def _shared_or_expanded(problem: Problem, mesh: Any, axes: MeshAxes) -> Problem:
     """Query and key shared by groups of value heads stay shared (each shard holds its G heads,
     the local algorithm reads them as it does unsharded), unless `head_axis` cannot split them
@@ -387,18 +301,9 @@ def _shared_or_expanded(problem: Problem, mesh: Any, axes: MeshAxes) -> Problem:
     return problem if keep else problem.expanded()
 
 
-def head_axis_splits(heads: int, mesh: Any, axes: MeshAxes) -> bool:
-    """Whether `head_axis` (if any) splits `heads` query/key heads evenly alongside the value heads."""
-    return axes.head is None or heads % mesh.shape[axes.head] == 0
-
-
-def _explicit(mesh: Any) -> bool:
-    return any("explicit" in str(kind).lower() for kind in getattr(mesh, "axis_types", ()) or ())
-
-
 def _place(problem: Problem, specs: Problem, mesh: Any) -> Problem:
     """Lay the problem out as `specs` says (needed on meshes with explicit axes)."""
-    if not _explicit(mesh):
+    if not explicit_axes(mesh):
         return problem
     put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     return Problem(*(put(x, spec) for x, spec in zip(problem, specs)))
@@ -473,13 +378,13 @@ def _sharded(
         query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens, allow_positive_gates
     )
     problem = _shared_or_expanded(problem, mesh, axes)
-    _check_divisible(problem, mesh, axes)
+    check_divisible(problem, mesh, axes)
     local_request = dataclasses.replace(Request.of(problem), seq_len=problem.query.shape[1] // axes.shards)
     impl = kernel_registry.get(implementation, local_request)
     plan = Plan(impl, config.scale, config.reverse, axes)
 
     in_specs, out_specs = _specs(problem, axes)
-    sharded = _shard_map(lambda p: _shard(plan, p), mesh, (in_specs,), out_specs)
+    sharded = shard_map_unchecked(lambda p: _shard(plan, p), mesh, (in_specs,), out_specs)
     with matmul_precision(resolve(precision, problem.query.dtype)):
         output, final_state = sharded(_place(problem, in_specs, mesh))
     if problem.cu_seqlens is not None:
@@ -487,6 +392,3 @@ def _sharded(
         final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
     return layout.restore(output), final_state
 
-
-# The delta rule's sequence parallelism lives with the delta rule and reuses the mesh plumbing above.
-from .delta._parallel import delta_rule  # noqa: E402

@@ -66,8 +66,16 @@ from jaxtyping import Array, Bool, Float, Int
 from .._eager import cached_when_eager
 from .._finite import clean_cotangent
 from .._matmul_precision import matmul_precision, resolve
+from .._mesh import (
+    MeshAxes,
+    Pieces,
+    check_divisible,
+    explicit_axes,
+    head_axis_splits,
+    local_sequences,
+    shard_map_unchecked,
+)
 from ..chunk._intra import dot
-from ..parallel import MeshAxes, Pieces, _check_divisible, _explicit, _local_sequences, _shard_map, head_axis_splits
 from ..problem import check_values
 from ..registry import Request
 from ._api import _packed_tokens
@@ -162,7 +170,7 @@ def _packed_shard(plan: DeltaPlan, problem: DeltaProblem, shard: Int[Array, ""],
     """
     length = problem.query.shape[1]
     cu_seqlens, initial = problem.cu_seqlens, problem.initial_state
-    local_cu, starts_here, ends_here = _local_sequences(cu_seqlens, shard, length)
+    local_cu, starts_here, ends_here = local_sequences(cu_seqlens, shard, length)
     this = Pieces.of(cu_seqlens, shard, length)
     continuing = (jnp.arange(initial.shape[0]) == this.head) & this.continues
     own_initial = jnp.where(starts_here[:, None, None, None], initial, jnp.zeros_like(initial))
@@ -225,7 +233,7 @@ def _heads_split_evenly(problem: DeltaProblem, mesh: Any, axes: MeshAxes) -> Del
 
 def _place(problem: DeltaProblem, specs: DeltaProblem, mesh: Any) -> DeltaProblem:
     """Lay the problem out as `specs` says (needed on meshes with explicit axes)."""
-    if not _explicit(mesh):
+    if not explicit_axes(mesh):
         return problem
     put = lambda x, spec: None if x is None else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
     return DeltaProblem(*(put(x, spec) for x, spec in zip(problem, specs)))
@@ -301,13 +309,13 @@ def _sharded(
         query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm, allow_positive_gates
     )
     algorithm = kernel_registry.get(implementation, Request.of(problem)).fn
-    _check_divisible(problem, mesh, axes)
+    check_divisible(problem, mesh, axes)
     problem = _heads_split_evenly(problem, mesh, axes)
     plan = DeltaPlan(algorithm, float(scale), axes)
 
     in_specs, out_specs = _specs(problem, axes)
     dtype = problem.query.dtype
-    sharded = _shard_map(lambda p: _shard(plan, p, dtype), mesh, (in_specs,), out_specs)
+    sharded = shard_map_unchecked(lambda p: _shard(plan, p, dtype), mesh, (in_specs,), out_specs)
     with matmul_precision(resolve(precision, problem.query.dtype)):
         output, final_state = sharded(_place(problem, in_specs, mesh))
     if problem.cu_seqlens is not None:

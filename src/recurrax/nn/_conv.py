@@ -33,8 +33,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float, Int
 
+from .._mesh import shard_map_unchecked
 from ..kernels._driver import sum_to_vary_like, vary_over, varying_axes
-from ..parallel import _shard_map
 from ._sharding import mesh_axis, param
 
 Taps = Float[Array, "W B T C"]
@@ -274,5 +274,5 @@ def _split_conv(x: Float[Array, "B T C"], buffer: Buffer, cu_seqlens, kernel: Fl
         return y, _finish_buffer(from_x, buffer, cu_seqlens, width)
 
     rows, tokens = Spec(batch, None, None), Spec(batch, sequence, None)
-    split = _shard_map(body, mesh, (tokens, rows, Spec(), Spec()), (tokens, rows))
+    split = shard_map_unchecked(body, mesh, (tokens, rows, Spec(), Spec()), (tokens, rows))
     return split(x, buffer, jnp.zeros((0,), jnp.int32) if cu_seqlens is None else cu_seqlens, kernel)

@@ -41,9 +41,9 @@ from flax import nnx
 
 from ..._sharding import partitioned
 from .._config_checks import _rope, check_hf_config, decode_floats
-from ..layers._attention import HFAttention
+from ..layers._attention import HFAttention, LayerCache
 from ..layers._mamba2_mixer import Mamba2Mixer
-from ..layers._mixer import LayerCache, run_mixer
+from ..layers._mixer import run_mixer
 from ..layers._mlp import GatedMLP, GraniteMoE, GraniteSharedMLP, NemotronMoE, PlainMLP
 from ..layers._norm import RMSNorm
 from ._zamba2 import zamba2_layers

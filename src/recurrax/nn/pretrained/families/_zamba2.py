@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ..layers._attention import HFAttention
+from ..layers._attention import HFAttention, LayerCache
 from ..layers._mamba2_mixer import Mamba2Mixer
-from ..layers._mixer import LayerCache, linear, run_mixer
+from ..layers._mixer import linear, run_mixer
 from ..layers._mlp import activation
 from ..layers._norm import RMSNorm
 

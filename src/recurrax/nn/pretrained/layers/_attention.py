@@ -46,7 +46,7 @@ from jaxtyping import Array, Float, Int
 from ....varlen import segments
 from ..._ring_attention import ring_attention
 from ..._sharding import mesh_axis
-from ._mixer import heads, linear
+from ._mixer import RecurrentCache, heads, linear
 from ._rotary import apply_rotary, token_positions
 
 
@@ -59,6 +59,13 @@ class KVCache(NamedTuple):
 
     keys: Float[Array, "R L Hkv D"]
     values: Float[Array, "R L Hkv D"]
+
+
+class LayerCache(NamedTuple):
+    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
+
+    mamba: RecurrentCache | None
+    attention: KVCache | None
 
 
 class Attention(nnx.Module):

@@ -20,7 +20,7 @@ with rotary embeddings); the model computes them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
@@ -29,9 +29,6 @@ from jaxtyping import Array, Float, Int
 from ....decode import recurrent_step
 from ..._conv import CausalConv1d
 from ..._sharding import partitioned, recurrent_on_mesh
-
-if TYPE_CHECKING:
-    from ._attention import KVCache
 
 
 class RecurrentCache(NamedTuple):
@@ -142,13 +139,6 @@ def heads(x: Float[Array, "B T HD"], head_dim: int) -> Float[Array, "B T H d"]:
 def repeat_heads(x: Float[Array, "B T Hkv d"], groups: int) -> Float[Array, "B T H d"]:
     """fla's `repeat(x, '... h d -> ... (h g) d')`: query head h reads kv head h // groups."""
     return x if groups == 1 else jnp.repeat(x, groups, axis=-2)
-
-
-class LayerCache(NamedTuple):
-    """One layer's decode cache: its Mamba layer's and its attention's (`None` where absent)."""
-
-    mamba: RecurrentCache | None
-    attention: KVCache | None
 
 
 def run_mixer(layer, x, cache, context):
