@@ -16,7 +16,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Int
+
+from ._matmul_precision import matmul_precision, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +128,46 @@ def head_axis_splits(heads: int, mesh: Any, axes: MeshAxes) -> bool:
 
 def explicit_axes(mesh: Any) -> bool:
     return any("explicit" in str(kind).lower() for kind in getattr(mesh, "axis_types", ()) or ())
+
+
+_PER_HEAD = ("log_decay_head", "beta")
+"""Fields of a canonical problem laid out [B, T, H]; the other token fields are [B, T, H, D]."""
+
+
+def problem_specs(problem, axes: MeshAxes):
+    """Partition specs of a canonical problem (`Problem` or `DeltaProblem`: token arrays
+    [B, T, H, D] and [B, T, H], the initial state [R, H, K, V], the packed boundaries) and of
+    the call's (output, final_state)."""
+    tokens = Spec(axes.batch, axes.sequence, axes.head, None)
+    per_head = Spec(axes.batch, axes.sequence, axes.head)
+    state = Spec(None if problem.cu_seqlens is not None else axes.batch, axes.head, None, None)
+
+    def spec(field: str, x):
+        if x is None:
+            return None
+        special = {"initial_state": state, "cu_seqlens": Spec()}
+        return special.get(field, per_head if field in _PER_HEAD else tokens)
+
+    return type(problem)(*(spec(f, x) for f, x in zip(problem._fields, problem))), (tokens, state)
+
+
+def placed(problem, specs, mesh: Any):
+    """The problem laid out as `specs` says (needed on meshes with explicit axes)."""
+    if not explicit_axes(mesh):
+        return problem
+    put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    return type(problem)(*(put(x, spec) for x, spec in zip(problem, specs)))
+
+
+def run_sharded(body, problem, mesh: Any, axes: MeshAxes, precision):
+    """`(output, final_state)` of `body` (one shard's pair from its block of the canonical
+    `problem`) run on every device under `shard_map`, at the call's matmul `precision`. A packed
+    sequence with no tokens is in no shard: its final state is its initial state."""
+    in_specs, out_specs = problem_specs(problem, axes)
+    sharded = shard_map_unchecked(body, mesh, (in_specs,), out_specs)
+    with matmul_precision(resolve(precision, problem.query.dtype)):
+        output, final_state = sharded(placed(problem, in_specs, mesh))
+    if problem.cu_seqlens is not None:
+        empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
+        final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
+    return output, final_state

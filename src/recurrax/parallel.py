@@ -56,20 +56,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Float, Int
 
 from ._eager import cached_when_eager
-from ._matmul_precision import matmul_precision, resolve
 from ._mesh import (
     MeshAxes,
     Pieces,
     check_divisible,
-    explicit_axes,
     head_axis_splits,
     local_sequences,
-    shard_map_unchecked,
+    run_sharded,
 )
 from ._recurrent import _packed_tokens
 from .delta._parallel import delta_rule
@@ -77,26 +73,6 @@ from .problem import Problem, canonicalize, check_values
 from .registry import Implementation, Request, kernel_registry
 
 __all__ = ["delta_rule", "recurrent"]
-
-
-def _specs(problem: Problem, axes: MeshAxes) -> tuple[Problem, tuple[Spec, Spec]]:
-    """Partition specs of the canonical problem and of (output, final_state)."""
-    tokens = Spec(axes.batch, axes.sequence, axes.head, None)
-    per_head = Spec(axes.batch, axes.sequence, axes.head)
-    packed = problem.cu_seqlens is not None
-    state = Spec(None if packed else axes.batch, axes.head, None, None)
-    given = lambda x, spec: None if x is None else spec  # noqa: E731
-    in_specs = Problem(
-        query=tokens,
-        key=tokens,
-        value=tokens,
-        log_decay_head=given(problem.log_decay_head, per_head),
-        log_decay_key=given(problem.log_decay_key, tokens),
-        log_decay_value=given(problem.log_decay_value, tokens),
-        initial_state=state,
-        cu_seqlens=given(problem.cu_seqlens, Spec()),
-    )
-    return in_specs, (tokens, state)
 
 
 class Decays(NamedTuple):
@@ -301,14 +277,6 @@ def _shared_or_expanded(problem: Problem, mesh: Any, axes: MeshAxes) -> Problem:
     return problem if keep else problem.expanded()
 
 
-def _place(problem: Problem, specs: Problem, mesh: Any) -> Problem:
-    """Lay the problem out as `specs` says (needed on meshes with explicit axes)."""
-    if not explicit_axes(mesh):
-        return problem
-    put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
-    return Problem(*(put(x, spec) for x, spec in zip(problem, specs)))
-
-
 def recurrent(
     query: Float[Array, "batch seq_len num_heads qk_head_dim"] | Float[Array, "total_tokens num_heads qk_head_dim"],
     key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
@@ -383,12 +351,6 @@ def _sharded(
     impl = kernel_registry.get(implementation, local_request)
     plan = Plan(impl, config.scale, config.reverse, axes)
 
-    in_specs, out_specs = _specs(problem, axes)
-    sharded = shard_map_unchecked(lambda p: _shard(plan, p), mesh, (in_specs,), out_specs)
-    with matmul_precision(resolve(precision, problem.query.dtype)):
-        output, final_state = sharded(_place(problem, in_specs, mesh))
-    if problem.cu_seqlens is not None:
-        empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
-        final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
+    output, final_state = run_sharded(lambda p: _shard(plan, p), problem, mesh, axes, precision)
     return layout.restore(output), final_state
 

@@ -60,20 +60,17 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Float, Int
 
 from .._eager import cached_when_eager
 from .._finite import clean_cotangent
-from .._matmul_precision import matmul_precision, resolve
 from .._mesh import (
     MeshAxes,
     Pieces,
     check_divisible,
-    explicit_axes,
     head_axis_splits,
     local_sequences,
-    shard_map_unchecked,
+    run_sharded,
 )
 from ..chunk._intra import dot
 from ..problem import check_values
@@ -200,26 +197,6 @@ def _cleaned_shard(plan: DeltaPlan, dtype, problem: DeltaProblem):
     return clean_cotangent(output), final_state
 
 
-def _specs(problem: DeltaProblem, axes: MeshAxes) -> tuple[DeltaProblem, tuple[Spec, Spec]]:
-    """Partition specs of the canonical problem and of (output, final_state)."""
-    tokens = Spec(axes.batch, axes.sequence, axes.head, None)
-    per_head = Spec(axes.batch, axes.sequence, axes.head)
-    packed = problem.cu_seqlens is not None
-    state = Spec(None if packed else axes.batch, axes.head, None, None)
-    given = lambda x, spec: None if x is None else spec  # noqa: E731
-    in_specs = DeltaProblem(
-        query=tokens,
-        key=tokens,
-        value=tokens,
-        beta=per_head,
-        log_decay_head=given(problem.log_decay_head, per_head),
-        log_decay_key=given(problem.log_decay_key, tokens),
-        initial_state=state,
-        cu_seqlens=given(problem.cu_seqlens, Spec()),
-    )
-    return in_specs, (tokens, state)
-
-
 def _heads_split_evenly(problem: DeltaProblem, mesh: Any, axes: MeshAxes) -> DeltaProblem:
     """Query and key repeated to every value head when `head_axis` cannot split their heads
     alongside the value heads (their count not divisible by its size); unchanged otherwise."""
@@ -229,14 +206,6 @@ def _heads_split_evenly(problem: DeltaProblem, mesh: Any, axes: MeshAxes) -> Del
     groups = problem.value.shape[2] // heads
     repeat = lambda x: jnp.repeat(x, groups, axis=2)  # noqa: E731
     return problem._replace(query=repeat(problem.query), key=repeat(problem.key))
-
-
-def _place(problem: DeltaProblem, specs: DeltaProblem, mesh: Any) -> DeltaProblem:
-    """Lay the problem out as `specs` says (needed on meshes with explicit axes)."""
-    if not explicit_axes(mesh):
-        return problem
-    put = lambda x, spec: None if x is None else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-    return DeltaProblem(*(put(x, spec) for x, spec in zip(problem, specs)))
 
 
 def delta_rule(
@@ -313,12 +282,6 @@ def _sharded(
     problem = _heads_split_evenly(problem, mesh, axes)
     plan = DeltaPlan(algorithm, float(scale), axes)
 
-    in_specs, out_specs = _specs(problem, axes)
     dtype = problem.query.dtype
-    sharded = shard_map_unchecked(lambda p: _shard(plan, p, dtype), mesh, (in_specs,), out_specs)
-    with matmul_precision(resolve(precision, problem.query.dtype)):
-        output, final_state = sharded(_place(problem, in_specs, mesh))
-    if problem.cu_seqlens is not None:
-        empty = (problem.cu_seqlens[1:] == problem.cu_seqlens[:-1])[:, None, None, None]
-        final_state = final_state + jnp.where(empty, problem.initial_state, jnp.zeros_like(final_state))
+    output, final_state = run_sharded(lambda p: _shard(plan, p, dtype), problem, mesh, axes, precision)
     return layout.restore(output), final_state
