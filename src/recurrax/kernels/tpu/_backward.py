@@ -9,7 +9,8 @@
 | A_i     | chunk-local inclusive cumulative log decay; A_L the chunk's last          |
 | dP_ij   | scale · do_i · v_j, the gradient of the intra-chunk score P_ij            |
 
-The grid walks the chunks of each (row, head, value block) from last to first, carrying
+The grid walks the chunks of each (row, head block, value block) from last to first (the Hb
+heads of a step one after another, `_tiles.head_views`), carrying
 dS (initialised with the final-state cotangent) and S⁺ in VMEM. Differentiating the
 forward's chunk equations (`_forward`), with ⊙ broadcasting a decay over its axis:
 
@@ -40,7 +41,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
@@ -116,6 +116,13 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
 def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    for i in range(specs.s.Hb):
+        _backward_head(tiles.head_views(refs, i, specs, qk=3), flags, static=static, specs=specs)  # q, k, qᵀ
+
+
+def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref, k_ref, qT_ref, v_ref = refs[:4]
     del refs[:4]
     has_decay = static.gate is not None
@@ -125,7 +132,7 @@ def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     boundary_ref = refs.pop(0) if has_decay else None
     dS_ref, after_ref = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
     dtype, scale = tiles.matmul_dtype(q_ref.dtype), static.scale
 
     @pl.when(step0)
@@ -171,7 +178,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     summed here (dq, dk stay per value head: shared query/key heads are summed by the driver)."""
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = tiles.shapes_of(q, v, static)
+    s = tiles.shapes_of(q, v, static, backward=True)
     tiles.check_tiles(s, static, kdt, True)  # backward
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = h_T.shape[0]
@@ -194,7 +201,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     if has_decay:
         out_specs.append(specs.partial_row())  # a row: a [K, 1] column is padded to 128 lanes in HBM
         out_shape.append(output_type((s.nV, s.B, s.H, s.N, 1, s.K), F32, q))
-    scratch = [pltpu.VMEM((s.K, s.BV), F32), pltpu.VMEM((s.K, s.BV), F32)]  # dS, S⁺
+    scratch = [specs.state_scratch(), specs.state_scratch()]  # dS, S⁺
     dq, dk, dv, dh0, *boundary = pl.pallas_call(
         functools.partial(_backward_kernel, static=static, specs=specs),
         grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),

@@ -12,7 +12,8 @@
 | U, R    | the written values X (β ⊙ R), the residual R = V − K̃ S                    |
 | X̄       | ∂L/∂X for every quantity X                                                |
 
-The grid walks the chunks of each (row, head, value block) from last to first, carrying Ē
+The grid walks the chunks of each (row, head block, value block) from last to first (Hb heads a
+step, one after another), carrying Ē
 (the final state's cotangent at a sequence's last chunk). The chunk is `_delta_forward`'s:
 
     (I + diag(β) L) U = diag(β) R,   O = scale (Q̃ S + P U),   E = γ S + K̂ᵀ U   (γ = e^{A_L})
@@ -55,7 +56,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
@@ -160,6 +160,13 @@ def delta_chunk_bwd(q, k, qT, kT, v, beta, decay, S, do, dE, *, gate: Gate | Non
 def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    for i in range(specs.s.Hb):
+        _delta_backward_head(tiles.head_views(refs, i, specs), flags, static=static, specs=specs)
+
+
+def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref = refs[:6]
     del refs[:6]
     has_decay = static.gate is not None
@@ -169,7 +176,7 @@ def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     da_ref = refs.pop(0) if has_decay else None
     (dE_ref,) = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
 
     @pl.when(step0)
     def _():  # packed input: chunks owned by no sequence see zeros, not garbage
@@ -207,7 +214,7 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
     """
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = tiles.shapes_of(q, v, static)
+    s = tiles.shapes_of(q, v, static, default_heads=1)
     check_delta_tiles(s, static, kdt)
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = dh_T.shape[0]
@@ -231,7 +238,7 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
         out_shape.append(partial(width))
     dq, dk, dv, d_beta, dh0, *da = pl.pallas_call(
         functools.partial(_delta_backward_kernel, static=static, specs=specs),
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
         interpret=tiles.interpret_mode(static),

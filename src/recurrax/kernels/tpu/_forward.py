@@ -7,7 +7,8 @@
 | A_i     | chunk-local inclusive cumulative log decay Σ_{s ≤ i} a_s; A_L the last  |
 | p, r    | first row of a query sub-block and its anchor r = p − 1                 |
 
-One grid step is one chunk of one (row, head, value block). With ⊙ broadcasting a decay
+One grid step is one chunk of Hb heads of one (row, head block, value block), the heads one
+after another (`_tiles.head_views`). With ⊙ broadcasting a decay
 over the axis it belongs to (everything for a per-head scalar, K for per-channel):
 
     o_i  = scale · [ (q_i ⊙ e^{A_i})ᵀ S  +  Σ_{j ≤ i} P_ij v_j ],  P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk}
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
@@ -110,6 +110,16 @@ def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, scale, dtype):
 def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output: bool, emit_states: bool):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    qk = 3 if emit_output else 2  # q, k, kᵀ
+    for i in range(specs.s.Hb):
+        _forward_head(tiles.head_views(refs, i, specs, qk), flags, static=static, specs=specs,
+                      emit_output=emit_output, emit_states=emit_states)
+
+
+def _forward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs, emit_output: bool,
+                  emit_states: bool):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
     k_ref, kT_ref, v_ref = refs[:3]
     del refs[:3]
@@ -120,7 +130,7 @@ def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output
     states_ref = refs.pop(0) if emit_states else None
     (S_ref,) = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
     dtype = tiles.matmul_dtype(k_ref.dtype)
 
     @pl.when(step0)
@@ -188,7 +198,7 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_outpu
     )
     outs = pl.pallas_call(
         kernel,
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
         interpret=tiles.interpret_mode(static),
