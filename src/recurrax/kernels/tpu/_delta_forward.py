@@ -26,7 +26,7 @@ with `emit_states` and without `emit_output`, writes the state entering every ch
 the queries. The scores P and M are those of the `recurrent` kernels
 (`_forward.py`): per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key
 channel, sub-blocks of c query rows anchored at the row before them, the keys inside the
-sub-block computed element-wise (`diagonal_scores`). Every evaluated exponential has a
+sub-block by groups of 4 rows, element-wise only inside a group (`diagonal_scores`). Every evaluated exponential has a
 non-positive exponent for gates ≤ 0.
 
 **The inverse by masked doubling.** With X_m the inverse of the block-diagonal part of I + M
@@ -82,7 +82,7 @@ def channel_scores(x, k, a, c: int, dtype):
             a_r = pick_row(a, p - 1)  # [1, K]
             k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for s ≥ p
             scores = mm_nt(x_s * jnp.exp(a_s - a_r), k_anchor, dtype)
-        blocks.append(diagonal_scores(x_s, k[p : p + c], a_s, scores, p))
+        blocks.append(diagonal_scores(x_s, k[p : p + c], a_s, scores, p, dtype))
     return jnp.concatenate(blocks, axis=0)
 
 
