@@ -208,7 +208,7 @@ def test_tpu_kernel_sweep_smoke_run_times_chunk_and_the_kernel_at_many_heads(tmp
         assert tile["heads"] == 4 and tile["forward"] > 0 and tile["fwd+bwd"] > 0
         assert tile["error vs chunk"] < 1e-5  # float32 inputs: the two paths agree to rounding
     text = (tmp_path / "tpu_kernel_sweep.md").read_text()
-    assert "| `chunk` |" in text and "| `pallas_tpu` | 4 | 16 |" in text and "Fastest tile per row" in text
+    assert "| `chunk` |" in text and "| `pallas_tpu` | 4 | 16 | 4 |" in text and "Fastest tile per row" in text
 
 
 def test_tpu_kernel_sweep_tries_todays_tile_first_and_keeps_heads_that_divide():
@@ -217,6 +217,8 @@ def test_tpu_kernel_sweep_tries_todays_tile_first_and_keeps_heads_that_divide():
     tiles = sweep.tiles_of(row, [1, 2, 3, 8, 16], [128, 256], smoke=False)
     assert (tiles[0].heads, tiles[0].chunk) == (1, 128) and (tiles[1].heads, tiles[1].chunk) == (8, 128)
     assert {t.heads for t in tiles} == {1, 2, 8, 16} and len(tiles) == 8
+    gk = sweep.tiles_of(sweep.rows(smoke=False)[1], [8], [128], smoke=False, groups=(2, 4, 16))
+    assert [(t.heads, t.group) for t in gk] == [(8, 2), (8, 4), (8, 16)]
 
 
 def test_remat_memory_reports_every_remat():

@@ -139,6 +139,15 @@ def test_tpu_interpret_many_heads_per_grid_step(case, heads):
     _assert_within(errors(case, implementation), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
 
 
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_tpu_interpret_diagonal_groups(group):
+    """The per-key-channel diagonal sub-block (8 rows) in groups of 1 (all block matmuls), 2 and
+    8 (all element-wise) rows: the same bounds (the default, 4, runs in every other case)."""
+    implementation = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, group=group))
+    case = Case(T=32, gates=("g_channel",), reverse=True, **SMALL)
+    _assert_within(errors(case, implementation), F32_TOL)
+
+
 def _pallas_grids(jaxpr) -> list[tuple]:
     """The grid of every pallas_call in `jaxpr`, nested jaxprs included."""
     grids = []
@@ -165,10 +174,13 @@ def test_a_grid_step_takes_the_tiles_heads(heads, steps):
     assert grids == [(1, steps, 1, 3)] * 3, grids
 
 
-def test_heads_that_do_not_tile_the_heads_are_refused():
+def test_heads_that_do_not_tile_the_heads_and_groups_not_powers_of_two_are_refused():
     kwargs = make_inputs(Case(T=20, Hqk=2, H=4, K=16, V=16, dtype="float32"))
-    for heads, reason in ((3, "heads=3 must divide the 4 value heads"), (8, "heads=8 must divide")):
-        implementation = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, heads=heads))
+    refused = {(3, 4): "heads=3 must divide the 4 value heads", (8, 4): "heads=8 must divide",
+               (2, 3): "group=3 must be a power of two"}
+    for (heads, group), reason in refused.items():
+        tiles = TpuTiles(chunk=16, sub=8, block_v=64, heads=heads, group=group)
+        implementation = functools.partial(tpu_interpret, tiles=tiles)
         with pytest.raises(ValueError, match=reason):
             call(implementation, **kwargs)
     shapes = tpu_kernels._tiles.Shapes(B=1, H=12, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=2)  # groups of 6

@@ -68,14 +68,14 @@ def head_chunk_bwd(q, k, qT, v, do, a_col, a_row, S, dS, *, scale, dtype):
     return dq, dk, dv, dS_entering
 
 
-def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale, dtype):
+def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale, dtype, group: int = DIAGONAL_GROUP):
     """Add the exact diagonal block of sub-block [p, p + c) to its (dq, dk, dv); `dP_s` [c, C] =
     scale · do_s vᵀ for the sub-block's queries. As `_forward.diagonal_scores`: pairs in different
     groups of g rows by block matmuls anchored at the row before the query's group, pairs inside
     a group in g element-wise steps (step t: each row's group's t-th key, gathered and scattered
     back by selection products)."""
     c, K = q_s.shape
-    g = min(DIAGONAL_GROUP, c)
+    g = min(group, c)
     C = dP_s.shape[1]
     into_columns = (iota((c, C), 1) == iota((c, C), 0) + p).astype(F32)  # [c, C]: column j → p + j
     dP = mm_nt(dP_s, into_columns, F32)  # [i, j] the diagonal block of dP
@@ -104,7 +104,7 @@ def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale, dtype)
     return dq, dk, dv
 
 
-def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, dtype):
+def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, dtype, group: int):
     """Per-channel decay: (dq, dk, dv) of rows [p, p + c), float32."""
     C, K = q.shape
     q_s, k_s, v_s, do_s, a_s = (x[p : p + c] for x in (q, k, v, do, a))
@@ -125,7 +125,7 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
         dP_t = scale * mm_nt(v_s, do, dtype)  # [c, C]
         dk += k_factor * mm(dP_t, q_hat, dtype)
         dv += mm(P_t, do, dtype)
-    return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype)
+    return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype, group=group)
 
 
 def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
@@ -169,7 +169,8 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
         C, c = q.shape[0], static.tiles.sub
         a_last = pick_row(a, C - 1)  # [1, K]
         for p in range(0, C, c):
-            dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype)
+            dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype,
+                                           group=static.tiles.group)
             dq_ref[p : p + c, :] = dq
             dk_ref[p : p + c, :] = dk
             dv_ref[p : p + c, :] = dv

@@ -66,9 +66,10 @@ def head_chunk(q, k, kT, v, a_col, a_row, S, *, scale, dtype, emit_output: bool 
     return o, jnp.exp(a_last) * S + mm(kT_to_end, v, dtype)
 
 
-DIAGONAL_GROUP = 4
+DIAGONAL_GROUP = tiles.TpuTiles.group
 """Rows of a sub-block's query groups (a power of two): pairs in different groups are block
-matmuls, pairs inside one are element-wise (`diagonal_scores`)."""
+matmuls, pairs inside one are element-wise (`diagonal_scores`); `TpuTiles.group` sets it for
+the `recurrent` kernels."""
 
 
 def group_pick(c: int, g: int, t: int):
@@ -84,16 +85,16 @@ def group_scatter(c: int, g: int, t: int):
     return (rows == cols - jnp.bitwise_and(cols, g - 1) + t).astype(F32)
 
 
-def diagonal_scores(q_s, k_s, a_s, scores, p: int, dtype):
+def diagonal_scores(q_s, k_s, a_s, scores, p: int, dtype, group: int = DIAGONAL_GROUP):
     """Add the exact scores of keys [p, p + c) against queries [p, p + c) to columns
     p … p + c − 1 of the [c, C] `scores`: P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk} for i ≥ j, 0 for i < j.
 
-    The c rows split into groups of g = `DIAGONAL_GROUP`. Queries of the group starting at row
+    The c rows split into groups of g = `group` rows. Queries of the group starting at row
     s against keys j < s are one block matmul anchored at r = s − 1 (e^{A_i − A_r}·e^{A_r − A_j},
     both ≤ 0); keys inside the query's own group, g element-wise steps: step t takes each row's
     group's t-th key, gathered by a selection product (`group_pick`), masked to t ≤ i − s."""
     c, K = q_s.shape
-    g = min(DIAGONAL_GROUP, c)
+    g = min(group, c)
     rows = iota((c, K), 0)
     D = jnp.zeros((c, c), F32)
     for start in range(g, c, g):  # query groups after the first, against the keys before them
@@ -112,7 +113,7 @@ def diagonal_scores(q_s, k_s, a_s, scores, p: int, dtype):
     return scores + mm(D, into_columns, F32)
 
 
-def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype):
+def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype, group: int):
     """Per-channel decay: unscaled outputs of query rows [p, p + c), [c, BV] float32."""
     C, K = k.shape
     q_s, a_s = q[p : p + c], a[p : p + c]
@@ -122,17 +123,17 @@ def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype):
         a_r = pick_row(a, p - 1)  # [1, K]
         k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for j ≥ p
         scores = mm_nt(q_s * jnp.exp(a_s - a_r), k_anchor, dtype)  # [c, C]
-    scores = diagonal_scores(q_s, k[p : p + c], a_s, scores, p, dtype)
+    scores = diagonal_scores(q_s, k[p : p + c], a_s, scores, p, dtype, group)
     return o + mm(scores, v, dtype)
 
 
-def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, scale, dtype):
+def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, group: int, scale, dtype):
     """Per-channel decay: writes o (when `o_ref` is given) sub-block by sub-block; returns
     S' [K, BV] float32."""
     C = k.shape[0]
     if o_ref is not None:
         for p in range(0, C, c):
-            o_s = key_sub_block(q, k, v, a, S, p, c, dtype=dtype)
+            o_s = key_sub_block(q, k, v, a, S, p, c, dtype=dtype, group=group)
             o_ref[p : p + c, :] = (scale * o_s).astype(o_ref.dtype)
     a_last = pick_col(aT, C - 1)  # [K, 1]
     return jnp.exp(a_last) * S + mm(kT * jnp.exp(a_last - aT), v, dtype)
@@ -180,7 +181,8 @@ def _forward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:
         c = static.tiles.sub
-        S_next = key_chunk(q, k, kT, v, a, aT, S, o_ref, c=c, scale=static.scale, dtype=dtype)
+        S_next = key_chunk(q, k, kT, v, a, aT, S, o_ref, c=c, group=static.tiles.group, scale=static.scale,
+                           dtype=dtype)
     else:
         o, S_next = head_chunk(q, k, kT, v, a, aT, S, scale=static.scale, dtype=dtype, emit_output=emit_output)
         if emit_output:

@@ -73,12 +73,15 @@ class TpuTiles:
     sub-block c for per-channel decays, value block BV (clipped to V), and `heads` Hb per grid
     step (a divisor of H; with query/key heads shared by groups of g value heads, a multiple or
     a divisor of g). `heads=None`: the `recurrent` kernels take the most heads, up to
-    `MOST_HEADS`, whose blocks fit the target's scoped VMEM (`_vmem.py`); the delta rule's, one."""
+    `MOST_HEADS`, whose blocks fit the target's scoped VMEM (`_vmem.py`); the delta rule's, one.
+    `group`: rows of the diagonal sub-block's groups in the `recurrent` kernels (a power of two;
+    `_forward.diagonal_scores`; the delta rule's are 4)."""
 
     chunk: int = 128
     sub: int = 16
     block_v: int = 128
     heads: int | None = None
+    group: int = 4
 
 
 MOST_HEADS = 8
@@ -160,7 +163,9 @@ def shapes_of(q, v, static: KernelConfig, backward: bool = False, default_heads:
     H, V = v.shape[-2:]
     s = Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G)
     heads = static.tiles.heads or default_heads or most_heads(s, static.gate, q.dtype, backward)
-    problems = heads_problems(s, heads)
+    group = static.tiles.group
+    problems = heads_problems(s, heads) + ([] if group > 0 and not group & (group - 1) else
+                                           [f"group={group} must be a power of two"])
     if problems:
         raise ValueError("TPU chunk kernels: " + "; ".join(problems))
     return dataclasses.replace(s, Hb=heads)
