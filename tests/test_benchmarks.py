@@ -211,6 +211,34 @@ def test_tpu_chunk_sweep_smoke_run_times_each_tiling_and_compares_it(tmp_path):
     assert "| recurrent gk | 16x4x1 |" in (tmp_path / "tpu_chunk_sweep.md").read_text()
 
 
+@pytest.mark.slow  # interprets the TPU kernels, forward and backward, for both operations
+def test_tpu_kernel_sweep_smoke_run_times_chunk_and_the_kernel_at_many_heads(tmp_path):
+    """`benchmarks/tpu_kernel_sweep.py --smoke` (interpret mode off a TPU): per row `chunk` and
+    the kernel at 4 heads a grid step timed both ways, its output within float32 rounding of
+    `chunk`'s; the markdown and JSON are written."""
+    sweep = pytest.importorskip("tpu_kernel_sweep")
+    assert sweep.main(["--smoke", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "tpu_kernel_sweep.json").read_text())
+    assert [row["row"]["op"] for row in rows] == ["recurrent", "delta_rule"]
+    for row in rows:
+        assert row["chunk"]["forward"] > 0 and row["chunk"]["fwd+bwd"] > 0 and min(row["floors"].values()) > 0
+        (tile,) = row["tiles"]
+        assert tile["heads"] == 4 and tile["forward"] > 0 and tile["fwd+bwd"] > 0
+        assert tile["error vs chunk"] < 1e-5  # float32 inputs: the two paths agree to rounding
+    text = (tmp_path / "tpu_kernel_sweep.md").read_text()
+    assert "| `chunk` |" in text and "| `pallas_tpu` | 4 | 16 | 4 |" in text and "Fastest tile per row" in text
+
+
+def test_tpu_kernel_sweep_tries_todays_tile_first_and_keeps_heads_that_divide():
+    sweep = pytest.importorskip("tpu_kernel_sweep")
+    row = sweep.rows(smoke=False)[2]  # GDN, 32 value heads
+    tiles = sweep.tiles_of(row, [1, 2, 3, 8, 16], [128, 256], smoke=False)
+    assert (tiles[0].heads, tiles[0].chunk) == (1, 128) and (tiles[1].heads, tiles[1].chunk) == (8, 128)
+    assert {t.heads for t in tiles} == {1, 2, 8, 16} and len(tiles) == 8
+    gk = sweep.tiles_of(sweep.rows(smoke=False)[1], [8], [128], smoke=False, groups=(2, 4, 16))
+    assert [(t.heads, t.group) for t in gk] == [(8, 2), (8, 4), (8, 16)]
+
+
 def test_remat_memory_reports_every_remat():
     """`benchmarks/remat_memory.py` at a tiny size: one row per `remat`, `"block"` below none."""
     remat_memory = pytest.importorskip("remat_memory")

@@ -285,6 +285,52 @@ def test_the_largest_tpu_chunk_the_vmem_check_accepts_compiles_float32_k256(gene
     check_largest_chunk(generation, 256, 256, "float32", "both")
 
 
+def largest_accepted_heads(generation: str, K: int, V: int, dtype, gate, H: int) -> int:
+    """The most heads per grid step (a divisor of H, C = 128) whose forward and backward the VMEM
+    check accepts."""
+    from recurrax.kernels.tpu._vmem import vmem_problem
+
+    return max(heads for heads in range(1, H + 1) if H % heads == 0 and not any(
+        vmem_problem(128, K, min(V, 128), dtype, gate, b, generation, heads=heads) for b in (False, True)))
+
+
+def check_most_heads(generation: str, K: int, V: int, dtype: str, gates: str, expected: int) -> None:
+    """What the VMEM check accepts with many heads per grid step, libtpu compiles (forward,
+    states and backward kernels, 16 heads, two chunks)."""
+    import jax.numpy as jnp
+
+    from recurrax.kernels.tpu import TpuTiles, tpu_recurrent
+    from recurrax.problem import Gate
+    from recurrax.tools.cases import Case, canonical, make_inputs, split_args
+    from recurrax.tools.compile import GATE_SETS
+
+    need(generation)
+    gate = {"head": Gate.HEAD, "channel": Gate.KEY}[gates]
+    heads = largest_accepted_heads(generation, K, V, jnp.dtype(dtype), gate, 16)
+    assert heads == expected  # the estimate's answer; a change of it is seen here
+    case = Case(B=1, T=256, H=16, Hkv=16, K=K, V=V, gates=GATE_SETS[gates], dtype=dtype)
+    diff, rest = split_args(make_inputs(case))
+
+    def loss(diff):
+        problem, config, _ = canonical({**rest, **diff})
+        output, state = tpu_recurrent(problem, scale=config.scale, reverse=False, tiles=TpuTiles(heads=heads))
+        return jnp.sum(output.astype(jnp.float32)) + jnp.sum(state)
+
+    compiled = targets.compile_for(generation, jax.grad(loss), diff)
+    assert compiled.executable.as_text().count("tpu_custom_call") == 3
+
+
+@pytest.mark.parametrize(("generation", "expected"), [("v5e", 8), ("v6e", 16)])
+def test_the_most_heads_per_step_the_vmem_check_accepts_compile(generation, expected):
+    check_most_heads(generation, 64, 64, "bfloat16", "head", expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("generation", "expected"), [("v5e", 8), ("v6e", 16)])
+def test_the_most_heads_per_step_the_vmem_check_accepts_compile_per_channel_k128(generation, expected):
+    check_most_heads(generation, 128, 128, "bfloat16", "channel", expected)
+
+
 # ----------------------------------------------------------------------------- mixture of experts: ragged_dot
 
 

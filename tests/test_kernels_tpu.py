@@ -121,6 +121,90 @@ def test_tpu_interpret_matches_reference(case):
     _assert_within(errors(case), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
 
 
+HEADS_CASES = [
+    # four value heads in pairs sharing a query/key head: Hb = 1, 2 (one group a step), 4 (two)
+    Case(B=2, T=33, Hqk=2, H=4, K=16, V=32, gates=("g_head", "g_gamma"), reverse=True, dtype="float32"),
+    # packed, one query/key head shared by four value heads: Hb = 1, 2 (a group across two steps), 4
+    Case(T=30, Hqk=1, H=4, K=16, V=16, gates=("g_channel",), cu_seqlens=(0, 3, 3, 17, 30), dtype="float32"),
+    Case(T=20, H=4, Hkv=4, K=16, V=16, dtype="float32"),  # no decay, an initial state
+]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+@pytest.mark.parametrize("case", HEADS_CASES, ids=str)
+def test_tpu_interpret_many_heads_per_grid_step(case, heads):
+    """Hb heads per grid step ([Hb, C, D] blocks, a static loop over the heads): the same
+    bounds as one head a step, grouped query/key heads read through the index maps."""
+    implementation = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, heads=heads))
+    _assert_within(errors(case, implementation), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_tpu_interpret_diagonal_groups(group):
+    """The per-key-channel diagonal sub-block (8 rows) in groups of 1 (all block matmuls), 2 and
+    8 (all element-wise) rows: the same bounds (the default, 4, runs in every other case)."""
+    implementation = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, group=group))
+    case = Case(T=32, gates=("g_channel",), reverse=True, **SMALL)
+    _assert_within(errors(case, implementation), F32_TOL)
+
+
+def _pallas_grids(jaxpr) -> list[tuple]:
+    """The grid of every pallas_call in `jaxpr`, nested jaxprs included."""
+    grids = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            grids.append(tuple(eqn.params["grid_mapping"].grid))
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    grids += _pallas_grids(inner)
+    return grids
+
+
+@pytest.mark.parametrize(("heads", "steps"), [(None, 1), (2, 2), (1, 4)])
+def test_a_grid_step_takes_the_tiles_heads(heads, steps):
+    """The grid is (B, H / Hb, value blocks, chunks) in the forward, state and backward kernels;
+    `heads=None` takes all four heads (they fit the scoped VMEM, `_vmem.py`)."""
+    case = Case(B=1, T=40, Hqk=2, H=4, K=16, V=32, gates=("g_head",), dtype="float32")
+    diff, rest = split_args(make_inputs(case))
+    implementation = functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, heads=heads))
+    loss = lambda d: sum(jnp.sum(x) for x in call(implementation, **d, **rest))  # noqa: E731
+    grids = _pallas_grids(jax.make_jaxpr(jax.grad(loss))(diff).jaxpr)
+    assert grids == [(1, steps, 1, 3)] * 3, grids
+
+
+def test_heads_that_do_not_tile_the_heads_and_groups_not_powers_of_two_are_refused():
+    kwargs = make_inputs(Case(T=20, Hqk=2, H=4, K=16, V=16, dtype="float32"))
+    refused = {(3, 4): "heads=3 must divide the 4 value heads", (8, 4): "heads=8 must divide",
+               (2, 3): "group=3 must be a power of two"}
+    for (heads, group), reason in refused.items():
+        tiles = TpuTiles(chunk=16, sub=8, block_v=64, heads=heads, group=group)
+        implementation = functools.partial(tpu_interpret, tiles=tiles)
+        with pytest.raises(ValueError, match=reason):
+            call(implementation, **kwargs)
+    shapes = tpu_kernels._tiles.Shapes(B=1, H=12, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=2)  # groups of 6
+    assert "multiple or a divisor of the 6" in tpu_kernels._tiles.heads_problems(shapes, 4)[0]
+    assert tpu_kernels._tiles.heads_problems(shapes, 3) == tpu_kernels._tiles.heads_problems(shapes, 12) == []
+
+
+def test_default_heads_are_the_most_that_fit_the_scoped_vmem():
+    """`heads=None`: the most heads up to `MOST_HEADS` that tile H and whose blocks fit the
+    generation's scoped VMEM, forward and backward judged apart."""
+    from recurrax.kernels.tpu import _tiles
+    from recurrax.kernels.tpu._vmem import vmem_problem
+    from recurrax.problem import Gate
+
+    shapes = _tiles.Shapes(B=4, H=16, Tp=4096, K=64, V=64, BV=64, C=128, c=16, G=16)
+    assert _tiles.most_heads(shapes, Gate.KEY, jnp.bfloat16, backward=True) == _tiles.MOST_HEADS == 8
+    wide = dataclasses.replace(shapes, K=256, V=256, BV=128, C=512)
+    for backward in (False, True):
+        heads = _tiles.most_heads(wide, Gate.KEY, jnp.float32, backward)
+        assert 1 <= heads < 8 and 16 % heads == 0
+        fits = lambda h: vmem_problem(512, 256, 128, jnp.float32, Gate.KEY, backward, None, heads=h) is None  # noqa: E731
+        assert fits(heads) and (heads == 1 or not fits(2 * heads)), heads
+
+
 def _pallas_operand_shapes(jaxpr, results: bool = False) -> list[tuple]:
     """The operand (or result) shapes of every pallas_call in `jaxpr`, nested jaxprs included."""
     shapes = []

@@ -58,6 +58,26 @@ def test_tpu_delta_interpret_matches_float64_reference(case):
     assert max(error for error, _ in errors.values()) <= F32_BOUND, errors
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_tpu_delta_interpret_many_heads_per_grid_step(heads):
+    """Hb heads per grid step ([Hb, C, D] blocks, a static loop over the heads), GDN on four
+    value heads in pairs sharing a query/key head: the same bounds as one head a step."""
+    kernel = functools.partial(tpu_delta_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, heads=heads))
+    errors = chunk_errors(Case(gates=("g",), qk_l2norm=True, Hqk=2, H=4, **SMALL), kernel)
+    assert_within_floor(errors, "pallas_tpu_interpret")
+    assert max(error for error, _ in errors.values()) <= F32_BOUND, errors
+
+
+@pytest.mark.slow
+def test_tpu_delta_interpret_many_heads_packed_kda():
+    """KDA's per-key-channel decay, packed (an empty sequence, one across chunks), two heads a step."""
+    kernel = functools.partial(tpu_delta_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, heads=2))
+    case = Case(gates=("gk",), Hqk=1, H=2, cu_seqlens=(0, 3, 3, 4, 30), **{**SMALL, "T": 30})
+    errors = chunk_errors(case, kernel)
+    assert_within_floor(errors, "pallas_tpu_interpret")
+    assert max(error for error, _ in errors.values()) <= F32_BOUND, errors
+
+
 @pytest.mark.slow
 def test_tpu_delta_interpret_two_value_blocks():
     """V = 256 in two value blocks of 128 (independent programs): dq, dk, dβ and the decay's

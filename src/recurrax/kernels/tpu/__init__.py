@@ -11,9 +11,12 @@
 | `_measured`  | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
 
 The array contract at the boundary is the driver's (`kernels/_driver.py`, token-major); the
-wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, h, value block, chunk) with the
-chunk axis sequential ("arbitrary") and the state in VMEM scratch, so VMEM use does not grow
-with T. Products run on the MXU with bf16 operands for bf16 inputs and float32 accumulation.
+wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, head block, value block, chunk) with
+the chunk axis sequential ("arbitrary") and the state in VMEM scratch, so VMEM use does not grow
+with T. A grid step takes `TpuTiles.heads` heads, one after another in the kernel body (v5e's one
+TensorCore runs the grid steps in sequence; one head's 128 × 64 matmuls are mostly the step's
+overhead); by default `recurrent` takes the most heads, up to 8, that fit the scoped VMEM, the
+delta rule one. Products run on the MXU with bf16 operands for bf16 inputs and float32 accumulation.
 
 **Declared support** (`SUPPORT`; every combination is lowered for `platforms=["tpu"]` by the
 tests, forward and backward): float32, bfloat16 and float16 inputs (float16 is upcast to
@@ -21,7 +24,7 @@ float32: TPUs have no float16 matmul); no decay, per head (`g` per head, `g_gamm
 channel (`g` per channel, `gk`) and their sums, not `gv`; head dims K, V ∈ {64, 128, 256};
 packed `cu_seqlens`, `reverse`, initial states, any T; query/key heads shared by groups of
 value heads (Mamba-2), read unrepeated by the index maps (`_tiles`); tiles C = 128, c = 16,
-BV = min(V, 128); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on a CPU,
+BV = min(V, 128), heads per grid step by the VMEM budget (`TpuTiles`); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on a CPU,
 `recurrax compile`); on other generations dispatch runs `chunk`. A chunk of 64 cannot be made legal (the transposed [K, C] blocks need C to
 be a multiple of 128) and is refused at trace time.
 

@@ -9,7 +9,8 @@
 | A_i     | chunk-local inclusive cumulative log decay; A_L the chunk's last          |
 | dP_ij   | scale · do_i · v_j, the gradient of the intra-chunk score P_ij            |
 
-The grid walks the chunks of each (row, head, value block) from last to first, carrying
+The grid walks the chunks of each (row, head block, value block) from last to first (the Hb
+heads of a step one after another, `_tiles.head_views`), carrying
 dS (initialised with the final-state cotangent) and S⁺ in VMEM. Differentiating the
 forward's chunk equations (`_forward`), with ⊙ broadcasting a decay over its axis:
 
@@ -29,7 +30,7 @@ Pᵀ = k̃ q̃ᵀ and dPᵀ = v doᵀ (`a @ bᵀ` matmuls), and Σ_i q̃_i do_i�
 layout. **Stability** as the forward: per-head decays through the masked difference
 matrix; per-channel decays through sub-blocks [p, p + c) with anchors r = p − 1 (dq
 against keys j < p) and r = p + c − 1 (dk, dv against queries i > r), both factors of
-each split ≤ 0, and the diagonal block element-wise, one key column j at a time.
+each split ≤ 0, and the diagonal block as the forward's (`diagonal_bwd`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
+from ._forward import DIAGONAL_GROUP, group_pick, group_scatter
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
 
 
@@ -68,28 +68,43 @@ def head_chunk_bwd(q, k, qT, v, do, a_col, a_row, S, dS, *, scale, dtype):
     return dq, dk, dv, dS_entering
 
 
-def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale):
-    """Add the exact diagonal block of sub-block [p, p + c) to its (dq, dk, dv), one key
-    column j at a time; `dP_s` [c, C] = scale · do_s vᵀ for the sub-block's queries."""
-    c = q_s.shape[0]
+def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale, dtype, group: int = DIAGONAL_GROUP):
+    """Add the exact diagonal block of sub-block [p, p + c) to its (dq, dk, dv); `dP_s` [c, C] =
+    scale · do_s vᵀ for the sub-block's queries. As `_forward.diagonal_scores`: pairs in different
+    groups of g rows by block matmuls anchored at the row before the query's group, pairs inside
+    a group in g element-wise steps (step t: each row's group's t-th key, gathered and scattered
+    back by selection products)."""
+    c, K = q_s.shape
+    g = min(group, c)
+    C = dP_s.shape[1]
+    into_columns = (iota((c, C), 1) == iota((c, C), 0) + p).astype(F32)  # [c, C]: column j → p + j
+    dP = mm_nt(dP_s, into_columns, F32)  # [i, j] the diagonal block of dP
+    dP_t = mm_nt(into_columns, dP_s, F32)  # [j, i] the same, transposed
+    rows = iota((c, K), 0)
+    for start in range(g, c, g):  # query group [start, start + g) against keys j < start, anchored at r
+        a_r = pick_row(a_s, start - 1)
+        from_anchor = exp_where((rows >= start) & (rows < start + g), a_s - a_r)  # [c, K] e^{A_i − A_r}
+        to_anchor = exp_where(rows < start, a_r - a_s)  # [c, K] e^{A_r − A_j}
+        q_g, k_g = q_s * from_anchor, k_s * to_anchor
+        dq += from_anchor * mm(dP, k_g, dtype)
+        dk += to_anchor * mm(dP_t, q_g, dtype)
+        dv += mm(scale * mm_nt(k_g, q_g, dtype), do_s, dtype)  # Pᵀ [j, i] of the group's pairs
+    offset = jnp.bitwise_and(rows, g - 1)
+    for t in range(g):  # key g·⌊i/g⌋ + t of each query row i's own group
+        pick = group_pick(c, g, t)  # [i, j]
+        scatter = group_scatter(c, g, t)  # [j, i]: pick transposed
+        a_t, k_t = mm(pick, a_s, F32), mm(pick, k_s, F32)
+        E_t = exp_where(offset >= t, a_s - a_t)  # [c, K] e^{A_i − A_j}, j ≤ i
+        qE = q_s * E_t
+        P_t = scale * jnp.sum(qE * k_t, axis=1, keepdims=True)  # [c, 1] P[i, j]
+        dP_i = jnp.sum(pick * dP, axis=1, keepdims=True)  # [c, 1] dP[i, j]
+        dq += dP_i * k_t * E_t
+        dk += mm(scatter, dP_i * qE, F32)
+        dv += mm(scatter, P_t * do_s, F32)
+    return dq, dk, dv
 
-    def column(j, carry):
-        dq, dk, dv = carry
-        k_j, a_j = pick_row(k_s, j), pick_row(a_s, j)  # [1, K]
-        E_j = exp_where(iota(q_s.shape, 0) >= j, a_s - a_j)  # [c, K] e^{A_i − A_j}, i ≥ j
-        qE = q_s * E_j
-        P_j = scale * jnp.sum(qE * k_j, axis=1, keepdims=True)  # [c, 1] = P[:, j]
-        dP_j = pick_col(dP_s, p + j)  # [c, 1] = dP[:, j]
-        is_j = iota(dk.shape, 0) == j
-        dk = jnp.where(is_j, dk + jnp.sum(dP_j * qE, axis=0, keepdims=True), dk)
-        is_j = iota(dv.shape, 0) == j
-        dv = jnp.where(is_j, dv + jnp.sum(P_j * do_s, axis=0, keepdims=True), dv)
-        return dq + dP_j * k_j * E_j, dk, dv
 
-    return lax.fori_loop(jnp.int32(0), jnp.int32(c), column, (dq, dk, dv))  # int32 under x64 too
-
-
-def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, dtype):
+def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, dtype, group: int):
     """Per-channel decay: (dq, dk, dv) of rows [p, p + c), float32."""
     C, K = q.shape
     q_s, k_s, v_s, do_s, a_s = (x[p : p + c] for x in (q, k, v, do, a))
@@ -110,12 +125,19 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
         dP_t = scale * mm_nt(v_s, do, dtype)  # [c, C]
         dk += k_factor * mm(dP_t, q_hat, dtype)
         dv += mm(P_t, do, dtype)
-    return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale)
+    return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype, group=group)
 
 
 def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    for i in range(specs.s.Hb):
+        _backward_head(tiles.head_views(refs, i, specs, qk=3), flags, static=static, specs=specs)  # q, k, qᵀ
+
+
+def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref, k_ref, qT_ref, v_ref = refs[:4]
     del refs[:4]
     has_decay = static.gate is not None
@@ -125,7 +147,7 @@ def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     boundary_ref = refs.pop(0) if has_decay else None
     dS_ref, after_ref = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
     dtype, scale = tiles.matmul_dtype(q_ref.dtype), static.scale
 
     @pl.when(step0)
@@ -147,7 +169,8 @@ def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
         C, c = q.shape[0], static.tiles.sub
         a_last = pick_row(a, C - 1)  # [1, K]
         for p in range(0, C, c):
-            dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype)
+            dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype,
+                                           group=static.tiles.group)
             dq_ref[p : p + c, :] = dq
             dk_ref[p : p + c, :] = dk
             dv_ref[p : p + c, :] = dv
@@ -171,7 +194,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     summed here (dq, dk stay per value head: shared query/key heads are summed by the driver)."""
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = tiles.shapes_of(q, v, static)
+    s = tiles.shapes_of(q, v, static, backward=True)
     tiles.check_tiles(s, static, kdt, True)  # backward
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = h_T.shape[0]
@@ -194,7 +217,7 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     if has_decay:
         out_specs.append(specs.partial_row())  # a row: a [K, 1] column is padded to 128 lanes in HBM
         out_shape.append(output_type((s.nV, s.B, s.H, s.N, 1, s.K), F32, q))
-    scratch = [pltpu.VMEM((s.K, s.BV), F32), pltpu.VMEM((s.K, s.BV), F32)]  # dS, S⁺
+    scratch = [specs.state_scratch(), specs.state_scratch()]  # dS, S⁺
     dq, dk, dv, dh0, *boundary = pl.pallas_call(
         functools.partial(_backward_kernel, static=static, specs=specs),
         grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),

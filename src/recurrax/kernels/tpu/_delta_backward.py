@@ -12,7 +12,8 @@
 | U, R    | the written values X (β ⊙ R), the residual R = V − K̃ S                    |
 | X̄       | ∂L/∂X for every quantity X                                                |
 
-The grid walks the chunks of each (row, head, value block) from last to first, carrying Ē
+The grid walks the chunks of each (row, head block, value block) from last to first (Hb heads a
+step, one after another), carrying Ē
 (the final state's cotangent at a sequence's last chunk). The chunk is `_delta_forward`'s:
 
     (I + diag(β) L) U = diag(β) R,   O = scale (Q̃ S + P U),   E = γ S + K̂ᵀ U   (γ = e^{A_L})
@@ -44,7 +45,8 @@ Pᵀ Ō and Xᵀ Ū, taken on [C, C] float32 tiles transposed in VMEM (`x.T`, C 
 a 32-bit transpose Mosaic lowers), and Q̃ᵀ Ō, K̃ᵀ (β ⊙ Ȳ), which read q and k in the [K, C]
 layout. **Stability**: per-channel decays as in the `recurrent` backward (`_backward.py`):
 sub-blocks of c rows, anchors r = p − 1 (apply) and r = p + c − 1 (apply_t), every factor
-≤ 0, the diagonal block element-wise, one key column at a time.
+≤ 0, the diagonal block as `_forward.diagonal_scores` (groups of 4 rows anchored at the row
+before each, element-wise inside a group).
 """
 
 from __future__ import annotations
@@ -53,32 +55,43 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._delta_forward import DecayFactors, beta_column, check_delta_tiles, chunk_scores, chunk_writes
-from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
+from ._forward import DIAGONAL_GROUP, group_pick, group_scatter
+from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_row
 
 
-def _diagonal_products(G_s, y_s, x_s, a_s, ay, ax, p: int):
+def _diagonal_products(G_s, y_s, x_s, a_s, ay, ax, p: int, dtype):
     """Add the diagonal block of sub-block [p, p + c) to apply(G, y) and apply_t(G, x) of its
-    rows (`ay`, `ax` [c, K]), element-wise, one column j at a time; `G_s` [c, C] are G's rows."""
-    c = a_s.shape[0]
-
-    def column(j, carry):
-        ay, ax = carry
-        E_j = exp_where(iota(a_s.shape, 0) >= j, a_s - pick_row(a_s, j))  # [c, K] e^{A_t − A_j}, t ≥ j
-        G_j = pick_col(G_s, p + j)  # [c, 1] G[t, j]
-        ay = ay + G_j * pick_row(y_s, j) * E_j
-        into_j = jnp.sum(G_j * x_s * E_j, axis=0, keepdims=True)  # [1, K]
-        ax = jnp.where(iota(ax.shape, 0) == j, ax + into_j, ax)
-        return ay, ax
-
-    return lax.fori_loop(jnp.int32(0), jnp.int32(c), column, (ay, ax))  # int32 under x64 too
+    rows (`ay`, `ax` [c, K]); `G_s` [c, C] are G's rows. As `_forward.diagonal_scores`: pairs in
+    different groups of g rows by block matmuls anchored at the row before the later group,
+    pairs inside a group in g element-wise steps."""
+    c, K = a_s.shape
+    g = min(DIAGONAL_GROUP, c)
+    C = G_s.shape[1]
+    into_columns = (iota((c, C), 1) == iota((c, C), 0) + p).astype(F32)  # [c, C]: column j → p + j
+    G = mm_nt(G_s, into_columns, F32)  # [t, s] the diagonal block of G
+    G_t = mm_nt(into_columns, G_s, F32)  # [s, t] the same, transposed
+    rows = iota((c, K), 0)
+    for start in range(g, c, g):  # rows t of the group [start, start + g) against s < start, anchored at r
+        a_r = pick_row(a_s, start - 1)
+        from_anchor = exp_where((rows >= start) & (rows < start + g), a_s - a_r)  # e^{A_t − A_r}
+        to_anchor = exp_where(rows < start, a_r - a_s)  # e^{A_r − A_s}
+        ay += from_anchor * mm(G, y_s * to_anchor, dtype)
+        ax += to_anchor * mm(G_t, x_s * from_anchor, dtype)
+    offset = jnp.bitwise_and(rows, g - 1)
+    for step in range(g):  # column g·⌊t/g⌋ + step of each row t's own group
+        pick, scatter = group_pick(c, g, step), group_scatter(c, g, step)
+        a_j, y_j = mm(pick, a_s, F32), mm(pick, y_s, F32)
+        E = exp_where(offset >= step, a_s - a_j)  # [c, K] e^{A_t − A_j}, j ≤ t
+        G_j = jnp.sum(pick * G, axis=1, keepdims=True)  # [c, 1] G[t, j]
+        ay += G_j * y_j * E
+        ax += mm(scatter, G_j * x_s * E, F32)
+    return ay, ax
 
 
 def _channel_products(G, y, x, a, c: int, dtype):
@@ -97,7 +110,7 @@ def _channel_products(G, y, x, a, c: int, dtype):
             a_r = pick_row(a, p + c - 1)
             x_anchor = x * exp_where(iota((C, K), 0) > p + c - 1, a - a_r)  # [C, K]; 0 for t ≤ r
             ax = mm(Gt[p : p + c], x_anchor, dtype) * jnp.exp(a_r - a_s)
-        ay, ax = _diagonal_products(G[p : p + c], y[p : p + c], x[p : p + c], a_s, ay, ax, p)
+        ay, ax = _diagonal_products(G[p : p + c], y[p : p + c], x[p : p + c], a_s, ay, ax, p, dtype)
         applied.append(ay)
         applied_t.append(ax)
     return jnp.concatenate(applied, axis=0), jnp.concatenate(applied_t, axis=0)
@@ -160,6 +173,13 @@ def delta_chunk_bwd(q, k, qT, kT, v, beta, decay, S, do, dE, *, gate: Gate | Non
 def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    for i in range(specs.s.Hb):
+        _delta_backward_head(tiles.head_views(refs, i, specs), flags, static=static, specs=specs)
+
+
+def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref = refs[:6]
     del refs[:6]
     has_decay = static.gate is not None
@@ -169,7 +189,7 @@ def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
     da_ref = refs.pop(0) if has_decay else None
     (dE_ref,) = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
 
     @pl.when(step0)
     def _():  # packed input: chunks owned by no sequence see zeros, not garbage
@@ -207,7 +227,7 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
     """
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = tiles.shapes_of(q, v, static)
+    s = tiles.shapes_of(q, v, static, default_heads=1)
     check_delta_tiles(s, static, kdt)
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = dh_T.shape[0]
@@ -231,7 +251,7 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
         out_shape.append(partial(width))
     dq, dk, dv, d_beta, dh0, *da = pl.pallas_call(
         functools.partial(_delta_backward_kernel, static=static, specs=specs),
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
         interpret=tiles.interpret_mode(static),

@@ -12,7 +12,8 @@ chunk-entry states.
 | X       | (I + M)⁻¹, unit lower-triangular                                          |
 | U       | [C, BV] the values the chunk's tokens actually write                      |
 
-One grid step is one chunk of one (row, head, value block); the chunk algorithm of
+One grid step is one chunk of Hb heads (`TpuTiles.heads`, default 1 here) of one (row, head
+block, value block), the heads one after another (`_tiles.head_views`); the chunk algorithm of
 `recurrax.delta._chunk` (its docstring derives it), with the solve folded into one product:
 
     U   = X (β ⊙ (V − (K ⊙ e^{A}) S))
@@ -25,7 +26,7 @@ with `emit_states` and without `emit_output`, writes the state entering every ch
 the queries. The scores P and M are those of the `recurrent` kernels
 (`_forward.py`): per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key
 channel, sub-blocks of c query rows anchored at the row before them, the keys inside the
-sub-block computed element-wise (`diagonal_scores`). Every evaluated exponential has a
+sub-block by groups of 4 rows, element-wise only inside a group (`diagonal_scores`). Every evaluated exponential has a
 non-positive exponent for gates ≤ 0.
 
 **The inverse by masked doubling.** With X_m the inverse of the block-diagonal part of I + M
@@ -47,7 +48,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
@@ -82,7 +82,7 @@ def channel_scores(x, k, a, c: int, dtype):
             a_r = pick_row(a, p - 1)  # [1, K]
             k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for s ≥ p
             scores = mm_nt(x_s * jnp.exp(a_s - a_r), k_anchor, dtype)
-        blocks.append(diagonal_scores(x_s, k[p : p + c], a_s, scores, p))
+        blocks.append(diagonal_scores(x_s, k[p : p + c], a_s, scores, p, dtype))
     return jnp.concatenate(blocks, axis=0)
 
 
@@ -173,6 +173,15 @@ def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale
 def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output: bool, emit_states: bool):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    for i in range(specs.s.Hb):
+        _delta_forward_head(tiles.head_views(refs, i, specs), flags, static=static, specs=specs,
+                            emit_output=emit_output, emit_states=emit_states)
+
+
+def _delta_forward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs, emit_output: bool,
+                        emit_states: bool):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
     k_ref, kT_ref, v_ref, beta_ref = refs[:4]
     del refs[:4]
@@ -183,7 +192,7 @@ def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_
     states_ref = refs.pop(0) if emit_states else None
     (S_ref,) = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
 
     @pl.when(step0)
     def _():  # packed input: chunks owned by no sequence start from zeros, not garbage
@@ -238,7 +247,7 @@ def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig, emit
     out_dtype = q.dtype
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v = (x.astype(kdt) for x in (q, k, v))
-    s = tiles.shapes_of(q, v, static)
+    s = tiles.shapes_of(q, v, static, default_heads=1)
     check_delta_tiles(s, static, kdt)
     specs = tiles.Specs(s, backward=False, varlen=meta is not None)
     R = h0.shape[0]
@@ -265,7 +274,7 @@ def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig, emit
                                emit_states=emit_states)
     outs = pl.pallas_call(
         kernel,
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
         interpret=tiles.interpret_mode(static),

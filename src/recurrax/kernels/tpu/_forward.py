@@ -7,7 +7,8 @@
 | A_i     | chunk-local inclusive cumulative log decay Σ_{s ≤ i} a_s; A_L the last  |
 | p, r    | first row of a query sub-block and its anchor r = p − 1                 |
 
-One grid step is one chunk of one (row, head, value block). With ⊙ broadcasting a decay
+One grid step is one chunk of Hb heads of one (row, head block, value block), the heads one
+after another (`_tiles.head_views`). With ⊙ broadcasting a decay
 over the axis it belongs to (everything for a per-head scalar, K for per-channel):
 
     o_i  = scale · [ (q_i ⊙ e^{A_i})ᵀ S  +  Σ_{j ≤ i} P_ij v_j ],  P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk}
@@ -21,9 +22,10 @@ A_i, A_L − A_j (j ≤ L) and A_i − A_j (j ≤ i) are sums of gates.
 * Per-channel decay: the decay sits inside the contraction over k. For query rows
   [p, p + c) and keys j < p it splits at r = p − 1, e^{A_i − A_j} = e^{A_i − A_r}·e^{A_r − A_j},
   both factors ≤ 0 (i > r ≥ j); keys j ≥ p are zeroed before the exponential. The keys
-  j ∈ [p, p + c) have no safe anchor: their scores are computed element-wise, one key
-  column at a time, P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk} (masked to j ≤ i), and written
-  into the same [c, C] score tile, so one [c, C]·[C, BV] matmul takes all keys.
+  j ∈ [p, p + c) split the same way in groups of 4 rows, anchored at the row before each
+  group; inside a group, the 4 × 4 pairs are computed element-wise, P_ij = Σ_k q_ik k_jk
+  e^{A_ik − A_jk} masked to j ≤ i (`diagonal_scores`), and added into the same [c, C] score
+  tile, so one [c, C]·[C, BV] matmul takes all keys.
 
 The state update S' needs kᵀ v, a contraction over tokens: it reads k (and a per-channel
 A) in the transposed [K, C] layout, so every matmul is `a @ b` or `a @ bᵀ` (`_tiles`).
@@ -35,9 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
@@ -66,22 +66,54 @@ def head_chunk(q, k, kT, v, a_col, a_row, S, *, scale, dtype, emit_output: bool 
     return o, jnp.exp(a_last) * S + mm(kT_to_end, v, dtype)
 
 
-def diagonal_scores(q_s, k_s, a_s, scores, p: int):
-    """Write the exact scores of keys [p, p + c) against queries [p, p + c) into columns
-    p … p + c − 1 of the [c, C] `scores`, one key column j at a time:
-    P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk} for i ≥ j, 0 for i < j."""
-    c = q_s.shape[0]
-
-    def column(j, scores):
-        k_j, a_j = pick_row(k_s, j), pick_row(a_s, j)  # [1, K]
-        E_j = exp_where(iota(q_s.shape, 0) >= j, a_s - a_j)  # [c, K]
-        P_j = jnp.sum(q_s * k_j * E_j, axis=1, keepdims=True)  # [c, 1]
-        return jnp.where(iota(scores.shape, 1) == p + j, P_j, scores)
-
-    return lax.fori_loop(jnp.int32(0), jnp.int32(c), column, scores)  # int32 under x64 too
+DIAGONAL_GROUP = tiles.TpuTiles.group
+"""Rows of a sub-block's query groups (a power of two): pairs in different groups are block
+matmuls, pairs inside one are element-wise (`diagonal_scores`); `TpuTiles.group` sets it for
+the `recurrent` kernels."""
 
 
-def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype):
+def group_pick(c: int, g: int, t: int):
+    """[c, c] 0/1 selection: row i picks row g·⌊i/g⌋ + t, the t-th of its group of g rows (a
+    product with it gathers those rows: exact, one nonzero term per entry)."""
+    rows, cols = iota((c, c), 0), iota((c, c), 1)
+    return (cols == rows - jnp.bitwise_and(rows, g - 1) + t).astype(F32)
+
+
+def group_scatter(c: int, g: int, t: int):
+    """`group_pick` transposed, built as such: [j, i] = 1 where row i picks row j."""
+    rows, cols = iota((c, c), 0), iota((c, c), 1)
+    return (rows == cols - jnp.bitwise_and(cols, g - 1) + t).astype(F32)
+
+
+def diagonal_scores(q_s, k_s, a_s, scores, p: int, dtype, group: int = DIAGONAL_GROUP):
+    """Add the exact scores of keys [p, p + c) against queries [p, p + c) to columns
+    p … p + c − 1 of the [c, C] `scores`: P_ij = Σ_k q_ik k_jk e^{A_ik − A_jk} for i ≥ j, 0 for i < j.
+
+    The c rows split into groups of g = `group` rows. Queries of the group starting at row
+    s against keys j < s are one block matmul anchored at r = s − 1 (e^{A_i − A_r}·e^{A_r − A_j},
+    both ≤ 0); keys inside the query's own group, g element-wise steps: step t takes each row's
+    group's t-th key, gathered by a selection product (`group_pick`), masked to t ≤ i − s."""
+    c, K = q_s.shape
+    g = min(group, c)
+    rows = iota((c, K), 0)
+    D = jnp.zeros((c, c), F32)
+    for start in range(g, c, g):  # query groups after the first, against the keys before them
+        a_r = pick_row(a_s, start - 1)  # [1, K]
+        q_g = q_s * exp_where((rows >= start) & (rows < start + g), a_s - a_r)  # 0 outside the group
+        k_g = k_s * exp_where(rows < start, a_r - a_s)  # 0 for j ≥ start
+        D = D + mm_nt(q_g, k_g, dtype)
+    offset = jnp.bitwise_and(rows, g - 1)  # i − s: the row's place in its group
+    for t in range(g):  # the key g·⌊i/g⌋ + t of each query row's own group
+        pick = group_pick(c, g, t)
+        a_t, k_t = mm(pick, a_s, F32), mm(pick, k_s, F32)  # [c, K] that key's A and k, per row
+        P_t = jnp.sum(q_s * k_t * exp_where(offset >= t, a_s - a_t), axis=1, keepdims=True)  # [c, 1]
+        D = jnp.where(pick > 0, P_t, D)
+    C = scores.shape[1]
+    into_columns = (iota((c, C), 1) == iota((c, C), 0) + p).astype(F32)  # [c, C]: column j → p + j
+    return scores + mm(D, into_columns, F32)
+
+
+def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype, group: int):
     """Per-channel decay: unscaled outputs of query rows [p, p + c), [c, BV] float32."""
     C, K = k.shape
     q_s, a_s = q[p : p + c], a[p : p + c]
@@ -91,17 +123,17 @@ def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype):
         a_r = pick_row(a, p - 1)  # [1, K]
         k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for j ≥ p
         scores = mm_nt(q_s * jnp.exp(a_s - a_r), k_anchor, dtype)  # [c, C]
-    scores = diagonal_scores(q_s, k[p : p + c], a_s, scores, p)
+    scores = diagonal_scores(q_s, k[p : p + c], a_s, scores, p, dtype, group)
     return o + mm(scores, v, dtype)
 
 
-def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, scale, dtype):
+def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, group: int, scale, dtype):
     """Per-channel decay: writes o (when `o_ref` is given) sub-block by sub-block; returns
     S' [K, BV] float32."""
     C = k.shape[0]
     if o_ref is not None:
         for p in range(0, C, c):
-            o_s = key_sub_block(q, k, v, a, S, p, c, dtype=dtype)
+            o_s = key_sub_block(q, k, v, a, S, p, c, dtype=dtype, group=group)
             o_ref[p : p + c, :] = (scale * o_s).astype(o_ref.dtype)
     a_last = pick_col(aT, C - 1)  # [K, 1]
     return jnp.exp(a_last) * S + mm(kT * jnp.exp(a_last - aT), v, dtype)
@@ -110,6 +142,16 @@ def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, scale, dtype):
 def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output: bool, emit_states: bool):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    qk = 3 if emit_output else 2  # q, k, kᵀ
+    for i in range(specs.s.Hb):
+        _forward_head(tiles.head_views(refs, i, specs, qk), flags, static=static, specs=specs,
+                      emit_output=emit_output, emit_states=emit_states)
+
+
+def _forward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs, emit_output: bool,
+                  emit_states: bool):
+    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
     k_ref, kT_ref, v_ref = refs[:3]
     del refs[:3]
@@ -120,7 +162,7 @@ def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output
     states_ref = refs.pop(0) if emit_states else None
     (S_ref,) = refs
 
-    first, last, step0 = tiles.chunk_flags(specs, meta_ref)
+    first, last, step0 = flags
     dtype = tiles.matmul_dtype(k_ref.dtype)
 
     @pl.when(step0)
@@ -139,7 +181,8 @@ def _forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:
         c = static.tiles.sub
-        S_next = key_chunk(q, k, kT, v, a, aT, S, o_ref, c=c, scale=static.scale, dtype=dtype)
+        S_next = key_chunk(q, k, kT, v, a, aT, S, o_ref, c=c, group=static.tiles.group, scale=static.scale,
+                           dtype=dtype)
     else:
         o, S_next = head_chunk(q, k, kT, v, a, aT, S, scale=static.scale, dtype=dtype, emit_output=emit_output)
         if emit_output:
@@ -188,7 +231,7 @@ def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_outpu
     )
     outs = pl.pallas_call(
         kernel,
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [pltpu.VMEM((s.K, s.BV), F32)]),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
         interpret=tiles.interpret_mode(static),

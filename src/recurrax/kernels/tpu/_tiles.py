@@ -8,6 +8,7 @@
 | K, V   | key/query and value head dimensions                                   |
 | C, c   | chunk length (one grid step), sub-block length (per-channel decays)   |
 | BV     | value columns of one program, V or a multiple of 128; nV = V / BV     |
+| Hb     | heads of one grid step, a divisor of H (`TpuTiles.heads`)             |
 | A      | chunk-local inclusive cumulative log decay, float32                   |
 
 **Layout.** The driver's arrays are token-major, [B, Tp, H, D]. A block over one head of
@@ -35,8 +36,13 @@ head h reads query/key head h // (H / G) through the index maps of their blocks 
 `qk_cols`), so no per-value-head copy of them is made. dq and dk are written per value head
 (each head's share; the driver sums the groups after the gate gradient has read them).
 
-**Grid.** (b, h, value block j, chunk n), the chunk axis last and sequential ("arbitrary"):
-the state lives in a VMEM scratch across it, so VMEM use does not grow with T. The
+**Grid.** (b, head block h, value block j, chunk n), the chunk axis last and sequential
+("arbitrary"): the state lives in a VMEM scratch across it, so VMEM use does not grow with T.
+A grid step takes Hb heads ([Hb, C, D] blocks of the head-major arrays, an [Hb, K, BV] state
+scratch) and runs the chunk maths once per head, a static loop over views `ref.at[i]`
+(`head_views`): v5e's single TensorCore runs the grid steps one after another, and a step of
+one head's 128 × 64 matmuls is mostly the step's own overhead. Shared query/key heads are read
+in blocks of Hb / (H / G) heads (or one head when a group spans several blocks). The
 backward walks the chunks backwards by its index maps. Packed input hands the [3, N]
 (sequence, first, last) table to the kernels as a scalar-prefetch operand in SMEM, which
 the index maps of the per-sequence states read.
@@ -64,11 +70,23 @@ LANES, SUBLANES = 128, 8
 @dataclasses.dataclass(frozen=True)
 class TpuTiles:
     """Tile sizes of the TPU kernels: chunk C (a multiple of 128: transposed [K, C] blocks),
-    sub-block c for per-channel decays, value block BV (clipped to V)."""
+    sub-block c for per-channel decays, value block BV (clipped to V), and `heads` Hb per grid
+    step (a divisor of H; with query/key heads shared by groups of g value heads, a multiple or
+    a divisor of g). `heads=None`: the `recurrent` kernels take the most heads, up to
+    `MOST_HEADS`, whose blocks fit the target's scoped VMEM (`_vmem.py`); the delta rule's, one.
+    `group`: rows of the diagonal sub-block's groups in the `recurrent` kernels (a power of two;
+    `_forward.diagonal_scores`; the delta rule's are 4)."""
 
     chunk: int = 128
     sub: int = 16
     block_v: int = 128
+    heads: int | None = None
+    group: int = 4
+
+
+MOST_HEADS = 8
+"""The most heads per grid step `heads=None` takes (a bound on the kernels' unrolled size
+until measurements on the chip, `benchmarks/tpu_kernel_sweep.py`, say where the gain stops)."""
 
 
 def interpret_mode(static: KernelConfig):
@@ -80,7 +98,7 @@ def compiler_params(static: KernelConfig):
     """Batch, head and value block independent; chunks sequential (the state is carried)."""
     if static.interpret:
         return None
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))  # b, h, j, n
 
 
 def matmul_dtype(dtype) -> jnp.dtype:
@@ -113,11 +131,21 @@ class Shapes:
     C: int
     c: int
     G: int | None = None  # query/key heads (None: H)
+    Hb: int = 1  # heads per grid step
 
     @property
     def groups(self) -> int:
         """Value heads per query/key head."""
         return 1 if self.G is None else self.H // self.G
+
+    @property
+    def Gb(self) -> int:
+        """Query/key heads of one grid step's blocks."""
+        return max(1, self.Hb // self.groups)
+
+    def qk_local(self, i: int) -> int:
+        """The index, in its step's query/key block, of the query/key head of the step's head i."""
+        return i // self.groups if self.Hb >= self.groups else 0
 
     @property
     def N(self) -> int:
@@ -128,10 +156,37 @@ class Shapes:
         return self.V // self.BV
 
 
-def shapes_of(q, v, static: KernelConfig) -> Shapes:
+def shapes_of(q, v, static: KernelConfig, backward: bool = False, default_heads: int | None = None) -> Shapes:
+    """The sizes of a call; Hb is the tiles' `heads`, else `default_heads`, else the most that
+    fit the scoped VMEM (`most_heads`). Refuses heads that do not tile H."""
     B, Tp, G, K = q.shape
     H, V = v.shape[-2:]
-    return Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G)
+    s = Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G)
+    heads = static.tiles.heads or default_heads or most_heads(s, static.gate, q.dtype, backward)
+    group = static.tiles.group
+    problems = heads_problems(s, heads) + ([] if group > 0 and not group & (group - 1) else
+                                           [f"group={group} must be a power of two"])
+    if problems:
+        raise ValueError("TPU chunk kernels: " + "; ".join(problems))
+    return dataclasses.replace(s, Hb=heads)
+
+
+def heads_problems(s: Shapes, heads: int) -> list[str]:
+    """Why `heads` per grid step do not tile the H value heads (and their query/key heads)."""
+    if heads < 1 or s.H % heads:
+        return [f"heads={heads} must divide the {s.H} value heads"]
+    if heads % s.groups and s.groups % heads:
+        return [f"heads={heads} must be a multiple or a divisor of the {s.groups} value heads sharing each "
+                "query/key head"]
+    return []
+
+
+def most_heads(s: Shapes, gate: Gate | None, dtype, backward: bool) -> int:
+    """The most heads per grid step, up to `MOST_HEADS`, that tile H and fit the scoped VMEM."""
+    for heads in range(min(s.H, MOST_HEADS), 0, -1):
+        if not heads_problems(s, heads) and not vmem_problems(dataclasses.replace(s, Hb=heads), gate, dtype, backward):
+            return heads
+    return 1
 
 
 def mosaic_problems(s: Shapes, dtype) -> list[str]:
@@ -160,7 +215,8 @@ def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[s
     from ._vmem import vmem_problem
 
     chip = current_chip()
-    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, chip.generation if chip.backend == "tpu" else None)
+    generation = chip.generation if chip.backend == "tpu" else None
+    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, generation, heads=s.Hb)
     return [problem] if problem else []
 
 
@@ -215,7 +271,7 @@ def _block_spec(block_shape, index_map) -> pl.BlockSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Specs:
-    """BlockSpec factories over the grid (b, h, j, n [, meta]).
+    """BlockSpec factories over the grid (b, head block h, j, n [, meta]): blocks of Hb heads.
 
     `backward` walks the chunks from last to first; `varlen` reads each chunk's sequence
     from the scalar-prefetched [3, N] table (then B = 1).
@@ -231,44 +287,48 @@ class Specs:
     def seq(self, b, n, meta):
         return meta[0, self.chunk(n)] if self.varlen else b
 
-    def rows(self, width: int):  # [B, H, Tp, width] -> [C, width], width the whole last dim
-        return _block_spec((None, None, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
+    def rows(self, width: int):  # [B, H, Tp, width] -> [Hb, C, width], width the whole last dim
+        return _block_spec((None, self.s.Hb, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
 
-    def qk_head(self, h):
-        """The query/key head value head h reads (h ≥ 0: truncating division is floor)."""
-        return h if self.s.groups == 1 else lax.div(h, jnp.int32(self.s.groups))
+    def qk_block(self, h):
+        """The block of query/key heads head block h reads: block h of Gb heads when the groups
+        tile the step's heads, else the one head (h · Hb) // g (h ≥ 0: truncating division is floor)."""
+        s = self.s
+        if s.groups == 1 or s.Hb >= s.groups:
+            return h
+        return lax.div(h * jnp.int32(s.Hb), jnp.int32(s.groups))
 
-    def qk_rows(self):  # [B, G, Tp, K] -> [C, K] of value head h's query/key head
-        return _block_spec((None, None, self.s.C, self.s.K),
-                           lambda b, h, j, n, *m: (b, self.qk_head(h), self.chunk(n), 0))
+    def qk_rows(self):  # [B, G, Tp, K] -> [Gb, C, K] of the step's query/key heads
+        return _block_spec((None, self.s.Gb, self.s.C, self.s.K),
+                           lambda b, h, j, n, *m: (b, self.qk_block(h), self.chunk(n), 0))
 
-    def qk_cols(self):  # [B, G, K, Tp] -> [K, C] of value head h's query/key head
-        return _block_spec((None, None, self.s.K, self.s.C),
-                           lambda b, h, j, n, *m: (b, self.qk_head(h), 0, self.chunk(n)))
+    def qk_cols(self):  # [B, G, K, Tp] -> [Gb, K, C] of the step's query/key heads
+        return _block_spec((None, self.s.Gb, self.s.K, self.s.C),
+                           lambda b, h, j, n, *m: (b, self.qk_block(h), 0, self.chunk(n)))
 
-    def rows_v(self):  # [B, H, Tp, V] -> [C, BV]
-        return _block_spec((None, None, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
+    def rows_v(self):  # [B, H, Tp, V] -> [Hb, C, BV]
+        return _block_spec((None, self.s.Hb, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
 
-    def cols(self, height: int):  # [B, H, height, Tp] -> [height, C]
-        return _block_spec((None, None, height, self.s.C), lambda b, h, j, n, *m: (b, h, 0, self.chunk(n)))
+    def cols(self, height: int):  # [B, H, height, Tp] -> [Hb, height, C]
+        return _block_spec((None, self.s.Hb, height, self.s.C), lambda b, h, j, n, *m: (b, h, 0, self.chunk(n)))
 
-    def state(self):  # [R, H, K, V] -> [K, BV] of this row or sequence
+    def state(self):  # [R, H, K, V] -> [Hb, K, BV] of this row or sequence
         return _block_spec(
-            (None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (self.seq(b, n, m[0] if m else None), h, 0, j)
+            (None, self.s.Hb, self.s.K, self.s.BV), lambda b, h, j, n, *m: (self.seq(b, n, m[0] if m else None), h, 0, j)
         )
 
-    def chunk_states(self):  # [B, H, N, K, V] -> [K, BV] entering this chunk
+    def chunk_states(self):  # [B, H, N, K, V] -> [Hb, K, BV] entering this chunk
         return _block_spec(
-            (None, None, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0, j)
+            (None, self.s.Hb, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0, j)
         )
 
-    def partial_rows(self, width: int | None = None):  # [nV, B, H, Tp, width (K)] -> [C, width] of this value block
+    def partial_rows(self, width: int | None = None):  # [nV, B, H, Tp, width (K)] -> [Hb, C, width] of this value block
         width = self.s.K if width is None else width
-        return _block_spec((None, None, None, self.s.C, width), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
+        return _block_spec((None, None, self.s.Hb, self.s.C, width), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
 
-    def partial_row(self):  # [nV, B, H, N, 1, K] -> [1, K] of this chunk and value block
+    def partial_row(self):  # [nV, B, H, N, 1, K] -> [Hb, 1, K] of this chunk and value block
         return _block_spec(
-            (None, None, None, None, 1, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
+            (None, None, self.s.Hb, None, 1, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
         )
 
     def decay(self, gate: Gate) -> list:
@@ -278,16 +338,26 @@ class Specs:
             return [self.rows(self.s.K), self.cols(self.s.K)]
         return []
 
+    def state_scratch(self):
+        """One [K, BV] float32 state per head of the step, in VMEM."""
+        return pltpu.VMEM((self.s.Hb, self.s.K, self.s.BV), F32)
+
 
 def grid_spec(specs: Specs, in_specs, out_specs, scratch_shapes):
     s = specs.s
     return pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1 if specs.varlen else 0,
-        grid=(s.B, s.H, s.nV, s.N),
+        grid=(s.B, s.H // s.Hb, s.nV, s.N),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=scratch_shapes,
     )
+
+
+def head_views(refs: list, i: int, specs: Specs, qk: int = 0) -> list:
+    """Head i's views of a step's blocks (`ref.at[i]`: [C, D] of [Hb, C, D]); the first `qk`
+    refs are query/key blocks, indexed by the query/key head head i reads."""
+    return [ref.at[specs.s.qk_local(i) if n < qk else i] for n, ref in enumerate(refs)]
 
 
 def chunk_flags(specs: Specs, meta_ref):

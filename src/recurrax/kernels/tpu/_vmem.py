@@ -4,6 +4,7 @@
 |--------|-----------------------------------------------------------------------------|
 | C, K   | chunk length, key head dim                                                  |
 | BV     | value columns of one program                                                |
+| Hb     | heads of one grid step (its blocks and its state scratch hold Hb heads)     |
 | kdt    | the kernels' operand dtype (bf16, or f32)                                   |
 
 Mosaic TPU allocates, per kernel, every block of the pipeline twice (double buffering), the
@@ -12,6 +13,9 @@ rows for 16-bit types); the sum must fit the generation's scoped-VMEM limit (`SC
 the compiler's default) or compiling fails with "CompileTimeScopedVmemOom". `vmem_bytes`
 counts the blocks of `_forward` / `_backward` and bounds the temporaries by [C, C] float32
 matrices (one live in the forward, two in the backward) plus [C, max(K, BV)] float32 ones.
+With Hb heads per grid step the blocks and the scratch are Hb times one head's; the body runs
+the heads one after another, so the temporaries are counted once (checked against libtpu for the
+most heads the estimate accepts, `tests/test_compile.py`).
 Calibrated against libtpu: `TpuTiles(chunk=2048)` bf16, K = V = 128, a per-head decay, needs
 17.24 MiB in the forward kernel (estimate 25.6 MiB) and fails on v5e's 16 MiB; the largest
 chunks the estimate accepts compile (`tests/test_compile.py`).
@@ -35,7 +39,7 @@ def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
     return -(-rows // sublanes) * sublanes * -(-cols // 128) * 128 * itemsize
 
 
-def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool) -> int:
+def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, heads: int = 1) -> int:
     """An upper estimate of one kernel's scoped VMEM (bytes) for these tiles."""
     item = jnp.dtype(dtype).itemsize
     rows_k, cols_k = tile_bytes(C, K, item), tile_bytes(K, C, item)
@@ -51,7 +55,7 @@ def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool
         outputs = rows_v + 2 * state
         scratch, square = state, 1
     temporaries = square * tile_bytes(C, C, F32_BYTES) + 2 * tile_bytes(C, max(K, BV), F32_BYTES)
-    return 2 * (inputs + outputs) + scratch + temporaries
+    return heads * (2 * (inputs + outputs) + scratch) + temporaries
 
 
 def vmem_limit(generation: str | None) -> int:
@@ -59,11 +63,13 @@ def vmem_limit(generation: str | None) -> int:
     return SCOPED_VMEM_BYTES.get(generation, min(SCOPED_VMEM_BYTES.values()))
 
 
-def vmem_problem(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, generation: str | None) -> str | None:
+def vmem_problem(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, generation: str | None,
+                 heads: int = 1) -> str | None:
     """Why these tiles overflow the generation's scoped VMEM, or None."""
-    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward), vmem_limit(generation)
+    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward, heads), vmem_limit(generation)
     if need <= limit:
         return None
     kernel = "backward" if backward else "forward"
-    return (f"chunk={C} needs about {need / MiB:.1f} MiB of VMEM in the {kernel} kernel, over the "
+    tiles = f"chunk={C}" + (f" with {heads} heads per grid step" if heads > 1 else "")
+    return (f"{tiles} needs about {need / MiB:.1f} MiB of VMEM in the {kernel} kernel, over the "
             f"{limit / MiB:.0f} MiB scoped-VMEM limit of {generation or 'the smallest supported TPU'}")
