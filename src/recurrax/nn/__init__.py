@@ -43,6 +43,7 @@ from ._moe import (  # noqa: E402
     route,
     routed_experts,
 )
+from ._layer_scan import call_blocks, scan_period  # noqa: E402
 from ._remat import REMAT_POLICIES  # noqa: E402
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
@@ -87,6 +88,7 @@ __all__ = [
     "ShortConvolution",
     "TENSOR_PARALLEL",
     "alibi_slopes",
+    "call_blocks",
     "all_experts",
     "chunked_cross_entropy",
     "constrain",
@@ -103,6 +105,7 @@ __all__ = [
     "retention_log_decays",
     "route",
     "routed_experts",
+    "scan_period",
     "shard_model",
     "use_mesh",
 ]
