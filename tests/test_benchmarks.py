@@ -210,7 +210,7 @@ def test_tpu_train_smoke_run_measures_every_model_and_part(tmp_path):
     compile, and the markdown, JSON and PNG written."""
     pytest.importorskip("optax")
     tpu_train = pytest.importorskip("tpu_train")
-    assert tpu_train.main(["--smoke", "--steps", "1", "--out", str(tmp_path)]) == 0
+    assert tpu_train.main(["--smoke", "--steps", "1", "--budget", "1e6", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "tpu_train.json").read_text())
     assert [row["name"] for row in rows] == [row["name"] for row in tpu_train.rows(True)]
     for row in rows[:4]:
