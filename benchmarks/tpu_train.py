@@ -21,9 +21,9 @@ parameters, `remat="block"`, layers scanned (`scan_layers`, the default)); the s
   failed row says why and the run goes on).
 
 Rows, in priority order (`--budget` seconds: a row is not started when the longest row so far
-would end past it; `--rows` picks some by name): every model at T = 4096 (4 × 4096 tokens a step), then the layers unrolled
-(`scan_layers=False`) for GLA-340M at T = 4096 (its cold compile only), then every model at
-T = 16,384 (1 × 16,384). Per row:
+would end past it; `--rows` picks some by name): every model at T = 4096 (4 × 4096 tokens a
+step), then the layers unrolled (`scan_layers=False`) for GLA-340M at T = 4096 (its cold compile
+only), then every model at T = 16,384 (1 × 16,384). Per row:
 - step: the median of `--steps` timed steps after one warm-up (`block_until_ready`); tokens/s;
 - MFU 6N: 6 · parameters (embedding included) · tokens/s over the peak (`recurrax.nn.PEAK_FLOPS`,
   `--peak-tflops` for another chip); MFU with mixers: (6N + the mixers' own FLOPs per token) ·
@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "tpu_train.json").write_text(json.dumps(results, indent=1, default=str))
         last = results[-1]
         summary = last.get("failed") or (f"compile {last['compile_s']:.1f} s" + (
-            f", step {1e3 * last['step_s']:.1f} ms, {last['tokens_per_s']:,.0f} tokens/s, MFU {percent(last.get('mfu_6n'))}"
+            f", step {1e3 * last['step_s']:.1f} ms, {last['tokens_per_s']:,.0f} tokens/s, "
+            f"MFU {percent(last.get('mfu_6n'))}"
             if "step_s" in last else ""))
         print(f"tpu_train: {row['name']}: {summary} (at {time.perf_counter() - start:.0f} s)", flush=True)
     (out / "tpu_train.md").write_text(report(results, peak, skipped))

@@ -12,7 +12,14 @@ pytest.importorskip("flax", reason="recurrax.nn needs flax")
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from recurrax.nn import PEAK_FLOPS, Throughput, parameter_count, peak_flops, training_dtype, training_throughput  # noqa: E402
+from recurrax.nn import (  # noqa: E402
+    PEAK_FLOPS,
+    Throughput,
+    parameter_count,
+    peak_flops,
+    training_dtype,
+    training_throughput,
+)
 
 
 class TwoParts(nnx.Module):
