@@ -17,7 +17,11 @@ vocabulary; optax's AdamW with linear warmup, cosine decay and gradient clipping
 It prints `validation loss X at step N` every `--eval-every` steps and at the end (the mean
 cross entropy per token, nats, of the held-out documents), saves the model with
 `save_pretrained` and the tokenizer files beside it (`recurrax generate DIR` reads them),
-and prints `--sample-tokens` of text continuing `--prompt`.
+and prints `--sample-tokens` of text continuing `--prompt`. At the end of training it prints the
+rate (tokens/s, and the MFU on a chip whose peak `recurrax.nn.PEAK_FLOPS` knows). It computes in
+`recurrax.nn.training_dtype()` (bfloat16 on a TPU or GPU, float32 on a CPU; `--dtype` to
+choose; parameters stay float32) and keeps compiled programs in JAX's persistent cache
+(`recurrax.use_compilation_cache`; `--no-compilation-cache` to compile afresh).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import shutil
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from tqdm import tqdm
 
-from recurrax.nn import MIXERS, pack_documents
+from recurrax import use_compilation_cache
+from recurrax.nn import MIXERS, pack_documents, parameter_count, training_dtype, training_throughput
 from recurrax.nn.pretrained import SIZES, from_size, generate_text, load_tokenizer, save_pretrained
 
 END_OF_TEXT = "<|endoftext|>"
@@ -110,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--remat", choices=("none", "block", "dots"), default="none",
                         help="what the backward keeps of each block (recurrax.nn.LanguageModel's remat)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (split, batch order, initialisation)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="computation dtype, parameters float32 (auto: bfloat16 on a TPU or GPU, float32 on a CPU)")
+    parser.add_argument("--no-compilation-cache", action="store_true", help="no persistent compilation cache")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_tokens < 1 or args.eval_every < 1:
@@ -125,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if not args.no_compilation_cache:
+        use_compilation_cache()                  # a second run reads its compiled programs from disk
     with open(args.text, encoding="utf-8") as f:
         documents = split_documents(f.read(), args.split)
     if len(documents) < 2:
@@ -149,8 +160,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"({int(validation_batches.weights.sum())} tokens); vocabulary {tokenizer.vocab_size}", flush=True)
 
     overrides = {} if args.mixer is None else {"mixer": args.mixer}
+    dtype = training_dtype() if args.dtype == "auto" else jnp.dtype(args.dtype)
     model = from_size(args.size, vocab_size=tokenizer.vocab_size, remat=None if args.remat == "none" else args.remat,
-                      rngs=nnx.Rngs(args.seed), **overrides)
+                      dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(args.seed), **overrides)
     graphdef, params = nnx.split(model)          # a pure function of `params` from here on
     warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, warmup, max(args.steps, warmup + 1),
@@ -182,22 +194,26 @@ def main(argv: list[str] | None = None) -> dict:
         sums = [evaluate_batch(params, validation_batches.batch(i)) for i in range(len(validation_batches))]
         return float(sum(total for total, _ in sums) / sum(count for _, count in sums))
 
-    losses, started = [], time.perf_counter()
+    losses, train_seconds = [], 0.0
     print(f"validation loss {validation_loss(params):.4f} at step 0", flush=True)
     batch_order = []
     progress = tqdm(range(1, args.steps + 1), desc="training", unit="step", disable=args.no_progress)
     for step in progress:
         if not batch_order:                      # a new pass over the training batches, shuffled
             batch_order = list(rng.permutation(len(train_batches)))
+        step_started = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, train_batches.batch(batch_order.pop()))
         losses.append(float(loss))
+        if step > 1:                             # the first step compiles: the rate counts the others
+            train_seconds += time.perf_counter() - step_started
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             tqdm.write(f"step {step:4d} loss {losses[-1]:.4f}")
             tqdm.write(f"validation loss {validation_loss(params):.4f} at step {step}")
-    seconds = time.perf_counter() - started
-    print(f"trained {args.steps} steps in {seconds:.1f} s "
-          f"({args.steps * args.batch_tokens / seconds:,.0f} tokens/s)", flush=True)
+    print(f"trained {args.steps} steps", flush=True)
+    if args.steps > 1:
+        rate = training_throughput((args.steps - 1) * args.batch_tokens, train_seconds, parameter_count(model))
+        print(f"training rate {rate}", flush=True)
 
     model = nnx.merge(graphdef, params)
     save_pretrained(model, args.output)

@@ -7,6 +7,9 @@ from hypothesis import HealthCheck, settings
 
 # Eight host devices for the sequence-parallel tests; everything else runs on device 0.
 jax.config.update("jax_num_cpu_devices", 8)
+# The commands and examples the tests run (in this process or in subprocesses, which inherit it)
+# write no persistent compilation cache into ~/.cache: test_compilation_cache.py turns it on itself.
+os.environ.setdefault("RECURRAX_COMPILATION_CACHE", "off")
 # Exactness is asserted in float64; float32 cases ask for float32 explicitly.
 jax.config.update("jax_enable_x64", True)
 

@@ -246,3 +246,41 @@ def test_remat_memory_reports_every_remat():
                               "--num-heads", "2"])
     assert [row["remat"] for row in rows] == ["none", "block", "dots"]
     assert rows[1]["temp_mib"] < rows[0]["temp_mib"], rows
+
+
+@pytest.mark.slow  # compiles four tiny models' training steps and their parts (minutes on a loaded CPU)
+def test_tpu_train_smoke_run_measures_every_model_and_part(tmp_path):
+    """`benchmarks/tpu_train.py --smoke` (the lead runs it on the TPU without `--smoke`): every model's
+    step timed with its compile and memory, its parts timed for the profile, the unrolled stack's
+    compile, and the markdown, JSON and PNG written."""
+    pytest.importorskip("optax")
+    tpu_train = pytest.importorskip("tpu_train")
+    assert tpu_train.main(["--smoke", "--steps", "1", "--budget", "1e6", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "tpu_train.json").read_text())
+    assert [row["name"] for row in rows] == [row["name"] for row in tpu_train.rows(True)]
+    for row in rows[:4]:
+        assert "failed" not in row, row
+        assert row["step_s"] > 0 and row["compile_s"] > 0 and row["step_memory_gib"] > 0, row
+        seconds = row["profile"]["seconds"]
+        assert min(seconds[kind] for kind in ("mixers", "norms", "loss head", "optimizer")) > 0, row
+        assert (seconds["MLPs"] > 0) == (row["model"] != "mamba2-370m"), row  # Mamba-2's layers have no MLP
+    assert not rows[4]["scan"] and rows[4]["compile_s"] > 0 and "step_s" not in rows[4]
+    text = (tmp_path / "tpu_train.md").read_text()
+    assert "| gla-340m T64 |" in text and "unrolled." in text and (tmp_path / "tpu_train.png").stat().st_size > 0
+
+
+def test_tpu_train_mixer_flops_match_tpu_paths():
+    """The mixers' FLOPs per token of GLA-340M and GDN-340M (one layer, forward + backward) are
+    `tpu_paths.py`'s MXU floor of the same recurrence per token and head, times the heads."""
+    tpu_train = pytest.importorskip("tpu_train")
+    tpu_paths = pytest.importorskip("tpu_paths")
+    chip = {"peak_tflops": 1.0, "hbm_gbs": 1.0}
+    for model, op, gate, H, K, V in (("gla-340m", "recurrent", "gk", 4, 128, 256),
+                                     ("gdn-340m", "delta_rule", "g", 6, 256, 512)):
+        config = tpu_train.config_of(model, smoke=False)
+        row = dict(op=op, gate=gate, B=1, T=64, H=H, Hqk=H, K=K, V=V, dtype="bfloat16")
+        inputs, _ = tpu_paths.make_arrays(row)
+        floors = tpu_paths.floors(row, inputs, chip)
+        per_token = floors["mxu fwd+bwd"] * 1e12 / 64  # B·T = 64 tokens, all H heads
+        layers = config["num_hidden_layers"]
+        assert tpu_train.mixer_flops_per_token(config, 4096) == pytest.approx(layers * per_token, rel=1e-12), model

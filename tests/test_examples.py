@@ -109,6 +109,7 @@ def test_train_lm(mixer):
     assert len(losses) == 8
     assert losses[0] > 2.5                       # about log(32) = 3.47 before training
     assert min(losses[-3:]) < losses[0] - 0.2    # and it learns
+    assert re.search(r"^training rate [\d,]+ tokens/s \(MFU: no peak FLOP/s known for cpu\)$", output, re.M), output
 
 
 @NEEDS_SCRIPTS
@@ -243,6 +244,7 @@ def test_train_text(tmp_path):
     assert validation[0] > 5.0                    # about log(300) = 5.7 before training
     assert validation[-1] < validation[0] - 1.0   # and it learns
     assert re.search(r"^sample: the cat", output, re.M)
+    assert re.search(r"^training rate [\d,]+ tokens/s \(MFU: no peak FLOP/s known for cpu\)$", output, re.M), output
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(EXAMPLES.parent / "src"),
                                                                  env.get("PYTHONPATH", "")]))

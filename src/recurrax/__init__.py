@@ -4,12 +4,14 @@ Public entry points: `recurrent` (the operation), `recurrent_step` (decoding),
 `delta_rule` and `delta_rule_step` (the delta rule, `recurrax.delta`),
 `parallel.recurrent` (sequence parallelism); `Problem` (the canonical form) and the registry
 (`kernel_registry`, `Platform`, `Backend`, `Request`, `Support`, `Chip`); `target(name)`, a
-context in which dispatch judges a named chip, and `targets` (compiling for it without one). `docs/architecture.md`
+context in which dispatch judges a named chip, and `targets` (compiling for it without one);
+`use_compilation_cache` (JAX's persistent compilation cache, on in the commands and examples). `docs/architecture.md`
 maps the package.
 """
 
 from . import implementations as _implementations  # noqa: F401  (registers the table's implementations)
 from . import decays, parallel, targets
+from ._compilation_cache import use_compilation_cache
 from ._recurrent import recurrent
 from .decode import recurrent_step
 from .delta import DeltaProblem, delta_rule, delta_rule_step
@@ -37,5 +39,6 @@ __all__ = [
     "runtime_checks",
     "target",
     "targets",
+    "use_compilation_cache",
 ]
 __version__ = "0.1.0"

@@ -43,7 +43,16 @@ from ._moe import (  # noqa: E402
     route,
     routed_experts,
 )
+from ._layer_scan import call_blocks, scan_period  # noqa: E402
 from ._remat import REMAT_POLICIES  # noqa: E402
+from ._throughput import (  # noqa: E402
+    PEAK_FLOPS,
+    Throughput,
+    parameter_count,
+    peak_flops,
+    training_dtype,
+    training_throughput,
+)
 from ._sharding import (  # noqa: E402
     DATA_PARALLEL,
     EXPERT_PARALLEL,
@@ -70,6 +79,7 @@ __all__ = [
     "MIXERS",
     "MLP",
     "MixtureOfExperts",
+    "PEAK_FLOPS",
     "PackedBatches",
     "Block",
     "GatedDeltaNet",
@@ -86,7 +96,9 @@ __all__ = [
     "SEQUENCE_PARALLEL",
     "ShortConvolution",
     "TENSOR_PARALLEL",
+    "Throughput",
     "alibi_slopes",
+    "call_blocks",
     "all_experts",
     "chunked_cross_entropy",
     "constrain",
@@ -99,10 +111,15 @@ __all__ = [
     "make_mixer",
     "pack_documents",
     "padded_rows",
+    "parameter_count",
     "parameter_shardings",
+    "peak_flops",
     "retention_log_decays",
     "route",
     "routed_experts",
+    "scan_period",
     "shard_model",
+    "training_dtype",
+    "training_throughput",
     "use_mesh",
 ]

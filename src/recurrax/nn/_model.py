@@ -23,7 +23,8 @@ from ._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from ._gated_deltanet import GatedDeltaNet
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
-from ._remat import call_block, check_remat
+from ._layer_scan import call_blocks
+from ._remat import check_remat
 from ._sharding import RESIDUAL, constrain, partitioned
 from ._tokens import check_token_ids
 from ._tied import tied_logits
@@ -120,6 +121,11 @@ class LanguageModel(nnx.Module):
       autodiff saves), `"block"` (the block's input; the block is recomputed) or `"dots"`
       (its projections' and MLP's matmul outputs); gradients are the same up to rounding.
       A plain attribute, not part of `config`: set `model.remat` to change it.
+    - `scan_layers`: run the blocks of a call without a cache under one `jax.lax.scan` (traced
+      and compiled once, whatever `num_layers`) where they are identical (all mixers but
+      Lightning Attention, whose decays differ per layer); parameters, their names and
+      checkpoints are the same either way (`recurrax.nn.call_blocks`). False: one after another.
+      A plain attribute, not part of `config`.
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
 
     `recurrax.nn.pretrained.save_pretrained` writes it (config.json from `config`, the
@@ -128,8 +134,10 @@ class LanguageModel(nnx.Module):
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
                  mlp_ratio: int = 4, mixer_options: dict | None = None, implementation: str | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, remat: str | None = None, rngs: nnx.Rngs):
+                 dtype=jnp.float32, param_dtype=jnp.float32, remat: str | None = None, scan_layers: bool = True,
+                 rngs: nnx.Rngs):
         self.vocab_size, self.mixer_name, self.remat = vocab_size, mixer, check_remat(remat)
+        self.scan_layers = bool(scan_layers)
         self.arguments_json = _arguments_json(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
                                               num_heads=num_heads, mixer=mixer, mlp_ratio=mlp_ratio,
                                               mixer_options=mixer_options or {}, implementation=implementation)
@@ -147,7 +155,7 @@ class LanguageModel(nnx.Module):
 
     @property
     def config(self) -> dict:
-        """The constructor's arguments (all but dtypes, `remat` and `rngs`) as a config.json dict, with
+        """The constructor's arguments (all but dtypes, `remat`, `scan_layers` and `rngs`) as a config.json dict, with
         `model_type` `"recurrax_language_model"`: what `recurrax.nn.pretrained.save_pretrained`
         writes and `from_pretrained` builds the model back from. A `ValueError` when
         `mixer_options` hold something JSON cannot write."""
@@ -212,14 +220,9 @@ class LanguageModel(nnx.Module):
         _check_tokens(tokens, cu_seqlens)
         check_token_ids(tokens, self.vocab_size)
         x = constrain(self.embed(tokens), *RESIDUAL)
-        caches = (None,) * len(self.blocks) if cache is None else cache
-        if len(caches) != len(self.blocks):
-            raise ValueError(f"cache must hold one state per block ({len(self.blocks)}), got {len(caches)}")
-        new_caches = []
-        for block, block_cache in zip(self.blocks, caches):
-            x, new_cache = call_block(block, self.remat, x, block_cache, cu_seqlens=cu_seqlens)
-            x = constrain(x, *RESIDUAL)
-            new_caches.append(new_cache)
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache must hold one state per block ({len(self.blocks)}), got {len(cache)}")
+        x, new_caches = call_blocks(self.blocks, self.remat, x, cache, scan=self.scan_layers, cu_seqlens=cu_seqlens)
         return self.norm(x), None if cache is None else tuple(new_caches)
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from recurrax._extras import require
 
 from .mqar import HELD_OUT, TRAIN, MQARBatch, MQARConfig, mqar_batch, split_key
+from .options import add_compilation_cache_option, start_compilation_cache
 
 
 
@@ -79,6 +80,14 @@ class History:
     eval_steps: list[int] = dataclasses.field(default_factory=list)
     eval_accuracy: list[float] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    eval_seconds: float = 0.0  # of `seconds`, in the held-out evaluations
+    parameters: int = 0
+
+    def throughput(self, tokens_per_step: int):
+        """The training steps' rate (`recurrax.nn.Throughput`), the evaluations' time left out."""
+        from recurrax.nn import training_throughput
+
+        return training_throughput(self.steps[-1] * tokens_per_step, self.seconds - self.eval_seconds, self.parameters)
 
 
 def build_model(config: TrainConfig):
@@ -157,7 +166,7 @@ def train(config: TrainConfig, *, eval_batches: int = 4, evals: int = 10, progre
     train_key, held_out_key = split_key(config.seed, TRAIN), split_key(config.seed, HELD_OUT)
     train_step, evaluate = _compiled(train_step, evaluate, params, opt_state, train_key, announce_compiling)
     held_out = lambda params: held_out_accuracy(evaluate, params, held_out_key, eval_batches)  # noqa: E731
-    history = History(config.mixer)
+    history = History(config.mixer, parameters=sum(leaf.size for leaf in jax.tree.leaves(params)))
     eval_every = max(config.steps // max(evals, 1), 1)
     bar = _progress_bar(config, progress)
     start = time.perf_counter()
@@ -169,8 +178,11 @@ def train(config: TrainConfig, *, eval_batches: int = 4, evals: int = 10, progre
             history.accuracy.append(float(accuracy))
             bar.set_postfix(loss=f"{history.loss[-1]:.3f}", acc=f"{history.accuracy[-1]:.3f}")
         if step % eval_every == 0 or step == config.steps:
+            jax.block_until_ready(params)  # the training steps before it count as training
+            evaluating = time.perf_counter()
             history.eval_steps.append(step)
             history.eval_accuracy.append(held_out(params))
+            history.eval_seconds += time.perf_counter() - evaluating
         bar.update(1)
     bar.close()
     history.seconds = time.perf_counter() - start
@@ -318,13 +330,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--conv-size", type=int, default=2, help="short convolution taps, 0 for none (default 2)")
     parser.add_argument("--lr", type=float, help=preset("lr", "peak AdamW learning rate"))
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="computation dtype; parameters stay float32 (default float32)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="computation dtype; parameters stay float32 (default auto: bfloat16 on a TPU or GPU, "
+                        "float32 on a CPU)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     parser.add_argument("--out", default="recurrax_demo.png", help="plot path (default recurrax_demo.png)")
     parser.add_argument("--quick", action="store_true", help="a shorter, easier run (under a minute)")
     parser.add_argument("--no-progress", action="store_true",
                         help="hide the progress bar (the compiling line stays)")
+    add_compilation_cache_option(parser)
     return parser.parse_args(argv)
 
 
@@ -333,11 +347,14 @@ def configs_from(args: argparse.Namespace) -> list[TrainConfig]:
     preset = QUICK if args.quick else DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
     task = MQARConfig(vocab_size=args.vocab_size, seq_len=pick("seq_len"), num_pairs=pick("num_pairs"))
+    from recurrax.nn import training_dtype
+
     mixers = mixer_names() if args.mixer == "all" else (args.mixer,)
+    dtype = jnp.dtype(training_dtype()).name if args.dtype == "auto" else args.dtype
     return [
         TrainConfig(task=task, mixer=mixer, steps=pick("steps"), batch_size=args.batch_size, d_model=args.d_model,
                     conv_size=args.conv_size, learning_rate=pick("lr"), warmup=preset["warmup"], seed=args.seed,
-                    dtype=args.dtype)
+                    dtype=dtype)
         for mixer in mixers
     ]
 
@@ -347,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in ("flax.nnx", "optax", "tqdm", "matplotlib"):
         require(module, "demo", "recurrax demo")
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    start_compilation_cache(args)
     try:
         configs = configs_from(args)
     except ValueError as error:
@@ -369,7 +387,8 @@ def _run_one(config: TrainConfig, progress: bool) -> tuple[History, DecodeReport
     final = held_out_accuracy(evaluate, params, split_key(config.seed, HELD_OUT), 16)
     history.eval_accuracy[-1] = final
     report = decode_check(graphdef, params, config)
-    print(f"{config.mixer}: held-out query accuracy {final:.1%} after {config.steps} steps ({history.seconds:.0f} s)")
+    print(f"{config.mixer}: held-out query accuracy {final:.1%} after {config.steps} steps ({history.seconds:.0f} s); "
+          f"training {history.throughput(config.batch_size * config.task.seq_len)}")
     return history, report
 
 

@@ -25,7 +25,15 @@ import json
 import sys
 import time
 
-from .options import non_negative_float, non_negative_int, positive_float, positive_int, probability
+from .options import (
+    add_compilation_cache_option,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    start_compilation_cache,
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="above 1 makes tokens already in the prompt or reply less likely")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
+    add_compilation_cache_option(parser)
     args = parser.parse_args(argv)
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat (it is a message of the chat template)")
@@ -55,6 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    start_compilation_cache(args)
     start = time.perf_counter()
     try:
         from recurrax.nn.pretrained import GenerationSession, from_pretrained, load_tokenizer

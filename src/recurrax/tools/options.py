@@ -62,3 +62,19 @@ def probability(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def add_compilation_cache_option(parser: argparse.ArgumentParser) -> None:
+    """`--no-compilation-cache`: what turns off the persistent compilation cache a command starts
+    (`recurrax.use_compilation_cache`; `RECURRAX_COMPILATION_CACHE=off` does it too)."""
+    parser.add_argument("--no-compilation-cache", action="store_true",
+                        help="compile everything afresh: no persistent compilation cache (default: "
+                        "$RECURRAX_COMPILATION_CACHE, else $XDG_CACHE_HOME/recurrax/jax or ~/.cache/recurrax/jax; "
+                        "RECURRAX_COMPILATION_CACHE=off turns it off too)")
+
+
+def start_compilation_cache(args: argparse.Namespace) -> str | None:
+    """The persistent compilation cache on unless `--no-compilation-cache`: its directory, or None."""
+    from recurrax import use_compilation_cache
+
+    return None if args.no_compilation_cache else use_compilation_cache()

@@ -40,7 +40,8 @@ from ...problem import runtime_checks_enabled
 from ...varlen import segments
 from .._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from .._precision import compute_view, store_params
-from .._remat import call_block, check_remat
+from .._layer_scan import call_blocks
+from .._remat import check_remat
 from .._sharding import RESIDUAL, constrain, param, partitioned
 from .._tied import tied_logits, untied_logits
 from .._tokens import check_token_ids
@@ -159,6 +160,11 @@ class CausalLM(nnx.Module):
       autodiff saves), `"block"` (the layer's input; the layer is recomputed) or `"dots"` (its
       projections' matmul outputs); gradients are the same up to rounding. A plain attribute:
       set `model.remat` to change it.
+    - `scan_layers`: run the layers of a call without a cache under one `jax.lax.scan` (traced and
+      compiled once, whatever the depth) where they repeat: identical layers, or identical groups
+      of layers in a hybrid (three linear-attention layers and one softmax-attention layer, say);
+      parameter names and checkpoints do not change (`recurrax.nn.call_blocks`). False: one after
+      another. A plain attribute.
     - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
 
     The body (embedding, layers, final norm) is `model.body`, under the name the family's
@@ -167,9 +173,9 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, config: dict, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,
-                 rngs: nnx.Rngs | None = None):
+                 scan_layers: bool = True, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
-        self.remat = check_remat(remat)
+        self.remat, self.scan_layers = check_remat(remat), bool(scan_layers)
         model_type = config.get("model_type") if isinstance(config, dict) else None
         family_module = FAMILY_MODULES.get(model_type) if isinstance(model_type, str) else None
         if family_module is not None:
@@ -316,15 +322,11 @@ class CausalLM(nnx.Module):
         capacity = None if cache is None else _capacity(cache)
         _refuse_past_capacity(positions, capacity)
         layers = self.body.layers
-        layer_caches = (None,) * len(layers) if cache is None else cache.layers
-        if len(layer_caches) != len(layers):
-            raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(layer_caches)}")
-        new_caches = []
-        for block, layer_cache, context in zip(layers, layer_caches, self.body.layer_context(h)):
-            h, new_cache = call_block(block, self.remat, h, layer_cache, cu_seqlens=cu_seqlens, positions=positions,
-                                      **context)
-            h = constrain(h, *RESIDUAL)
-            new_caches.append(new_cache)
+        if cache is not None and len(cache.layers) != len(layers):
+            raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(cache.layers)}")
+        h, new_caches = call_blocks(layers, self.remat, h, None if cache is None else cache.layers,
+                                    self.body.layer_context(h), scan=self.scan_layers, cu_seqlens=cu_seqlens,
+                                    positions=positions)
         return h, positions, new_caches
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from ..options import positive_float, positive_int
+from ..options import add_compilation_cache_option, positive_float, positive_int, start_compilation_cache
 
 SERVE_MODULES = ("starlette", "uvicorn", "flax", "safetensors", "tokenizers", "jinja2")
 """What `recurrax serve` imports, all from the `serve` extra."""
@@ -90,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds running requests get to finish at SIGINT/SIGTERM (default 30)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default warning)")
+    add_compilation_cache_option(parser)
     args = parser.parse_args(argv)
     if args.max_prompt_tokens is None:
         args.max_prompt_tokens = args.max_model_len - 1
@@ -101,6 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    start_compilation_cache(args)
     try:
         return serve(args)
     except StartError as error:
