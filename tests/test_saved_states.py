@@ -189,3 +189,42 @@ def test_a_long_run_of_mixed_prompt_lengths_compiles_a_bounded_set_of_programs()
     run(30)
     assert _generate._admit._cache_size() + _generate._step._cache_size() == compiled
     assert mapped_regions() - regions < 16
+
+
+@functools.lru_cache(maxsize=None)
+def sensitive_model_of(name: str):
+    """`model_of(name)` with every matrix 3× larger (vectors, such as norm weights, as they are)."""
+    graphdef, params = nnx.split(model_of(name))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: 3 * x if x.ndim >= 2 else x, params))
+
+
+@pytest.mark.parametrize("name", ["gla", "hybrid"])
+def test_a_reused_slot_starts_from_a_zeroed_state(name):
+    """Slot 0 serves a long prompt A while slot 1 serves C; A is released and the short prompt
+    B takes slot 0, decoded beside C. B's tokens equal B served alone in a fresh pool and the
+    parallel forward's (C's too): A's recurrent state, short-convolution buffer or attention
+    cache (keys, values, its position count), left in the slot, would change them (each one
+    leaked alone flips B's tokens: checked by hand against `_admit_body` skipping its reset).
+    The model's matrices are 3× their initializer's: at its scale a tiny model's greedy tokens
+    barely depend on its caches (the hybrid's leaked convolution buffer changed none)."""
+    model = sensitive_model_of(name)
+    rng = np.random.default_rng(0)
+    a, b, c = (list(rng.integers(0, VOCAB, n)) for n in (90, 3, 5))
+    pool = DecodePool(model, 2, 128)
+    first = pool.admit([a, c], [Sampling()] * 2)
+    assert [slot for slot, _ in first] == [0, 1]
+    outputs = {1: [first[1][1]]}
+    for _ in range(6):
+        outputs[1].append(dict(pool.step())[1])
+    pool.release(0)
+    for _ in range(2):  # the free slot computes on in the steps
+        outputs[1].append(dict(pool.step())[1])
+    (slot, token), = pool.admit([b], [Sampling()])
+    assert slot == 0
+    outputs[0] = [token]
+    for _ in range(9):
+        step = dict(pool.step())
+        outputs[0].append(step[0])
+        outputs[1].append(step[1])
+    assert outputs[0] == drive(DecodePool(model, 2, 128), [b], 10)[0] == greedy_reference(model, b, 10)
+    assert outputs[1] == greedy_reference(model, c, 18)
