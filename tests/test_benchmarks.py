@@ -284,3 +284,32 @@ def test_tpu_train_mixer_flops_match_tpu_paths():
         per_token = floors["mxu fwd+bwd"] * 1e12 / 64  # B·T = 64 tokens, all H heads
         layers = config["num_hidden_layers"]
         assert tpu_train.mixer_flops_per_token(config, 4096) == pytest.approx(layers * per_token, rel=1e-12), model
+
+
+@pytest.mark.slow  # compiles three tiny models' decode steps, prefills and generate (minutes on a loaded CPU)
+def test_tpu_generate_smoke_run_measures_every_row(tmp_path):
+    """`benchmarks/tpu_generate.py --smoke`: the chip run's code on tiny models: every row
+    measured (decode beside a positive floor, prefill in several pieces with its MFU, generate's
+    time to first token), nothing failed or skipped; the markdown, JSON and PNG written."""
+    tpu_generate = pytest.importorskip("tpu_generate")
+    assert tpu_generate.main(["--smoke", "--out", str(tmp_path), "--budget", "100000"]) == 0
+    rows = json.loads((tmp_path / "tpu_generate.json").read_text())["rows"]
+    assert [(r["model"], r["kind"]) for r in rows] == [(r["model"], r["kind"]) for r in tpu_generate.rows(True)]
+    assert not [r for r in rows if "failed" in r or "skipped" in r]
+    for r in rows:
+        if r["kind"] == "decode":
+            assert r["step_s"] > 0 and r["floor_s"] > 0 and r["weight_bytes"] > 0 and r["cache_bytes"] > 0
+        elif r["kind"] == "prefill":
+            assert r["pieces"] > 1 and r["mfu"] > 0 and r["tokens_per_s"] > 0
+        else:
+            assert 0 < r["ttft_median_s"] <= r["ttft_p90_s"] and r["tokens_per_s"] > 0
+    text = (tmp_path / "tpu_generate.md").read_text()
+    assert "## Decode step" in text and "MFU" in text and (tmp_path / "tpu_generate.png").stat().st_size > 0
+
+
+def test_tpu_generate_spent_budget_still_writes_its_report(tmp_path):
+    """A run whose budget is spent before its first row says which rows it did not run."""
+    tpu_generate = pytest.importorskip("tpu_generate")
+    assert tpu_generate.main(["--smoke", "--out", str(tmp_path), "--budget", "0"]) == 0
+    text = (tmp_path / "tpu_generate.md").read_text()
+    assert "Not run (the budget was spent): qwen3.5-0.8b decode batch 1;" in text

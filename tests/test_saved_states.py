@@ -28,9 +28,12 @@ def model_of(name: str):
         return LanguageModel(VOCAB, 16, 2, 2, mixer="gla", mlp_ratio=2,
                              mixer_options=dict(num_kv_heads=1, conv_size=3), dtype=jnp.float64,
                              param_dtype=jnp.float64, rngs=nnx.Rngs(5))
-    config = dict(model_type="gla", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_heads=2,
-                  use_short_conv=True, attn=dict(layers=[1], num_heads=2, num_kv_heads=1))
-    return CausalLM(config, dtype=jnp.float64, rngs=nnx.Rngs(1))
+    return CausalLM(HYBRID, dtype=jnp.float64, rngs=nnx.Rngs(1))
+
+
+HYBRID = dict(model_type="gla", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_heads=2,
+              use_short_conv=True, attn=dict(layers=[1], num_heads=2, num_kv_heads=1))
+"""fla's GLA with short convolutions, its second layer softmax attention."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,3 +192,65 @@ def test_a_long_run_of_mixed_prompt_lengths_compiles_a_bounded_set_of_programs()
     run(30)
     assert _generate._admit._cache_size() + _generate._step._cache_size() == compiled
     assert mapped_regions() - regions < 16
+
+
+@functools.lru_cache(maxsize=None)
+def sensitive_model_of(name: str):
+    """`model_of(name)` with every matrix 3× larger (vectors, such as norm weights, as they are)."""
+    graphdef, params = nnx.split(model_of(name))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: 3 * x if x.ndim >= 2 else x, params))
+
+
+@pytest.mark.parametrize("name", ["gla", "hybrid"])
+def test_a_reused_slot_starts_from_a_zeroed_state(name):
+    """Slot 0 serves a long prompt A while slot 1 serves C; A is released and the short prompt
+    B takes slot 0, decoded beside C. B's tokens equal B served alone in a fresh pool and the
+    parallel forward's (C's too): A's recurrent state, short-convolution buffer or attention
+    cache (keys, values, its position count), left in the slot, would change them (each one
+    leaked alone flips B's tokens: checked by hand against `_admit_body` skipping its reset).
+    The model's matrices are 3× their initializer's: at its scale a tiny model's greedy tokens
+    barely depend on its caches (the hybrid's leaked convolution buffer changed none)."""
+    model = sensitive_model_of(name)
+    rng = np.random.default_rng(0)
+    a, b, c = (list(rng.integers(0, VOCAB, n)) for n in (90, 3, 5))
+    pool = DecodePool(model, 2, 128)
+    first = pool.admit([a, c], [Sampling()] * 2)
+    assert [slot for slot, _ in first] == [0, 1]
+    outputs = {1: [first[1][1]]}
+    for _ in range(6):
+        outputs[1].append(dict(pool.step())[1])
+    pool.release(0)
+    for _ in range(2):  # the free slot computes on in the steps
+        outputs[1].append(dict(pool.step())[1])
+    (slot, token), = pool.admit([b], [Sampling()])
+    assert slot == 0
+    outputs[0] = [token]
+    for _ in range(9):
+        step = dict(pool.step())
+        outputs[0].append(step[0])
+        outputs[1].append(step[1])
+    assert outputs[0] == drive(DecodePool(model, 2, 128), [b], 10)[0] == greedy_reference(model, b, 10)
+    assert outputs[1] == greedy_reference(model, c, 18)
+
+
+def test_the_step_and_prefill_update_the_caches_in_place_and_return_only_tokens():
+    """The compiled step and admission donate the pool: every cache array of the hybrid
+    (recurrent states, convolution buffers, attention keys, values and positions) is an input
+    aliased to an output (XLA writes the new caches into the old buffers, on a TPU as on a
+    CPU); what a step sends back to the host is its `[P]` tokens (the pool stays on the device).
+    In bfloat16, as on a TPU (a float64 model's float32 recurrent state becomes float64 after
+    its first step: not aliased, and one more compilation)."""
+    model = CausalLM(HYBRID, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    pool = DecodePool(model, 2, 32)
+    leaves = len(jax.tree.leaves(pool._pool))
+    step_args = (pool._params, jnp.asarray(pool._pending), pool._pool, pool._settings.arrays(),
+                 jnp.asarray(pool._counts), None)
+    lowered = _generate._step.lower(*step_args, **pool._static)
+    assert lowered.as_text().count("tf.aliasing_output") == leaves
+    tokens, cache, penalty = jax.eval_shape(functools.partial(_generate._step_body, **pool._static), *step_args)
+    assert (tokens.shape, jnp.dtype(tokens.dtype).kind, penalty) == ((2,), "i", None)
+    assert jax.tree.structure(cache) == jax.tree.structure(pool._pool)
+    packed, cu_seqlens, target = _generate._pack([[1, 2, 3]], [0], 2)
+    admitted = _generate._admit.lower(pool._params, pool._pool, packed, cu_seqlens, target, jnp.zeros(2, bool),
+                                      pool._settings.arrays(), None, None, **pool._static)
+    assert admitted.as_text().count("tf.aliasing_output") == leaves

@@ -68,11 +68,14 @@ WORDS = ["Once upon a time", "The state stays", "你好，世界", "Emoji 🙂 t
 
 
 class Server:
-    def __init__(self, directory: str):
+    """A `recurrax serve` process on `directory`, listening on `listen` (a free TCP port, or
+    `["--uds", PATH]`)."""
+
+    def __init__(self, directory: str, listen: tuple[str, ...] = ("--port", "0")):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
                    JAX_PLATFORMS="cpu")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "recurrax.tools.cli", "serve", directory, "--port", "0", "--slots", str(SLOTS),
+            [sys.executable, "-m", "recurrax.tools.cli", "serve", directory, *listen, "--slots", str(SLOTS),
              "--max-queue", str(MAX_QUEUE), "--max-model-len", str(MAX_MODEL_LEN), "--prefill-tokens", "64",
              "--shutdown-timeout", "60", *LIMITS],
             stderr=subprocess.PIPE, text=True, env=env)
@@ -97,6 +100,10 @@ class Server:
 
     def client(self, asynchronous: bool = False):
         kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        if self.url.startswith("unix:"):  # the openai client over httpx's unix-socket transport
+            transport = (httpx.AsyncHTTPTransport if asynchronous else httpx.HTTPTransport)(uds=self.url[5:])
+            http = (httpx.AsyncClient if asynchronous else httpx.Client)(transport=transport)
+            return kind(base_url="http://localhost/v1", api_key="none", max_retries=0, timeout=300, http_client=http)
         return kind(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
     def health(self) -> dict:
@@ -195,6 +202,50 @@ def test_chat_equals_offline_streamed_and_not(server, offline, directory):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_a_unix_socket_serves_chats_streamed_and_not_and_is_removed_at_exit(directory, offline):
+    """`--uds PATH`: the server announces the socket, the openai client reaches it through
+    httpx's unix-socket transport (chat completions, streamed and not, equal to the offline
+    text), and SIGTERM ends it with status 0 and the socket's file gone."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="rx-"), "serve.sock")  # AF_UNIX paths: at most 107 bytes
+    server = Server(directory, ("--uds", path))
+    try:
+        server.wait_ready()
+        assert server.url == f"unix:{path}" and os.path.exists(path)
+        messages = [{"role": "user", "content": "Once upon a time"}]
+        expected = offline(chat_ids(directory, messages), 16)
+        client = server.client()
+        whole = client.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0)
+        assert whole.choices[0].message.content == expected
+        chunks = list(client.chat.completions.create(model=server.model, messages=messages, max_tokens=16,
+                                                     temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
+        assert not os.path.exists(path)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait(60)
+
+
+def test_uds_with_host_or_port_or_a_missing_directory_says_what_is_wrong(directory, tmp_path, capsys):
+    """`--uds` with `--host`/`--port` is a usage error naming them; a socket path whose
+    directory does not exist, or a file there that is not a socket, is one line naming it."""
+    from recurrax.tools.serve.command import parse_args
+
+    for given in (["--port", "8000"], ["--host", "127.0.0.1"]):
+        with pytest.raises(SystemExit):
+            parse_args([directory, "--uds", str(tmp_path / "s.sock"), *given])
+        assert f"drop {given[0]}" in capsys.readouterr().err
+    missing = tmp_path / "no-such-directory"
+    assert f"directory {missing} does not exist" in start_up_failure(capsys, [directory, "--uds", str(missing / "s")])
+    (tmp_path / "file").write_text("")
+    assert "not a socket" in start_up_failure(capsys, [directory, "--uds", str(tmp_path / "file")])
+    assert (tmp_path / "file").exists()
 
 
 def test_a_chats_next_turn_prefills_only_what_follows_the_kept_conversation(server, offline, directory):

@@ -1,10 +1,12 @@
 """`recurrax serve MODEL_DIR`: the command line: options, loading, warm-up, uvicorn.
 
     recurrax serve MODEL_DIR --host 127.0.0.1 --port 8000
+    recurrax serve MODEL_DIR --uds /tmp/recurrax.sock     # a unix socket: machines that allow no TCP
     recurrax serve MODEL_DIR --slots 32 --max-queue 512 --max-model-len 8192
 
-It prints `ready on http://HOST:PORT` on stderr once the model is compiled for the first
-requests and the socket listens. What cannot start (a missing extra, a directory that is not
+It prints `ready on http://HOST:PORT` (with `--uds`: `ready on unix:PATH`) on stderr once the
+model is compiled for the first requests and the socket listens; a unix socket's file is
+removed when the server exits. What cannot start (a missing extra, a directory that is not
 a checkpoint, a chat template that does not compile, a port in use) is one line on stderr and
 exit status 1.
 
@@ -23,6 +25,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -50,8 +53,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "/v1/chat/completions), requests batched continuously into one pool of cache slots"))
     parser.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json, model.safetensors, "
                         "tokenizer.json; tokenizer_config.json's chat template for chat)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free one)")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=port, help="port to listen on (default 8000; 0: any free one)")
+    parser.add_argument("--uds", metavar="PATH", help="listen on a unix-domain socket at PATH instead of TCP (a "
+                        "machine that allows no TCP; clients connect through it, e.g. httpx's "
+                        "HTTPTransport(uds=PATH)); its file is removed at exit")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL_DIR's last part)")
     parser.add_argument("--slots", type=positive_int, default=16,
                         help="sequences decoded together in one step (default 16)")
@@ -92,6 +98,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="uvicorn's log level (default warning)")
     add_compilation_cache_option(parser)
     args = parser.parse_args(argv)
+    if args.uds is not None and (args.host is not None or args.port is not None):
+        given = " and ".join(f"--{name}" for name in ("host", "port") if getattr(args, name) is not None)
+        parser.error(f"--uds listens on a unix socket, not TCP: drop {given}, or drop --uds to listen on TCP")
+    if args.uds is None:
+        args.host = "127.0.0.1" if args.host is None else args.host
+        args.port = 8000 if args.port is None else args.port
     if args.max_prompt_tokens is None:
         args.max_prompt_tokens = args.max_model_len - 1
     if not 1 <= args.max_prompt_tokens < args.max_model_len:
@@ -133,7 +145,8 @@ def serve(args: argparse.Namespace) -> int:
     from .templates import TemplateRenderer
 
     start = time.perf_counter()
-    listening, renderer = _bound(args.host, args.port), None
+    listening = _bound_unix(args.uds) if args.uds is not None else _bound(args.host, args.port)
+    renderer = None
     try:
         tokenizer = _loaded(args.model, load_tokenizer)
         if tokenizer.chat_template is not None:  # its worker starts (seconds) while the model loads and compiles
@@ -154,18 +167,19 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(engine, parser, model_name=name, max_model_len=args.max_model_len,
                          max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout)
     except BaseException:
-        listening.close()
+        _close(listening, args.uds)
         if renderer is not None:
             renderer.close()
         raise
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             timeout_keep_alive=args.idle_timeout, http=header_timeout_protocol(args.header_timeout))
     server = _server_exiting_cleanly(uvicorn)(config)
-    _announce_when_ready(server, args.host)
+    _announce_when_ready(server, args.host, args.uds)
     _raise_open_file_limit()
     try:
         server.run(sockets=[listening])
     finally:
+        _close(listening, args.uds)
         if renderer is not None:
             renderer.close()
     return 0
@@ -201,6 +215,49 @@ def _bound(host: str, port: int) -> socket.socket:
         raise StartError(f"cannot listen on {host}:{port}: {error.strerror or error}; choose another --host or "
                          "--port") from None
     return listening
+
+
+def _bound_unix(path: str) -> socket.socket:
+    """A unix-domain socket bound at `path` (a socket file nobody listens on any more, left by
+    a server that was killed, is replaced; any other file there is an error)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise StartError(f"cannot listen on unix socket {path}: its directory {directory} does not exist; create "
+                         "it or choose another --uds")
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise StartError(f"cannot listen on unix socket {path}: a file that is not a socket is there; remove "
+                             "it or choose another --uds")
+        if _listened_on(path):
+            raise StartError(f"cannot listen on unix socket {path}: another server listens on it; stop it or "
+                             "choose another --uds")
+        os.unlink(path)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listening.bind(path)
+    except OSError as error:
+        listening.close()
+        raise StartError(f"cannot listen on unix socket {path}: {error.strerror or error}; choose another "
+                         "--uds") from None
+    return listening
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a server accepts connections on the unix socket `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def _close(listening: socket.socket, uds: str | None) -> None:
+    """Close the server's socket; a unix socket's file is removed (if it is still ours)."""
+    listening.close()
+    if uds is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(uds)
 
 
 def _loaded(directory: str, load):
@@ -241,12 +298,16 @@ def _server_exiting_cleanly(uvicorn):
     return Server
 
 
-def _announce_when_ready(server, host: str) -> None:
-    """Print `ready on http://HOST:PORT` (the bound port: --port 0 picks one) at startup."""
+def _announce_when_ready(server, host: str | None, uds: str | None) -> None:
+    """Print `ready on http://HOST:PORT` (the bound port: --port 0 picks one), or `ready on
+    unix:PATH`, at startup."""
     startup = server.startup
 
     async def announced(sockets=None):
         await startup(sockets=sockets)
+        if uds is not None:
+            print(f"ready on unix:{uds}", file=sys.stderr, flush=True)
+            return
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else None
         print(f"ready on http://{host}:{port}", file=sys.stderr, flush=True)
 
