@@ -2,20 +2,22 @@
 over there (a call that names `pallas_tpu` still gets it).
 
 Each row is one kind of call on one TPU generation, with the figures that decided it: medians in
-ms, forward / forward+backward, from `benchmarks/tpu_paths.py` on that chip (its results:
-`benchmarks/results/tpu.md`). A kind of call is passed over when `chunk` was faster
+ms, forward / forward+backward, from `benchmarks/tpu_paths.py` and, with several heads per grid
+step and the grouped `gk` diagonal, `benchmarks/tpu_kernel_sweep.py` on that chip (their results:
+`benchmarks/results/tpu.md`, `tpu_kernel_sweep.md`). A kind of call is passed over when `chunk` was faster
 forward+backward (what training runs) at every measured shape of that kind; a kind with no row
 keeps the kernel (measured faster, or not measured: the kernel's priority decides).
 
 | generation | operation | calls | `pallas_tpu` | `chunk` |
 |---|---|---|---|---|
-| v5e | `recurrent` | a per-key-channel decay (`gk`, or `g` per channel) | 34.20 / 76.42 (bf16), 38.25 / 85.52 (f32) | 6.98 / 24.58, 11.39 / 36.72 |
-| v5e | `delta_rule` | every gate | GDN 6.83 / 19.77, KDA 36.99 / 123.08 (bf16) | 6.01 / 13.78, 6.91 / 20.07 |
+| v5e | `recurrent` | a per-key-channel decay (`gk`, or `g` per channel) | 10.71 / 36.41 at 8 heads a step (bf16; one head: 10.66 / 36.98; before the grouped diagonal 34.20 / 76.42), 38.25 / 85.52 (f32, before) | 7.37 / 24.80, 11.39 / 36.72 |
+| v5e | `delta_rule` | every gate | GDN 6.93 / 19.85 (8 heads a step: 7.07 / 20.13), KDA 11.42 / 35.02 (bf16) | 5.82 / 14.25, 7.37 / 29.15 |
 
 Shapes: `recurrent` B4 T4096 H16 K=V=64 (and B2 T8192 H16 K=V=128 for `gk`: 34.25 / 76.58 against
 7.29 / 29.52); `delta_rule` B1 T4096, 32 value and 16 query/key heads, K=V=128. Kept: `recurrent`
-with a per-head decay (`g` bf16 3.02 / 9.71 against 5.05 / 13.87; `g_gamma` 2.91 / 8.01 against
-5.03 / 13.08; float32 5.74 / 14.75 against 7.33 / 20.11).
+with a per-head decay (`g` bf16 at 8 heads a step 3.04 / 8.35 against `chunk`'s 3.11 / 10.58 at
+its TPU tiling; one head a step 2.95 / 9.84; `g_gamma` 2.91 / 8.01 against 5.03 / 13.08 and
+float32 5.74 / 14.75 against 7.33 / 20.11, both at one head and `chunk`'s earlier tiling).
 """
 
 from __future__ import annotations
@@ -43,14 +45,15 @@ class Slower:
         if not self.applies(request):
             return None
         return (f"measured slower than chunk on TPU {self.generation} ({self.figures}; "
-                "benchmarks/results/tpu.md)")
+                "benchmarks/results/tpu.md, tpu_kernel_sweep.md)")
 
 
 SLOWER_THAN_CHUNK = (
     Slower("v5e", "recurrent", lambda request: Gate.KEY in request.gates,
-           "per-key-channel decay, fwd / fwd+bwd 34.20 / 76.42 ms against 6.98 / 24.58 at B4 T4096 H16 K=V=64 bf16"),
+           "per-key-channel decay, fwd / fwd+bwd 10.71 / 36.41 ms at 8 heads a grid step against 7.37 / 24.80 at "
+           "B4 T4096 H16 K=V=64 bf16"),
     Slower("v5e", "delta_rule", lambda request: True,
-           "GDN 6.83 / 19.77 ms against 6.01 / 13.78, KDA 36.99 / 123.08 against 6.91 / 20.07, fwd / fwd+bwd at "
+           "GDN 6.93 / 19.85 ms against 5.82 / 14.25, KDA 11.42 / 35.02 against 7.37 / 29.15, fwd / fwd+bwd at "
            "B1 T4096 Hv32 Hqk16 K=V=128 bf16"),
 )
 
