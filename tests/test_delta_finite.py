@@ -42,10 +42,17 @@ SEQUENCE_SHARDS = Split(sequence=4)
 
 
 def _kernel(**kwargs):
-    cu_seqlens = kwargs.pop("cu_seqlens", None)
-    args = [kwargs.pop(n, None) for n in ("query", "key", "value", "beta", "g", "gk", "softmax_scale",
-                                          "initial_state")]
-    problem, scale, layout = canonicalize_delta(*args, cu_seqlens, kwargs.pop("qk_l2norm"))
+    """The TPU kernel in interpret mode under one `jit` (run eagerly, op by op, its interpreter's
+    callbacks once left a worker waiting forever in XLA's CPU executor on a loaded machine)."""
+    static = {n: kwargs.pop(n, None) for n in ("softmax_scale", "qk_l2norm")}
+    return _jitted_kernel(kwargs, **static)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "qk_l2norm"))
+def _jitted_kernel(arrays, softmax_scale, qk_l2norm):
+    args = [arrays.get(n) for n in ("query", "key", "value", "beta", "g", "gk")]
+    problem, scale, layout = canonicalize_delta(*args, softmax_scale, arrays.get("initial_state"),
+                                                arrays.get("cu_seqlens"), qk_l2norm)
     output, final_state = KERNEL(problem, scale=scale)
     return layout.restore(output), final_state
 
