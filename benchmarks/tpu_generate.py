@@ -48,6 +48,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -65,11 +67,24 @@ from qwen3_5 import QWEN3_5_0_8B, TINY as QWEN_TINY, layer_types  # noqa: E402
 
 from recurrax.nn.pretrained import (  # noqa: E402
     DecodePool, Sampling, cache_capacity, generate_tokens, model_from_config)
-from recurrax.nn.pretrained._generate import available_bytes, cache_bytes  # noqa: E402
 
 MODELS = ("qwen3.5-0.8b", "gla-340m", "kimi-linear-cut")
 BATCHES = (1, 8, 64)
 
+
+def cache_bytes(model, rows: int, capacity: int) -> int:
+    """Bytes of `model.generation_cache(rows, capacity)`, from shapes only."""
+    shapes = jax.eval_shape(lambda: model.generation_cache(rows, capacity))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def available_bytes() -> int:
+    """Free memory of the default device (its allocator's limit less what is in use); on a CPU,
+    the host's available memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 def model_config(name: str, smoke: bool) -> dict:
     if name == "qwen3.5-0.8b":

@@ -189,18 +189,21 @@ def parts(layer) -> list[tuple[str, nnx.Module]]:
     return [(name, value) for name, value in vars(layer).items() if isinstance(value, nnx.Module)]
 
 
+def _bfloat16(x):
+    """Floating-point parameters cast to bfloat16 (what `dtype=bfloat16` layers compute with)."""
+    return x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
 def part_program(module, B: int, T: int, D: int):
     """A jitted forward+backward of `module` on a [B, T, D] bfloat16 input (its parameters cast to
     bfloat16 as the model's are), and its arguments."""
-    from recurrax.nn._precision import compute_view
-
     graphdef, params = nnx.split(module)
     keywords = {name: None for name in ("cu_seqlens",) if name in inspect.signature(module.__call__).parameters}
     if "positions" in inspect.signature(module.__call__).parameters:
         keywords["positions"] = jnp.broadcast_to(jnp.arange(T), (B, T))
 
     def loss(params, x):
-        part = compute_view(nnx.merge(graphdef, params), jnp.bfloat16)
+        part = nnx.merge(graphdef, jax.tree.map(_bfloat16, params))
         y = part(x, **keywords)
         y = y[0] if isinstance(y, tuple) else y
         return jnp.sum(y.astype(jnp.float32))
