@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import timed  # noqa: E402
+from delta_rule_tpu import relative_difference  # noqa: E402
 
 from recurrax.chunk import Tiling, chunk_recurrent  # noqa: E402
 from recurrax.delta import canonicalize_delta, chunk_delta  # noqa: E402
@@ -98,11 +99,6 @@ def delta_programs(gate: str, tiling: str, shape: dict):
     return jax.jit(run), jax.jit(jax.value_and_grad(loss)), diff
 
 
-def difference(x, y) -> float:
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
-
-
 def report(rows: list[dict], shapes: dict, out: Path) -> None:
     lines = ["# The XLA chunk algorithm's tiling on this chip", "",
              f"Device: {jax.devices()[0].device_kind}, JAX {jax.__version__}; bfloat16; "
@@ -144,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 forward, gradient, diff = make(gate, tiling, shapes[kind])
                 output = jax.block_until_ready(forward(diff))[0]
                 first = output if first is None else first
-                row["difference"] = difference(output, first)
+                row["difference"] = relative_difference(output, first)
                 row["forward"] = timed(lambda: forward(diff), args.repeats)
                 row["fwd+bwd"] = timed(lambda: gradient(diff), args.repeats)
             except Exception as error:  # noqa: BLE001  (a tiling that fails is a row saying why)

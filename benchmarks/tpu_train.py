@@ -64,6 +64,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import timed  # noqa: E402
+
 from recurrax.nn import PEAK_FLOPS, chunked_cross_entropy, parameter_count
 from recurrax.nn.pretrained import CausalLM, size_config
 
@@ -141,17 +144,6 @@ def train_step(graphdef, optimizer):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def timed_calls(run, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls of `run` (which returns arrays), after one warm-up."""
-    jax.block_until_ready(run())
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def mixer_flops_per_token(config: dict, T: int) -> float:
     """The mixers' own matmul FLOPs per token, forward + backward, summed over the layers (see
     the module's docstring): the chunk form at C = 64, causal attention's scores and values."""
@@ -224,12 +216,12 @@ def profile(model: CausalLM, params, opt_state, optimizer, B: int, T: int, step_
             key = (name, nnx.graphdef(module))
             if key not in timed_kinds:
                 program, arguments = part_program(module, B, T, D)
-                timed_kinds[key] = statistics.median(timed_calls(lambda: program(*arguments), repeats))
+                timed_kinds[key] = statistics.median(timed(lambda: program(*arguments), repeats))
             seconds[kind_of(name)] += timed_kinds[key]
     norm = model.body.norm if hasattr(model.body, "norm") else getattr(model.body, "final_norm", None)
     if norm is not None:
         program, arguments = part_program(norm, B, T, D)
-        seconds["norms"] += statistics.median(timed_calls(lambda: program(*arguments), repeats))
+        seconds["norms"] += statistics.median(timed(lambda: program(*arguments), repeats))
     head = (model.lm_head.kernel if model.lm_head is not None else model.body.embedding.embedding)[...]
     tied = model.lm_head is None
     targets = jax.random.randint(jax.random.key(2), (B, T), 0, model.vocab_size)
@@ -237,7 +229,7 @@ def profile(model: CausalLM, params, opt_state, optimizer, B: int, T: int, step_
         lambda h, table: chunked_cross_entropy(h, table.astype(jnp.bfloat16), targets, tied=tied).mean(),
         argnums=(0, 1)))
     h = jax.random.normal(jax.random.key(3), (B, T, D), jnp.bfloat16)
-    seconds["loss head"] = statistics.median(timed_calls(lambda: head_program(h, head), repeats))
+    seconds["loss head"] = statistics.median(timed(lambda: head_program(h, head), repeats))
     grads = jax.tree.map(jnp.zeros_like, params)
 
     def update(grads, opt_state, params):
@@ -251,7 +243,7 @@ def profile(model: CausalLM, params, opt_state, optimizer, B: int, T: int, step_
         state["params"], state["opt_state"] = update(grads, state["opt_state"], state["params"])
         return state["params"]
 
-    seconds["optimizer"] = statistics.median(timed_calls(run_update, repeats))
+    seconds["optimizer"] = statistics.median(timed(run_update, repeats))
     seconds["other"] = step_seconds - sum(seconds.values())
     return {"seconds": seconds, "share": {k: v / step_seconds for k, v in seconds.items()}}
 
@@ -281,7 +273,7 @@ def measure(row: dict, smoke: bool, repeats: int, peak: float | None) -> dict:
         state["params"], state["opt_state"], loss = compiled(state["params"], state["opt_state"], tokens)
         return loss
 
-    seconds = statistics.median(timed_calls(run, repeats))
+    seconds = statistics.median(timed(run, repeats))
     stats = jax.devices()[0].memory_stats() or {}
     rate = B * T / seconds
     result.update(step_s=seconds, tokens_per_s=rate, loss=float(run()),
