@@ -2,8 +2,11 @@
 
     python benchmarks/serve.py                            # the committed run (a few minutes)
     python benchmarks/serve.py --quick --out /tmp/serve   # a smoke run
+    source benchmarks/tpu_env.sh && python3 benchmarks/serve.py --uds --platform default   # a TPU VM (no TCP)
 
-Writes `serve.md` and `serve.png` into `--out` (default `benchmarks/results/`).
+Writes `serve.md` and `serve.png` into `--out` (default `benchmarks/results/`); with
+`--platform tpu` or `default`, `serve_<platform>.md` and `.png`. `--uds`: the server listens on a
+unix socket and the clients reach it through httpx's unix-socket transport.
 
 The model: a randomly initialised GLA of a few million parameters (`--hidden`, `--layers`)
 with a character-level tokenizer (printable ASCII, one token per character, so each streamed
@@ -44,6 +47,8 @@ def write_checkpoint(directory: str, hidden: int, layers: int) -> int:
     from flax import nnx
     from tokenizers import Tokenizer, decoders, models
 
+    jax.config.update("jax_platforms", "cpu")  # an accelerator is the server's: one process holds a TPU
+
     from recurrax.nn.pretrained import CausalLM, save_pretrained
 
     vocab = {chr(i): i - 32 for i in range(32, 127)}
@@ -61,15 +66,21 @@ def write_checkpoint(directory: str, hidden: int, layers: int) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def start_server(directory: str, slots: int) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "recurrax.tools.cli", "serve", directory, "--port", "0",
+def start_server(directory: str, slots: int, uds: str | None, platform_name: str) -> tuple[subprocess.Popen, str]:
+    """`recurrax serve` in a process of its own, on TCP (any free port) or on the unix socket `uds`,
+    its JAX on `platform_name` (`default`: JAX's own choice, the accelerator where there is one)."""
+    listen = ["--uds", uds] if uds else ["--port", "0"]
+    env = dict(os.environ) if platform_name == "default" else dict(os.environ, JAX_PLATFORMS=platform_name)
+    process = subprocess.Popen([sys.executable, "-m", "recurrax.tools.cli", "serve", directory, *listen,
                                 "--slots", str(slots), "--max-queue", "1024"], stderr=subprocess.PIPE, text=True,
-                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                               env=env)
+    said = []
     for line in process.stderr:
         if line.startswith("ready on "):
             threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
             return process, line.split()[-1]
-    raise RuntimeError(f"the server did not start (exit {process.wait()})")
+        said = [*said[-19:], line]
+    raise RuntimeError(f"the server did not start (exit {process.wait()}); it said:\n{''.join(said)}")
 
 
 def prompt(i: int) -> str:
@@ -91,9 +102,13 @@ async def one_request(client, url: str, text: str, max_tokens: int) -> dict:
 
 
 async def level(url: str, clients: int, requests_per_client: int, max_tokens: int) -> dict:
+    """`url` is `http://HOST:PORT` or, as the server announces a unix socket, `unix:PATH`."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 8)) as client:
+    transport = httpx.AsyncHTTPTransport(uds=url[5:]) if url.startswith("unix:") else None
+    url = "http://localhost" if transport else url
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 8),
+                                 transport=transport) as client:
 
         async def one_client(c: int) -> list[dict]:
             return [await one_request(client, url, prompt(c * requests_per_client + r), max_tokens)
@@ -123,13 +138,17 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tiny model, short requests (a smoke run)")
+    parser.add_argument("--uds", action="store_true", help="serve on a unix socket (`recurrax serve --uds`), not TCP")
+    parser.add_argument("--platform", default="cpu", help="the server's JAX platform (`default`: JAX's choice, e.g. "
+                        "a TPU); results go to serve.md on cpu, serve_<platform>.md otherwise")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.max_tokens, args.requests_per_client = 64, 1, 8, 1
     with tempfile.TemporaryDirectory() as directory:
         params = write_checkpoint(directory, args.hidden, args.layers)
-        process, url = start_server(directory, slots=max(LEVELS))
+        socket_path = os.path.join(directory, "serve.sock") if args.uds else None
+        process, url = start_server(directory, max(LEVELS), socket_path, args.platform)
         try:
             for clients in LEVELS:  # warm-up: every prefill length the levels use compiles here
                 asyncio.run(level(url, clients, 1, 2))
@@ -139,25 +158,36 @@ def main(argv=None) -> int:
         finally:
             process.terminate()
             process.wait(120)
-    run = {"params": params, "hidden": args.hidden, "layers": args.layers, "max_tokens": args.max_tokens,
+    run = {"params": params, "listen": "a unix socket" if args.uds else "TCP on 127.0.0.1",
+           "device": device_kind(args.platform), "hidden": args.hidden, "layers": args.layers, "max_tokens": args.max_tokens,
            "requests_per_client": args.requests_per_client, "rows": rows, "load_before": load_before,
            "load_after": load_after, "machine": f"{platform.processor() or platform.machine()}, "
                                                 f"{os.cpu_count()} cores, Python {platform.python_version()}"}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_markdown(args.out / "serve.md", run)
-    plot(args.out / "serve.png", run)
-    print((args.out / "serve.md").read_text())
+    name = "serve" if args.platform == "cpu" else f"serve_{args.platform}"
+    write_markdown(args.out / f"{name}.md", run)
+    plot(args.out / f"{name}.png", run)
+    print((args.out / f"{name}.md").read_text())
     return 0
+
+
+def device_kind(platform_name: str) -> str:
+    """What the server computes on: JAX's first device on that platform, asked in a process of its own
+    (the server's process holds an accelerator while it runs)."""
+    env = dict(os.environ) if platform_name == "default" else dict(os.environ, JAX_PLATFORMS=platform_name)
+    return subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"], env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def write_markdown(path: Path, run: dict) -> None:
     lines = [
-        "# `recurrax serve` under load (CPU)",
+        f"# `recurrax serve` under load ({run['device']}, {run['listen']})",
         "",
         f"GLA, {run['params'] / 1e6:.1f} M parameters (hidden {run['hidden']}, {run['layers']} layers, 4 heads), "
         f"character-level tokenizer; `recurrax serve --slots 64`; each client sends {run['requests_per_client']} "
         f"streaming completions in turn (greedy, {run['max_tokens']} new tokens, prompts of 32–256 characters). "
-        f"Produced by `python benchmarks/serve.py` on {run['machine']}.",
+        f"Produced by `python benchmarks/serve.py` on {run['machine']}; the server computes on {run['device']} "
+        f"and listens on {run['listen']}.",
         "",
         f"**Shared machine:** load average {run['load_before'][0]:.1f} before, {run['load_after'][0]:.1f} after "
         "(other work ran beside it; the clients share the cores with the server).",
@@ -195,7 +225,7 @@ def plot(path: Path, run: dict) -> None:
     right.set(xscale="log", yscale="log", xticks=clients, xticklabels=clients, xlabel="concurrent clients",
               ylabel="ms", title="latency")
     right.legend()
-    figure.suptitle(f"recurrax serve, GLA {run['params'] / 1e6:.1f} M params, CPU "
+    figure.suptitle(f"recurrax serve, GLA {run['params'] / 1e6:.1f} M params, {run['device']} "
                     f"(load {run['load_before'][0]:.1f}→{run['load_after'][0]:.1f})")
     figure.tight_layout()
     figure.savefig(path, dpi=100)

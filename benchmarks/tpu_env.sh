@@ -1,7 +1,7 @@
 # Set-up for a run on a fresh TPU VM without network, sourced by the TPU benchmarks:
 #   source benchmarks/tpu_env.sh            # from the repo root, then run python3 benchmarks/...
 # Installs what recurrax, its reports and ejKernel need (jaxtyping, matplotlib, absl-py, toolz,
-# einops; flax and optax for recurrax.nn and tpu_train.py) from the machine's own package index
+# einops; flax and optax for recurrax.nn and tpu_train.py; the server's packages for serve.py) from the machine's own package index
 # (PIP_INDEX, default file:///opt/pypi/simple) into a temporary folder on PYTHONPATH, the machine's own JAX kept first; ejKernel from wheels in
 # .whl-tpu/ when that folder is there (`pip download` them where pip reaches PyPI:
 # benchmarks/README.md says which); puts this checkout's src/ first on PYTHONPATH.
@@ -24,6 +24,14 @@ if ! "$PY" -c 'import flax, optax' 2>/dev/null; then  # recurrax.nn and the trai
         || echo "tpu_env.sh: flax/optax from the package index failed" >&2
     rm -rf "$_nn"/jax "$_nn"/jaxlib "$_nn"/jax-* "$_nn"/jaxlib-* "$_nn"/numpy "$_nn"/numpy-*  # the machine's own stay
     export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$_nn"
+fi
+if ! "$PY" -c 'import safetensors, tokenizers, jinja2, starlette, uvicorn, httpx' 2>/dev/null; then  # serve.py
+    _serve=$(mktemp -d)
+    PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
+        --index-url "${PIP_INDEX:-file:///opt/pypi/simple}" --target "$_serve" safetensors tokenizers jinja2 starlette \
+        uvicorn httpx || echo "tpu_env.sh: the server's packages from the package index failed" >&2
+    rm -rf "$_serve"/jax "$_serve"/jaxlib "$_serve"/jax-* "$_serve"/jaxlib-* "$_serve"/numpy "$_serve"/numpy-*
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$_serve"
 fi
 if [ -d .whl-tpu ] && ! "$PY" -c 'import ejkernel' 2>/dev/null; then
     _wheels=$(mktemp -d)

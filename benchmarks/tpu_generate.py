@@ -171,7 +171,9 @@ class Counts:
 def build(name: str, smoke: bool):
     config = model_config(name, smoke)
     start = time.perf_counter()
-    model = model_from_config(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    # one compiled program draws every weight (eagerly, each initialiser would compile on its own)
+    model = nnx.jit(lambda: model_from_config(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                              rngs=nnx.Rngs(0)))()
     jax.block_until_ready(nnx.state(model))
     counts = Counts(model, config)
     log(f"{name}: built in {time.perf_counter() - start:.1f} s, {counts.total / 1e6:,.1f} M parameters, "

@@ -39,8 +39,10 @@ only), then every model at T = 16,384 (1 × 16,384). Per row:
   separate jitted forward+backward programs of one layer's parts at the step's shapes
   (× the layers of each kind), the chunked cross entropy over the final hidden states, and
   AdamW's update; "other" is the rest of the step (embedding, residual adds, the remat's
-  recompute of each layer's forward, the scan's stacking). `jax.profiler` traces are not
-  used: the TPU VM has no xprof / tensorboard-plugin-profile to read them with.
+  recompute of each layer's forward, the scan's stacking);
+- trace: one step under `jax.profiler.trace`, read back with `jax.profiler.ProfileData` (no xprof
+  needed): the device's self time by kind of XLA op (Pallas kernels by name, matmuls, fusions,
+  copies, ...) and the longest ops, as shares of the step.
 
 `tpu_train.md` and `tpu_train.json` are rewritten after every row (a stopped run keeps what it
 measured) and `tpu_train.png` at the end. `--smoke`: tiny shapes of the same four families
@@ -51,10 +53,14 @@ measured) and `tpu_train.png` at the end. `--smoke`: tiny shapes of the same fou
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import inspect
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -248,6 +254,56 @@ def profile(model: CausalLM, params, opt_state, optimizer, B: int, T: int, step_
     return {"seconds": seconds, "share": {k: v / step_seconds for k, v in seconds.items()}}
 
 
+def traced_ops(run, step_seconds: float, most: int = 12) -> dict:
+    """One step under `jax.profiler.trace`, read back with `jax.profiler.ProfileData`: the device's
+    self time (an op's time less the ops nested in it, e.g. a scanned layer's `while` less its body)
+    per kind of op (`kind_of_op`) and of the `most` longest ops, each as a share of the timed step."""
+    directory = tempfile.mkdtemp()
+    with jax.profiler.trace(directory):
+        jax.block_until_ready(run())
+    (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+    by_kind, by_op = collections.Counter(), collections.Counter()
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in (line for line in plane.lines if line.name == "XLA Ops"):
+            for text, seconds in self_times(line.events):
+                name = text.split(" = ")[0].strip()
+                by_kind[kind_of_op(text)] += seconds
+                by_op[f"{name} ({kind_of_op(text)})"] += seconds
+    return {"device_s": sum(by_kind.values()),
+            "kind_share": {k: v / step_seconds for k, v in by_kind.most_common()},
+            "op_share": {k: v / step_seconds for k, v in by_op.most_common(most)}}
+
+
+def self_times(events) -> list[tuple[str, float]]:
+    """(name, seconds) of each event less the events nested inside it (same line, within its span)."""
+    ordered = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
+    own = [e.duration_ns for e in ordered]
+    open_spans: list[int] = []  # indices of the events that enclose the current one
+    for i, event in enumerate(ordered):
+        while open_spans and ordered[open_spans[-1]].end_ns <= event.start_ns:
+            open_spans.pop()
+        if open_spans:
+            own[open_spans[-1]] -= event.duration_ns
+        open_spans.append(i)
+    return [(e.name, max(t, 0) * 1e-9) for e, t in zip(ordered, own)]
+
+
+def kind_of_op(text: str) -> str:
+    """An XLA op's kind from its HLO text: a Pallas kernel's name, `matmul` for a convolution (fusion),
+    else its opcode (a fusion with its fusion kind)."""
+    if "custom_call_target=" in text:
+        name = text.split(" = ")[0].lstrip("%").rsplit(".", 1)[0]
+        return f"kernel {name}" if "tpu_custom_call" in text else f"custom-call {name}"
+    if "convolution" in text.split(" = ")[0] or " convolution(" in text:
+        return "matmul"
+    opcode = re.search(r"\s([a-z][\w-]*)\(", text.split(" = ", 1)[-1])
+    opcode = opcode.group(1) if opcode else "?"
+    kind = re.search(r"kind=(k\w+)", text)
+    return f"{opcode} {kind.group(1)}" if opcode == "fusion" and kind else opcode
+
+
 def measure(row: dict, smoke: bool, repeats: int, peak: float | None) -> dict:
     model = build(row["model"], smoke, row["scan"])
     config = model.config
@@ -282,6 +338,10 @@ def measure(row: dict, smoke: bool, repeats: int, peak: float | None) -> dict:
     if peak is not None:
         result["mfu_6n"] = 6 * N * rate / peak
         result["mfu_with_mixers"] = (6 * N + result["mixer_flops_per_token"]) * rate / peak
+    try:
+        result["trace"] = traced_ops(run, seconds)
+    except Exception as error:  # noqa: BLE001  (a profiler that cannot trace here: the row says why)
+        result["trace_failed"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     live = nnx.merge(graphdef, state["params"])  # the model's own arrays were donated to the first step
     del model, params, opt_state, compiled
     try:
@@ -296,9 +356,9 @@ def percent(value) -> str:
 
 
 def report(results: list[dict], peak: float | None, skipped: list[str]) -> str:
-    device = jax.devices()[0]
+    device = results[0].get("device") if results else jax.devices()[0].device_kind
     peak_text = f"{peak / 1e12:g} TFLOP/s bf16" if peak else "unknown (no MFU)"
-    lines = [f"# Training steps on {device.device_kind}", "",
+    lines = [f"# Training steps on {device}", "",
              f"JAX {jax.__version__}; peak {peak_text}. Written by `benchmarks/tpu_train.py` (its docstring defines "
              "every column): bfloat16 compute, float32 parameters, AdamW, `remat=\"block\"`, layers scanned unless "
              "the row says unrolled. MFU 6N counts 6 · parameters per token; MFU+mix adds the mixers' own FLOPs.", "",
@@ -321,6 +381,14 @@ def report(results: list[dict], peak: float | None, skipped: list[str]) -> str:
                   "| row | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
         for r in profiled:
             lines.append(f"| {r['name']} | " + " | ".join(percent(r["profile"]["share"][k]) for k in kinds) + " |")
+    for r in (r for r in results if r.get("trace", {}).get("kind_share")):
+        kinds = ", ".join(f"{k} {percent(v)}" for k, v in list(r["trace"]["kind_share"].items())[:10])
+        lines += ["", f"{r['name']}, one step under `jax.profiler` (the device's self time by kind of XLA op, as a "
+                  f"share of the step): {kinds}.", "", "| longest ops (self time) | share |", "|---|---:|"]
+        lines += [f"| `{op}` | {percent(v)} |" for op, v in r["trace"]["op_share"].items()]
+    for r in results:
+        if "trace_failed" in r:
+            lines += ["", f"{r['name']}: no trace ({r['trace_failed']})."]
     for r in results:
         if "profile_failed" in r:
             lines += ["", f"{r['name']}: no profile ({r['profile_failed']})."]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -267,6 +268,28 @@ def test_tpu_train_smoke_run_measures_every_model_and_part(tmp_path):
     assert not rows[4]["scan"] and rows[4]["compile_s"] > 0 and "step_s" not in rows[4]
     text = (tmp_path / "tpu_train.md").read_text()
     assert "| gla-340m T64 |" in text and "unrolled." in text and (tmp_path / "tpu_train.png").stat().st_size > 0
+
+
+def test_tpu_train_trace_counts_each_op_once_and_names_its_kind():
+    """`tpu_train.py`'s trace table: an op's self time is its span less the ops nested in it (a scanned
+    layer's `while` less its body), so the self times add up to the outermost spans; the kind of an
+    op comes from its HLO text (a Pallas kernel by name, a convolution fusion as a matmul, an opcode)."""
+    tpu_train = pytest.importorskip("tpu_train")
+
+    def event(text, start, duration):
+        return types.SimpleNamespace(name=text, start_ns=start, duration_ns=duration, end_ns=start + duration)
+
+    events = [event("%while.1 = (s32[], f32[4]) while((s32[], f32[4]) %t), body=%b", 0, 100),
+              event("%fusion.2 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop", 10, 30),
+              event("%convolution_fusion.3 = f32[4]{0} fusion(f32[4]{0} %a), kind=kOutput", 50, 40),
+              event("%copy.4 = bf16[4,6]{1,0:T(4,128)(2,1)S(1)} copy(bf16[4,6]{1,0} %r)", 120, 5),
+              event('%recurrax_tpu_chunk_fwd.7 = (f32[4]) custom-call(f32[4] %c), custom_call_target="tpu_custom_call"',
+                    130, 7)]
+    own = {text.split(" = ")[0]: round(seconds * 1e9) for text, seconds in tpu_train.self_times(events)}
+    assert own == {"%while.1": 30, "%fusion.2": 30, "%convolution_fusion.3": 40, "%copy.4": 5,
+                   "%recurrax_tpu_chunk_fwd.7": 7}
+    assert [tpu_train.kind_of_op(e.name) for e in events] == [
+        "while", "fusion kLoop", "matmul", "copy", "kernel recurrax_tpu_chunk_fwd"]
 
 
 def test_tpu_train_mixer_flops_match_tpu_paths():
