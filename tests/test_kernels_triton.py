@@ -227,7 +227,7 @@ def test_vmap_and_grad():
             o, state = recurrax.recurrent(**{**kwargs, "query": query}, implementation=implementation)
             return jnp.sum(o * o) + jnp.sum(state)
 
-        return jax.vmap(jax.value_and_grad(one))(queries)
+        return jax.jit(jax.vmap(jax.value_and_grad(one)))(queries)  # one program (op by op: slow)
 
     for got, want in zip(batched("pallas_interpret"), batched("reference")):
         assert max_rel_error(got, want) < F32_TOL
