@@ -196,8 +196,7 @@ def test_vmap_over_a_leading_axis(varlen):
 GATE_KINDS = [(), ("g_head",), ("g_channel", "gv"), ("g_gamma", "gk"), ("g_head", "gk", "gv")]
 
 
-@settings(max_examples=10, deadline=None)
-@given(
+PROPERTY = dict(
     T=st.sampled_from([1, 6, 11]),
     heads=st.sampled_from([(2, 1), (2, 2)]),
     gates=st.sampled_from(GATE_KINDS),
@@ -206,7 +205,23 @@ GATE_KINDS = [(), ("g_head",), ("g_channel", "gv"), ("g_gamma", "gk"), ("g_head"
     checkpoint_every=st.sampled_from([2, 4, 64]),
     packed=st.booleans(),
 )
+"""Each example is a new shape (two compiles): the default run draws 4, `-m slow` 10 more."""
+
+
+@settings(max_examples=4, deadline=None)
+@given(**PROPERTY)
 def test_property_matches_reference(T, heads, gates, reverse, initial_state, checkpoint_every, packed):
+    check_property(T, heads, gates, reverse, initial_state, checkpoint_every, packed)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None)
+@given(**PROPERTY)
+def test_property_matches_reference_more_examples(T, heads, gates, reverse, initial_state, checkpoint_every, packed):
+    check_property(T, heads, gates, reverse, initial_state, checkpoint_every, packed)
+
+
+def check_property(T, heads, gates, reverse, initial_state, checkpoint_every, packed):
     H, Hkv = heads
     cu = (0, 0, T // 2, T) if packed else None
     case = Case(B=1 if packed else 2, T=T, H=H, Hkv=Hkv, K=4, V=3, gates=gates, reverse=reverse,
