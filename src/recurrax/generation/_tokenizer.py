@@ -20,9 +20,9 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from ..._extras import require
+from .._extras import require
 from ._chat_template import render_chat
-from ._config_checks import eos_token_ids
+from ..nn.pretrained._config_checks import eos_token_ids
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens of tokenizer_config.json a chat template sees by name (as `transformers`)."""
