@@ -97,7 +97,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not os.path.isfile(file):
         raise FileNotFoundError(
             f"no tokenizer.json in {path!r}: text generation needs the checkpoint's tokenizer (Hugging Face "
-            "tokenizers' tokenizer.json); without it, give token ids to recurrax.nn.pretrained.generate")
+            "tokenizers' tokenizer.json); without it, give token ids to recurrax.generation.generate")
     try:
         backend = tokenizers.Tokenizer.from_file(file)
     except Exception as error:  # tokenizers raises its own exception type for unreadable files
