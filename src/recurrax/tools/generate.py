@@ -36,6 +36,17 @@ from .options import (
 )
 
 
+SAMPLING = (
+    ("--max-new-tokens", non_negative_int, 256, "most tokens per reply (default 256)"),
+    ("--temperature", non_negative_float, 0.0, "sampling temperature; 0 (default) is greedy"),
+    ("--top-p", probability, None, "nucleus sampling: keep the most likely tokens of mass p"),
+    ("--top-k", positive_int, None, "keep the k most likely tokens"),
+    ("--repetition-penalty", positive_float, None, "above 1 makes tokens already in the prompt or reply less likely"),
+    ("--seed", int, 0, "sampling seed (default 0)"),
+)
+"""How each reply is sampled (`stream_text`'s arguments): (option, type, default, help)."""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="recurrax generate", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,15 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat "
                         "template; without --prompt, an interactive chat at a terminal")
     parser.add_argument("--system", help="a system message first (with --chat)")
-    parser.add_argument("--max-new-tokens", type=non_negative_int, default=256,
-                        help="most tokens per reply (default 256)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
-                        help="sampling temperature; 0 (default) is greedy")
-    parser.add_argument("--top-p", type=probability, help="nucleus sampling: keep the most likely tokens of mass p")
-    parser.add_argument("--top-k", type=positive_int, help="keep the k most likely tokens")
-    parser.add_argument("--repetition-penalty", type=positive_float,
-                        help="above 1 makes tokens already in the prompt or reply less likely")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    for flag, kind, default, text in SAMPLING:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
     add_compilation_cache_option(parser)
     args = parser.parse_args(argv)

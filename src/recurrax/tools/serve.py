@@ -27,6 +27,26 @@ import sys
 from .options import add_compilation_cache_option, positive_float, positive_int, start_compilation_cache
 
 
+LIMITS = (
+    ("--max-body-bytes", positive_int, 8 << 20, "bytes of a request body (default 8388608: 8 MiB); more is a 413"),
+    ("--max-prompt-tokens", positive_int, None, "tokens of a prompt (default: --max-model-len - 1); a text prompt "
+     "longer than this many of the vocabulary's longest tokens is refused before it is tokenized"),
+    ("--max-stop-strings", positive_int, 16,
+     "stop strings of a request (default 16; each generated token is checked against each)"),
+    ("--max-stop-length", positive_int, 64, "characters of a stop string (default 64)"),
+    ("--header-timeout", positive_float, 10.0,
+     "seconds a client has to send a request's headers; then the connection is closed (default 10)"),
+    ("--body-timeout", positive_float, 30.0, "seconds a client has to send a request's body; then a 408 (default 30)"),
+    ("--idle-timeout", positive_float, 5.0,
+     "seconds a kept-alive connection may wait for its next request (default 5)"),
+    ("--template-timeout", positive_float, 5.0,
+     "seconds the chat template may take on one request's messages; then a 400 (default 5)"),
+    ("--template-memory", positive_int, 1024,
+     "MiB the chat template may allocate on one request's messages; then a 400 (default 1024)"),
+)
+"""What one client may take: (option, type, default, help)."""
+
+
 def port(text: str) -> int:
     """A TCP port: 0 (any free one) to 65535."""
     try:
@@ -61,28 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "pieces of that size); the packed lengths up to it compile at start-up (default 512)")
     limits = parser.add_argument_group("limits", "what one client may take; a request beyond them is a 4xx in "
                                        "OpenAI's error JSON, a connection beyond them is closed")
-    limits.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
-                        help="bytes of a request body (default 8388608: 8 MiB); more is a 413")
-    limits.add_argument("--max-prompt-tokens", type=positive_int,
-                        help="tokens of a prompt (default: --max-model-len - 1); a text prompt longer than this "
-                             "many of the vocabulary's longest tokens is refused before it is tokenized")
-    limits.add_argument("--max-stop-strings", type=positive_int, default=16,
-                        help="stop strings of a request (default 16; each generated token is checked against each)")
-    limits.add_argument("--max-stop-length", type=positive_int, default=64,
-                        help="characters of a stop string (default 64)")
-    limits.add_argument("--header-timeout", type=positive_float, default=10.0,
-                        help="seconds a client has to send a request's headers; then the connection is closed "
-                             "(default 10)")
-    limits.add_argument("--body-timeout", type=positive_float, default=30.0,
-                        help="seconds a client has to send a request's body; then a 408 (default 30)")
-    limits.add_argument("--idle-timeout", type=positive_float, default=5.0,
-                        help="seconds a kept-alive connection may wait for its next request (default 5)")
-    limits.add_argument("--template-timeout", type=positive_float, default=5.0,
-                        help="seconds the chat template may take on one request's messages; then a 400 "
-                             "(default 5)")
-    limits.add_argument("--template-memory", type=positive_int, default=1024,
-                        help="MiB the chat template may allocate on one request's messages; then a 400 "
-                             "(default 1024)")
+    for flag, kind, default, text in LIMITS:
+        limits.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--shutdown-timeout", type=positive_float, default=30.0,
                         help="seconds running requests get to finish at SIGINT/SIGTERM (default 30)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
