@@ -167,7 +167,8 @@ def _decode_child(repeats: int, quick: bool) -> dict:
     import numpy as np
     from flax import nnx
 
-    from recurrax.nn.pretrained import CausalLM, generate
+    from recurrax.generation import generate
+    from recurrax.nn.pretrained import CausalLM
 
     model = CausalLM(QUICK_DECODE_MODEL if quick else DECODE_MODEL, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)

@@ -48,7 +48,8 @@ import numpy as np
 from flax import nnx
 
 from recurrax.chunk import default_tiling
-from recurrax.nn.pretrained import CausalLM, from_pretrained, greedy_tokens, save_pretrained, size_config
+from recurrax.generation import greedy_tokens
+from recurrax.nn.pretrained import CausalLM, from_pretrained, save_pretrained, size_config
 from recurrax.tools.bench.machine import machine_description
 
 from _floors import matmul_gflops, read_gbps

@@ -65,8 +65,8 @@ from kimi_linear import KIMI_LINEAR_48B_A3B, TINY as KIMI_TINY, config as kimi_c
 from pretrained_340m import GLA_340M, TINY as GLA_TINY  # noqa: E402
 from qwen3_5 import QWEN3_5_0_8B, TINY as QWEN_TINY, layer_types  # noqa: E402
 
-from recurrax.nn.pretrained import (  # noqa: E402
-    DecodePool, Sampling, cache_capacity, generate_tokens, model_from_config)
+from recurrax.generation import DecodePool, Sampling, cache_capacity, generate_tokens  # noqa: E402
+from recurrax.nn.pretrained import model_from_config  # noqa: E402
 
 MODELS = ("qwen3.5-0.8b", "gla-340m", "kimi-linear-cut")
 BATCHES = (1, 8, 64)

@@ -1,4 +1,4 @@
-"""Generate tokens from a `recurrax.nn.LanguageModel` with `recurrax.nn.pretrained.generate`.
+"""Generate tokens from a `recurrax.nn.LanguageModel` with `recurrax.generation.generate`.
 
 `generate` takes any model with a cache (its protocol: `generation_cache`, `prefill`,
 `decode_step`, `vocab_size`). It prefills the ragged prompts as one packed batch
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from recurrax.nn import MIXERS, LanguageModel
-from recurrax.nn.pretrained import generate
+from recurrax.generation import generate
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -8,7 +8,7 @@ and Qwen3.5.
     python examples/pretrained.py                             # the tiny GLA fixture in tests/fixtures/fla
 
 Prefills the prompts as one packed batch (`cu_seqlens`), then decodes them together with
-the state cache (`recurrax.nn.pretrained.generate`). Reports load time, prefill and decode
+the state cache (`recurrax.generation.generate`). Reports load time, prefill and decode
 tokens per second (compilation excluded: a warm-up call runs first). Nothing is downloaded.
 """
 
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recurrax.nn.pretrained import from_pretrained, generate
+from recurrax.generation import generate
+from recurrax.nn.pretrained import from_pretrained
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "fla" / "gla_basic"
 

@@ -41,7 +41,8 @@ from tqdm import tqdm
 
 from recurrax import use_compilation_cache
 from recurrax.nn import MIXERS, pack_documents, parameter_count, training_dtype, training_throughput
-from recurrax.nn.pretrained import SIZES, from_size, generate_text, load_tokenizer, save_pretrained
+from recurrax.generation import generate_text, load_tokenizer
+from recurrax.nn.pretrained import SIZES, from_size, save_pretrained
 
 END_OF_TEXT = "<|endoftext|>"
 """The byte-level tokenizer's one special token: the end of a document."""

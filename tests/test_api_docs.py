@@ -60,13 +60,14 @@ PUBLIC_MODULES = {
     "recurrax.targets": "src/recurrax/targets/__init__.py",
     "recurrax.nn": "src/recurrax/nn/__init__.py",
     "recurrax.nn.pretrained": "src/recurrax/nn/pretrained/__init__.py",
+    "recurrax.generation": "src/recurrax/generation/__init__.py",
 }
 """The modules a user imports (the rest of the package is internal: docs/architecture.md)."""
 
 
 @needs_docs
 def test_builds_strictly_with_every_page(site):
-    for page in ("recurrent", "delta", "parallel", "problem", "registry", "targets", "decays", "nn", "pretrained"):
+    for page in ("recurrent", "delta", "parallel", "problem", "registry", "targets", "decays", "nn", "pretrained", "generation"):
         assert (site / "api" / page / "index.html").exists(), page
 
 

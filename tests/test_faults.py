@@ -128,7 +128,7 @@ def test_prefill_memory_plan_close_to_a_forward():
     """Row 1, cheap: XLA's memory plan of generate's packed prefill (1,024 prompt tokens) needs
     at most 2x the temporary bytes of a plain forward (the per-token cache copies made it 8.8x
     on the fixture)."""
-    from recurrax.nn.pretrained import _generate
+    from recurrax.generation import _generate
 
     model, n = hybrid(), 1024
     graphdef, params = nnx.split(model)
@@ -169,9 +169,11 @@ def test_packed_continuation_reads_earlier_entries_blockwise(monkeypatch):
 
 
 def test_generate_refuses_a_cache_that_does_not_fit_by_name():
+    from recurrax.generation import _generate
+
     with pytest.raises(ValueError, match=r"max_new_tokens=1000000000.*longest prompt 3.*num_slots=1.*bytes"):
         generate(hybrid(), [[1, 2, 3]], max_new_tokens=10**9)
-    needed = pretrained._generate.cache_bytes(hybrid(), 1, 16) + pretrained._generate.cache_bytes(hybrid(), 2, 16)
+    needed = _generate.cache_bytes(hybrid(), 1, 16) + _generate.cache_bytes(hybrid(), 2, 16)
     with pytest.raises(ValueError, match=f"would need {needed:,} bytes.*more than the 1,000 bytes"):
         generate(hybrid(), [[1, 2, 3]], max_new_tokens=4, max_cache_bytes=1000)
 

@@ -206,7 +206,7 @@ def test_repetition_penalty_equals_greedy_parallel_forwards():
 
 
 def test_penalize_repetitions_against_numpy():
-    from recurrax.nn.pretrained._generate import penalize_repetitions
+    from recurrax.generation._generate import penalize_repetitions
 
     rng = np.random.default_rng(4)
     logits, seen = rng.normal(size=(3, 9)), rng.random((3, 9)) < 0.5

@@ -1,4 +1,4 @@
-"""Token sampling (`recurrax.nn.pretrained._sampling`): greedy against NumPy's argmax (ties and
+"""Token sampling (`recurrax.generation._sampling`): greedy against NumPy's argmax (ties and
 NaN included); the kept top-k / top-p sets against NumPy's sort; the tokens drawn against a
 reference that masks the whole vocabulary from a full sort (the form every step took before
 the candidate search), for the same keys, on both of `kept_tokens`' paths (the `CANDIDATES`
@@ -14,8 +14,8 @@ pytest.importorskip("flax", reason="recurrax.nn.pretrained needs flax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from recurrax.nn.pretrained import _sampling  # noqa: E402
-from recurrax.nn.pretrained._sampling import greedy_tokens, kept_tokens, sample_tokens  # noqa: E402
+from recurrax.generation import _sampling  # noqa: E402
+from recurrax.generation._sampling import greedy_tokens, kept_tokens, sample_tokens  # noqa: E402
 
 
 def numpy_kept(logits, temperature, top_k, top_p):

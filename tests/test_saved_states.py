@@ -16,7 +16,7 @@ from flax import nnx
 
 from recurrax.nn import LanguageModel
 from recurrax.nn.pretrained import CausalLM, DecodePool, GenerationSession, Sampling
-from recurrax.nn.pretrained import _generate
+from recurrax.generation import _generate
 
 VOCAB = 32
 

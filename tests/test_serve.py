@@ -235,7 +235,7 @@ def test_a_unix_socket_serves_chats_streamed_and_not_and_is_removed_at_exit(dire
 def test_uds_with_host_or_port_or_a_missing_directory_says_what_is_wrong(directory, tmp_path, capsys):
     """`--uds` with `--host`/`--port` is a usage error naming them; a socket path whose
     directory does not exist, or a file there that is not a socket, is one line naming it."""
-    from recurrax.tools.serve.command import parse_args
+    from recurrax.tools.serve import parse_args
 
     for given in (["--port", "8000"], ["--host", "127.0.0.1"]):
         with pytest.raises(SystemExit):
@@ -440,7 +440,7 @@ def test_readme_commands_parse_and_its_client_code_runs(server, capsys):
     directory that exists; its Python client code runs against this server."""
     import shlex
 
-    from recurrax.tools.serve.command import parse_args
+    from recurrax.tools.serve import parse_args
 
     section = readme_section()
     lines = [line.split("recurrax serve ", 1)[1] for line in section.splitlines() if line.startswith("recurrax serve ")]
@@ -500,7 +500,7 @@ def test_a_prompt_too_long_to_hold_is_refused_before_tokenizing(directory):
     """A text prompt longer than MAX_PROMPT_TOKENS of the vocabulary's longest tokens cannot
     fit: refused without tokenizing it (the tokenizer here fails if asked); one that might
     fit is tokenized and counted."""
-    from recurrax.tools.serve.requests import Limits, RequestError, RequestParser
+    from recurrax.generation.serve.requests import Limits, RequestError, RequestParser
 
     real = load_tokenizer(directory)
 
@@ -626,7 +626,7 @@ def test_unknown_routes_and_methods_are_openai_errors(server):
 
 
 def test_a_chat_template_that_does_not_compile_is_a_value_error():
-    from recurrax.tools.serve.templates import TemplateRenderer
+    from recurrax.generation.serve.templates import TemplateRenderer
 
     renderer = TemplateRenderer("{% for %}", {}, timeout_s=30, memory_bytes=1 << 28)
     with pytest.raises(ValueError, match="does not compile"):

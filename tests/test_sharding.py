@@ -249,7 +249,7 @@ def serving_mesh():
 def test_cache_pool_is_sharded():
     """generate's slot pool: rows over data, a recurrent state's heads over tensor (4 of 4),
     an attention buffer's rows over data (its 2 kv heads do not divide over 4)."""
-    from recurrax.nn.pretrained._generate import _empty_pool
+    from recurrax.generation._generate import _empty_pool
 
     device_mesh, rules = serving_mesh()
     model = rnn.shard_model(from_pretrained(HYBRID), device_mesh, rules)
@@ -277,7 +277,7 @@ def test_generate_on_a_mesh_equals_one_device():
 @partial(jax.jit, static_argnames="graphdef")
 def prefill_then_step(graphdef, params, tokens, cu_seqlens, next_tokens):
     """Logits of a packed prefill into a 4-slot cache and of one decode step after it."""
-    from recurrax.nn.pretrained._generate import constrain_cache
+    from recurrax.generation._generate import constrain_cache
 
     model = nnx.merge(graphdef, params)
     prefill_logits, cache = model.prefill(tokens, cu_seqlens, constrain_cache(model.generation_cache(4, 32)))

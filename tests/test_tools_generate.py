@@ -56,7 +56,7 @@ def test_chat_reads_a_conversation_from_stdin(directory, monkeypatch, capsys):
 
 
 def test_every_sampling_option_reaches_stream_text(directory, monkeypatch, capsys):
-    from recurrax.nn import pretrained
+    from recurrax import generation
 
     calls = []
 
@@ -66,7 +66,7 @@ def test_every_sampling_option_reaches_stream_text(directory, monkeypatch, capsy
         def __iter__(self):
             return iter(["done"])
 
-    monkeypatch.setattr(pretrained, "stream_text", lambda *args, **options: calls.append((args, options)) or Finished())
+    monkeypatch.setattr(generation, "stream_text", lambda *args, **options: calls.append((args, options)) or Finished())
     assert cli.main(["generate", directory, "--prompt", "x", "--max-new-tokens", "7", "--temperature", "0.5",
                      "--top-k", "3", "--top-p", "0.5", "--repetition-penalty", "1.3", "--seed", "9", "--stop", "a",
                      "--stop", "b"]) == 0

@@ -36,6 +36,17 @@ from .options import (
 )
 
 
+SAMPLING = (
+    ("--max-new-tokens", non_negative_int, 256, "most tokens per reply (default 256)"),
+    ("--temperature", non_negative_float, 0.0, "sampling temperature; 0 (default) is greedy"),
+    ("--top-p", probability, None, "nucleus sampling: keep the most likely tokens of mass p"),
+    ("--top-k", positive_int, None, "keep the k most likely tokens"),
+    ("--repetition-penalty", positive_float, None, "above 1 makes tokens already in the prompt or reply less likely"),
+    ("--seed", int, 0, "sampling seed (default 0)"),
+)
+"""How each reply is sampled (`stream_text`'s arguments): (option, type, default, help)."""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="recurrax generate", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,15 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat "
                         "template; without --prompt, an interactive chat at a terminal")
     parser.add_argument("--system", help="a system message first (with --chat)")
-    parser.add_argument("--max-new-tokens", type=non_negative_int, default=256,
-                        help="most tokens per reply (default 256)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
-                        help="sampling temperature; 0 (default) is greedy")
-    parser.add_argument("--top-p", type=probability, help="nucleus sampling: keep the most likely tokens of mass p")
-    parser.add_argument("--top-k", type=positive_int, help="keep the k most likely tokens")
-    parser.add_argument("--repetition-penalty", type=positive_float,
-                        help="above 1 makes tokens already in the prompt or reply less likely")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    for flag, kind, default, text in SAMPLING:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
     add_compilation_cache_option(parser)
     args = parser.parse_args(argv)
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     start_compilation_cache(args)
     start = time.perf_counter()
     try:
-        from recurrax.nn.pretrained import GenerationSession, from_pretrained, load_tokenizer
+        from recurrax.generation import GenerationSession, load_tokenizer
+        from recurrax.nn.pretrained import from_pretrained
 
         tokenizer = load_tokenizer(args.model)
         model = from_pretrained(args.model)
@@ -113,7 +118,9 @@ def _prompt(tokenizer, args) -> str | list[int]:
     if not args.chat:
         return text
     messages = _conversation(text) if args.prompt is None else [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(_with_system(messages, args.system), tokenize=True)
+    from recurrax.generation._chat import with_system
+
+    return tokenizer.apply_chat_template(with_system(messages, args.system), tokenize=True)
 
 
 def _conversation(text: str) -> list[dict]:
@@ -128,14 +135,11 @@ def _conversation(text: str) -> list[dict]:
     return messages
 
 
-def _with_system(messages: list[dict], system: str | None) -> list[dict]:
-    return messages if system is None else [{"role": "system", "content": system}, *messages]
-
-
 def _interactive(model, tokenizer, session, args) -> int:
     """A chat at the terminal: each turn continues the session's state of the conversation so
-    far (see `Conversation`)."""
-    from recurrax.nn.pretrained import end_of_sequence_ids
+    far (see `recurrax.generation._chat.Conversation`)."""
+    from recurrax.generation import end_of_sequence_ids
+    from recurrax.generation._chat import Conversation
 
     conversation = Conversation(tokenizer, args.system, end_of_sequence_ids(model, tokenizer))
     while True:
@@ -149,47 +153,10 @@ def _interactive(model, tokenizer, session, args) -> int:
         conversation.add_reply(stream)
 
 
-class Conversation:
-    """A chat's messages and the ids the model has consumed for them. The next turn's prompt
-    is the template's rendering of the whole conversation; where it starts with the previous
-    rendering and the reply (as it does for templates that only append), its ids are the
-    previous ones, the reply's tokens as generated and the rest encoded: it extends what the
-    session consumed, so only the new tokens are prefilled. Where it does not (a template
-    that rewrites earlier text, a reply cut by a stop string), the rendering is encoded whole
-    (a full prefill)."""
-
-    def __init__(self, tokenizer, system: str | None, stop_tokens):
-        self.tokenizer, self.stop_tokens = tokenizer, set(stop_tokens)
-        self.messages = _with_system([], system)
-        self.text, self.ids = "", []  # the conversation rendered so far, and its ids
-
-    def prompt(self, line: str) -> list[int]:
-        """Add the user's `line`; the ids of the whole conversation, the reply to come last."""
-        self.messages.append({"role": "user", "content": line})
-        text = self.tokenizer.apply_chat_template(self.messages)
-        if self.ids and text.startswith(self.text):
-            self.ids = self.ids + self.tokenizer.encode(text[len(self.text):], add_special_tokens=False)
-        else:
-            self.ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.text = text
-        return self.ids
-
-    def add_reply(self, stream) -> None:
-        """Add the reply `stream` (a finished `TextStream`) as the assistant's message."""
-        self.messages.append({"role": "assistant", "content": stream.text})
-        tokens = list(stream.tokens)
-        if tokens and tokens[-1] in self.stop_tokens:
-            tokens.pop()
-        if self.tokenizer.decode(tokens) == stream.text:
-            self.text, self.ids = self.text + stream.text, self.ids + tokens
-        else:
-            self.text, self.ids = "", []
-
-
 def _reply(model, tokenizer, session, prompt, args):
     """Stream the continuation of `prompt` to stdout; its speed to stderr. Returns the
     finished `TextStream`."""
-    from recurrax.nn.pretrained import stream_text
+    from recurrax.generation import stream_text
 
     start, prefilled = time.perf_counter(), session.prefilled_tokens
     stream = stream_text(model, tokenizer, prompt, args.max_new_tokens, temperature=args.temperature,

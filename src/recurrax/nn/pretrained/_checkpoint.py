@@ -46,7 +46,7 @@ from .._conv import CausalConv1d
 from .._model import CONFIG_MODEL_TYPE as LANGUAGE_MODEL_TYPE
 from .._model import LanguageModel
 from ._config import FAMILY_MODULES, text_model_config
-from ._config_checks import ConfigError, eos_token_ids
+from ._config_checks import ConfigError, eos_token_ids, read_json
 from ._hf_checkpoint import legacy_names
 from ._hf_checkpoint import loaded_names as hf_loaded_names
 from ._hf_checkpoint import saved_names as hf_saved_names
@@ -278,7 +278,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {path!r} (from_pretrained reads local directories only)")
     try:
-        config = text_model_config(_read_json(config_path))
+        config = text_model_config(read_json(config_path))
     except ValueError as error:
         raise type(error)(f"{config_path}: {error}") from error
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
@@ -311,7 +311,7 @@ def _generation_eos(path: str, default: tuple[int, ...]) -> tuple[int, ...]:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return default
-    generation = _read_json(file)
+    generation = read_json(file)
     if generation.get("eos_token_id") is None:
         return default
     try:
@@ -320,21 +320,9 @@ def _generation_eos(path: str, default: tuple[int, ...]) -> tuple[int, ...]:
         raise ConfigError(f"{file}: {error}") from error
 
 
-def _read_json(file: str) -> dict:
-    """A JSON object from `file`; anything else is a `ValueError` naming the file."""
-    try:
-        with open(file) as f:
-            value = json.load(f)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{file} is not valid JSON: {error}") from error
-    if not isinstance(value, dict):
-        raise ConfigError(f"{file} must hold a JSON object (field: value pairs), got a {type(value).__name__}")
-    return value
-
-
 def _load_shards(path: str, index: str, load_file) -> dict[str, np.ndarray]:
     """The tensors of the shards an index's `weight_map` lists; a tensor in two shards is an error."""
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConfigError(f"{index}: field 'weight_map' must be an object mapping tensor names to shard files, "
                           f"got {weight_map!r:.200}")

@@ -10,6 +10,7 @@ tables; `from_pretrained` adds the file's name.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 
@@ -23,6 +24,18 @@ BOOLS = ("tie_word_embeddings", "use_short_conv", "use_output_gate", "fuse_norm"
 
 class ConfigError(ValueError):
     """A config.json value that cannot build a working model."""
+
+
+def read_json(file: str) -> dict:
+    """A JSON object from `file` (UTF-8); anything else is a `ValueError` naming the file."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file} must hold a JSON object (field: value pairs), got a {type(value).__name__}")
+    return value
 
 
 def _is_int(x) -> bool:

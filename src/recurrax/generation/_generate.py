@@ -71,6 +71,7 @@ from collections import OrderedDict, deque
 from functools import partial
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
+import inspect
 import math
 import numbers
 import os
@@ -82,9 +83,9 @@ from flax import nnx
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
-from ...problem import runtime_checks_enabled
-from .._sharding import constrain
-from .._tokens import check_token_ids
+from ..problem import runtime_checks_enabled
+from ..nn._sharding import constrain
+from ..nn._tokens import check_token_ids
 from ._sampling import penalize_repetitions, sample_tokens
 
 
@@ -192,29 +193,17 @@ def generate(
     return outputs
 
 
-def generate_tokens(
-    model,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-    seed: int = 0,
-    stop_tokens: Sequence[int] | None = None,
-    num_slots: int | None = None,
-    max_cache_bytes: int | None = None,
-) -> Iterator[tuple[int, int]]:
+def generate_tokens(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, **options) -> Iterator[tuple[int, int]]:
     """`generate` as it runs: an iterator of `(prompt index, token id)`, each token as soon as
     its step has sampled it (the tokens of one prompt in order; prompts decoded together
-    interleave). The arguments and their checks are `generate`'s, done when this is called,
-    not at the first `next`; the tokens are exactly `generate`'s. Stopping early (`close()`,
-    or leaving a `for` loop) computes nothing more.
+    interleave). The arguments (`options`: `generate`'s keyword arguments, with its defaults)
+    and their checks are `generate`'s, done when this is called, not at the first `next`; the
+    tokens are exactly `generate`'s. Stopping early (`close()`, or leaving a `for` loop)
+    computes nothing more.
     """
-    return _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
-                           num_slots=num_slots, max_cache_bytes=max_cache_bytes)[1]
+    arguments = inspect.signature(generate).bind(model, prompts, max_new_tokens, **options)
+    arguments.apply_defaults()
+    return _checked_events(**arguments.arguments)[1]
 
 
 def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p, repetition_penalty, seed,

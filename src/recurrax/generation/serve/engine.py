@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from recurrax.nn.pretrained import DecodePool, Sampling, TextPieces, end_of_sequence_ids
+from .. import DecodePool, Sampling, TextPieces, end_of_sequence_ids
 
 from .requests import Job
 

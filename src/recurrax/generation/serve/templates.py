@@ -28,7 +28,7 @@ ANSWER_LIMIT_S = 60.0
 
 def _serve_renders(connection, template: str, variables: dict, memory_bytes: int) -> None:
     """The worker: compile `template`, limit the address space, then render what arrives."""
-    from recurrax.nn.pretrained._chat_template import compiled_template, render_chat
+    from .._chat_template import compiled_template, render_chat
 
     try:
         compiled_template(template)

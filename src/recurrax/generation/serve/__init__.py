@@ -1,4 +1,5 @@
-"""`recurrax serve`: an OpenAI-compatible HTTP server, split by job.
+"""The server of `recurrax serve`: OpenAI-compatible HTTP over a `DecodePool`, split by job
+(its command line is `recurrax.tools.serve`).
 
 | module     | job                                                                     |
 |------------|-------------------------------------------------------------------------|
@@ -7,11 +8,11 @@
 | `engine`   | the thread that owns the model: a bounded queue, continuous batching    |
 | `app`      | the routes on Starlette, OpenAI's JSON and server-sent events           |
 | `protocol` | uvicorn's h11 protocol with a header timeout                            |
-| `command`  | the command line: options and limits, loading, warm-up, uvicorn, shutdown |
+| `server`   | `serve`: loading, warm-up, uvicorn, shutdown; `StartError`              |
 
 Needs the `serve` extra (`pip install 'recurrax[serve]'`: starlette, uvicorn).
 """
 
-from .command import main
+from .server import StartError, serve
 
-__all__ = ["main"]
+__all__ = ["StartError", "serve"]

@@ -31,7 +31,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
-from ..._extras import require
+from .._extras import require
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 

@@ -36,7 +36,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from recurrax.nn.pretrained import Sampling
+from .. import Sampling
 
 SEED_LIMIT = 2**31
 COMPLETION_DEFAULT_MAX_TOKENS = 16

@@ -16,13 +16,12 @@ end-of-sequence id. Only tokenizer.json is required: a directory without it is a
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, Sequence
 
-from ..._extras import require
+from .._extras import require
 from ._chat_template import render_chat
-from ._config_checks import eos_token_ids
+from ..nn.pretrained._config_checks import eos_token_ids, read_json
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens of tokenizer_config.json a chat template sees by name (as `transformers`)."""
@@ -97,7 +96,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not os.path.isfile(file):
         raise FileNotFoundError(
             f"no tokenizer.json in {path!r}: text generation needs the checkpoint's tokenizer (Hugging Face "
-            "tokenizers' tokenizer.json); without it, give token ids to recurrax.nn.pretrained.generate")
+            "tokenizers' tokenizer.json); without it, give token ids to recurrax.generation.generate")
     try:
         backend = tokenizers.Tokenizer.from_file(file)
     except Exception as error:  # tokenizers raises its own exception type for unreadable files
@@ -158,13 +157,4 @@ def _eos_ids(path: str) -> tuple[int, ...]:
 def _json_object(path: str, name: str) -> dict:
     """The JSON object in `path/name`, {} when the file is absent."""
     file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file} is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json(file) if os.path.isfile(file) else {}

@@ -1,26 +1,21 @@
-"""`recurrax serve MODEL_DIR`: the command line: options, loading, warm-up, uvicorn.
-
-    recurrax serve MODEL_DIR --host 127.0.0.1 --port 8000
-    recurrax serve MODEL_DIR --uds /tmp/recurrax.sock     # a unix socket: machines that allow no TCP
-    recurrax serve MODEL_DIR --slots 32 --max-queue 512 --max-model-len 8192
+"""The server of `recurrax serve`: loading, warm-up, uvicorn, shutdown (`serve`).
 
 It prints `ready on http://HOST:PORT` (with `--uds`: `ready on unix:PATH`) on stderr once the
 model is compiled for the first requests and the socket listens; a unix socket's file is
 removed when the server exits. What cannot start (a missing extra, a directory that is not
-a checkpoint, a chat template that does not compile, a port in use) is one line on stderr and
-exit status 1.
+a checkpoint, a chat template that does not compile, a port in use) is a `StartError` whose
+message is one line.
 
-One client cannot take the server down: every request is bounded (`--max-body-bytes`,
-`--max-prompt-tokens`, `--max-stop-strings`, `--max-stop-length`), and so is every wait
-(`--header-timeout`, `--body-timeout`, `--idle-timeout`) and the chat template
-(`--template-timeout`, `--template-memory`: it renders in a worker process); parsing,
-rendering and tokenizing run off the event loop. SIGINT or SIGTERM: it stops accepting connections, lets
-running requests finish for `--shutdown-timeout` seconds, cancels the rest, and exits 0.
+One client cannot take the server down: every request is bounded (the body's bytes, the
+prompt's tokens, the stop strings), and so is every wait (headers, body, idle connections)
+and the chat template (it renders in a worker process, bounded in time and memory); parsing,
+rendering and tokenizing run off the event loop. SIGINT or SIGTERM: it stops accepting
+connections, lets running requests finish for the shutdown timeout, cancels the rest, and
+returns 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -30,104 +25,18 @@ import sys
 import threading
 import time
 
-from ..options import add_compilation_cache_option, positive_float, positive_int, start_compilation_cache
-
 SERVE_MODULES = ("starlette", "uvicorn", "flax", "safetensors", "tokenizers", "jinja2")
 """What `recurrax serve` imports, all from the `serve` extra."""
-
-
-def port(text: str) -> int:
-    """A TCP port: 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="recurrax serve", description=(
-        "an OpenAI-compatible HTTP server for a checkpoint directory (/v1/models, /v1/completions, "
-        "/v1/chat/completions), requests batched continuously into one pool of cache slots"))
-    parser.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json, model.safetensors, "
-                        "tokenizer.json; tokenizer_config.json's chat template for chat)")
-    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=port, help="port to listen on (default 8000; 0: any free one)")
-    parser.add_argument("--uds", metavar="PATH", help="listen on a unix-domain socket at PATH instead of TCP (a "
-                        "machine that allows no TCP; clients connect through it, e.g. httpx's "
-                        "HTTPTransport(uds=PATH)); its file is removed at exit")
-    parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL_DIR's last part)")
-    parser.add_argument("--slots", type=positive_int, default=16,
-                        help="sequences decoded together in one step (default 16)")
-    parser.add_argument("--max-queue", type=positive_int, default=256,
-                        help="requests that may wait for a slot; more are refused with 429 (default 256)")
-    parser.add_argument("--max-model-len", type=positive_int, default=4096,
-                        help="most tokens of a prompt and its completion (default 4096)")
-    parser.add_argument("--prefill-tokens", type=positive_int, default=512,
-                        help="prompt tokens prefilled together in one step, at most (a longer prompt goes in "
-                             "pieces of that size); the packed lengths up to it compile at start-up (default 512)")
-    limits = parser.add_argument_group("limits", "what one client may take; a request beyond them is a 4xx in "
-                                       "OpenAI's error JSON, a connection beyond them is closed")
-    limits.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
-                        help="bytes of a request body (default 8388608: 8 MiB); more is a 413")
-    limits.add_argument("--max-prompt-tokens", type=positive_int,
-                        help="tokens of a prompt (default: --max-model-len - 1); a text prompt longer than this "
-                             "many of the vocabulary's longest tokens is refused before it is tokenized")
-    limits.add_argument("--max-stop-strings", type=positive_int, default=16,
-                        help="stop strings of a request (default 16; each generated token is checked against each)")
-    limits.add_argument("--max-stop-length", type=positive_int, default=64,
-                        help="characters of a stop string (default 64)")
-    limits.add_argument("--header-timeout", type=positive_float, default=10.0,
-                        help="seconds a client has to send a request's headers; then the connection is closed "
-                             "(default 10)")
-    limits.add_argument("--body-timeout", type=positive_float, default=30.0,
-                        help="seconds a client has to send a request's body; then a 408 (default 30)")
-    limits.add_argument("--idle-timeout", type=positive_float, default=5.0,
-                        help="seconds a kept-alive connection may wait for its next request (default 5)")
-    limits.add_argument("--template-timeout", type=positive_float, default=5.0,
-                        help="seconds the chat template may take on one request's messages; then a 400 "
-                             "(default 5)")
-    limits.add_argument("--template-memory", type=positive_int, default=1024,
-                        help="MiB the chat template may allocate on one request's messages; then a 400 "
-                             "(default 1024)")
-    parser.add_argument("--shutdown-timeout", type=positive_float, default=30.0,
-                        help="seconds running requests get to finish at SIGINT/SIGTERM (default 30)")
-    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                        help="uvicorn's log level (default warning)")
-    add_compilation_cache_option(parser)
-    args = parser.parse_args(argv)
-    if args.uds is not None and (args.host is not None or args.port is not None):
-        given = " and ".join(f"--{name}" for name in ("host", "port") if getattr(args, name) is not None)
-        parser.error(f"--uds listens on a unix socket, not TCP: drop {given}, or drop --uds to listen on TCP")
-    if args.uds is None:
-        args.host = "127.0.0.1" if args.host is None else args.host
-        args.port = 8000 if args.port is None else args.port
-    if args.max_prompt_tokens is None:
-        args.max_prompt_tokens = args.max_model_len - 1
-    if not 1 <= args.max_prompt_tokens < args.max_model_len:
-        parser.error(f"--max-prompt-tokens must be below --max-model-len ({args.max_model_len}): a completion needs "
-                     "room for at least one token")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    start_compilation_cache(args)
-    try:
-        return serve(args)
-    except StartError as error:
-        print(f"recurrax serve: {error}", file=sys.stderr)
-        return 1
 
 
 class StartError(Exception):
     """What keeps the server from starting, said in one line."""
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Load, compile, listen and serve until SIGINT/SIGTERM (see the module notes)."""
+def serve(args) -> int:
+    """Load, compile, listen and serve until SIGINT/SIGTERM (see the module notes). `args`: the
+    options of `recurrax serve`, as its `parse_args` gives them; a `StartError` says what
+    keeps it from starting."""
     from ..._extras import require
 
     try:
@@ -136,7 +45,8 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise StartError(error) from None
     import uvicorn
-    from recurrax.nn.pretrained import cache_capacity, from_pretrained, load_tokenizer
+    from ...nn.pretrained import from_pretrained
+    from .. import cache_capacity, load_tokenizer
 
     from .app import create_app
     from .engine import Engine
