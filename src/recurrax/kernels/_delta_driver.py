@@ -8,7 +8,7 @@
 | R      | state rows: B, or S sequences when packed                                |
 | a      | the chunk-local cumulative log decay the kernel sees: [B, Tp, H] or [B, Tp, H, K] |
 
-Around the kernels, plain JAX does what it does for `recurrent`'s kernels (`_driver.py`):
+Around the kernels, plain JAX does what it does for `recurrent`'s kernels (`_recurrent_driver.py`):
 repeating shared query/key heads, combining a per-head and a per-channel decay into one
 per-channel decay, zero-padding T to a multiple of C (padded tokens have q = k = v = 0,
 β = 0 and a zero log decay, so they neither read nor change the state), the chunk-aligned
@@ -39,10 +39,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .. import varlen
-from .._finite import clean_gate, clean_tokens
+from .._finite import clean_tokens
 from ..problem import Gate
-from ._driver import STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, vary_alike, vary_over, varying_axes
+from ._driver import (STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, floored_gate, in_chunks, keep_empty,
+                      vary_over, varying_axes)
 
 F32 = jnp.float32
 
@@ -90,7 +90,7 @@ def _floored(g):
 def _operands(q, k, v, beta, g):
     """The kernels' operands cleaned (`recurrax.delta._finite`: non-finite token entries and
     β read as 0, a NaN or +inf gate as 0) inside the custom VJP, so gradients pass as they are."""
-    return (*map(clean_tokens, (q, k, v, beta)), None if g is None else jnp.maximum(clean_gate(g), STRONGEST_DECAY))
+    return (*map(clean_tokens, (q, k, v, beta)), floored_gate(g))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -108,9 +108,7 @@ def _local(g, call: DeltaKernelCall):
 def _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty):
     cq, ck, cv, c_beta, cg = _operands(q, k, v, beta, g)
     o, h_T = call.forward(cq, ck, cv, c_beta, _local(cg, call), h0, table, static=call.static)
-    if empty is not None:
-        h_T = jnp.where(empty[:, None, None, None], h0, h_T)
-    return (o, h_T), (q, k, v, beta, g, h0, table, empty)
+    return (o, keep_empty(empty, h0, h_T)), (q, k, v, beta, g, h0, table, empty)
 
 
 def _delta_chunk_bwd(call, residuals, cotangents):
@@ -124,8 +122,7 @@ def _delta_chunk_bwd(call, residuals, cotangents):
     grads = call.backward(cq, ck, cv, c_beta, a, clean_tokens(do).astype(q.dtype), states, dh_T, table,
                           static=call.static)
     dq, dk, dv, d_beta, dg, dh0 = vary_over(varying_axes(q, k, v, beta, g, h0, do, dh_T), *grads)
-    if empty is not None:
-        dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
+    dh0 = keep_empty(empty, dh_T, dh0)
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_beta.astype(beta.dtype),
              None if g is None else dg.astype(g.dtype), dh0.astype(h0.dtype))
     return grads + (None, None)
@@ -136,25 +133,11 @@ _delta_chunk.defvjp(_delta_chunk_fwd, _delta_chunk_bwd)
 
 def _run_kernel(call: DeltaKernelCall, q, k, v, beta, g_head, g_key, h0, cu_seqlens):
     """(o [B, T, H, V], h_T [R, H, K, V] float32) of the canonical arrays (heads shared)."""
-    H, C = v.shape[2], call.chunk
+    H = v.shape[2]
     q, k = _expanded(q, H), _expanded(k, H)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # one operand dtype for the kernels
-    g = _floored(_key_side_decay(g_head, g_key))
-    beta = beta.astype(F32)
-    h0 = h0.astype(F32)
-    if cu_seqlens is None:
-        T = q.shape[1]
-        Tp = -(-T // C) * C
-        q, k, v, beta, g = (varlen.pad_tokens(x, Tp) for x in (q, k, v, beta, g))
-        o, h_T = _delta_chunk(call, *vary_alike(q, k, v, beta, g, h0), None, None)
-        return o[:, :T], h_T
-    layout = varlen.chunk_layout(cu_seqlens, q.shape[1], C)
-    to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
-    q, k, v, beta, g = (to_slots(x) for x in (q, k, v, beta, g))
-    owners = layout.owners
-    *arrays, table = vary_alike(q, k, v, beta, g, h0, owners.table())
-    o, h_T = _delta_chunk(call, *arrays, table, owners.empty)
-    return varlen.from_chunk_layout(o[0], layout)[None], h_T
+    tokens = (q, k, v, beta.astype(F32), _floored(_key_side_decay(g_head, g_key)))
+    return in_chunks(functools.partial(_delta_chunk, call), call.chunk, tokens, h0.astype(F32), cu_seqlens)
 
 
 def delta_kernel(problem, *, scale: float, forward: Callable, backward: Callable, tiles, interpret: bool = False):

@@ -1,49 +1,22 @@
-"""The Pallas chunk algorithm as one differentiable function of the canonical `Problem`,
-for any backend's kernels (a `PallasBackend`: Triton, Mosaic GPU and TPU today).
+"""What both operations' Pallas kernels share around their custom VJPs, for every backend.
 
-| symbol | meaning                                                              |
-|--------|----------------------------------------------------------------------|
-| B, H   | batch rows, heads                                                    |
-| T, Tp  | tokens, tokens padded to a multiple of the chunk C                   |
-| K, V   | key/query and value head dimensions                                  |
-| g      | the key-side log decay the kernels see: [B, Tp, H] or [B, Tp, H, K]  |
-| B_t    | global cumulative log decay Σ_{s ≤ t} g_s (never materialised)       |
+| name                | what it is                                                              |
+|---------------------|-------------------------------------------------------------------------|
+| `KernelConfig`      | what a call's kernels are specialised for (their `static` argument)     |
+| `in_chunks`         | the layout the kernels read: padded rows, or packed sequences chunk-aligned |
+| `keep_empty`        | a sequence without tokens keeps its state (and passes its gradient)     |
+| `floored_gate`, `chunk_local_cumsum` | the log decay the kernels see: floored, summed per chunk |
+| `vary_over`, `output_type`, … | arrays and kernel outputs varying like the inputs inside `shard_map` |
+| `kernel_support`, `missing_module`, `head_dims_refusal` | a backend's `Support` and refusals |
 
-Around the kernels (a backend's `forward` and `backward`), plain JAX does what autodiff handles
-well: folding the per-head decay into a per-channel one when both are present, reversing
-the token axis for `reverse=True`, zero-padding T to a multiple of C (padded tokens have
-q = k = v = 0 and g = 0, so they leave the state unchanged), and casting.
-
-**Gate gradients without stored states.** Write h_t = e^{B_t} ⊙ (h_{-1} + Σ_{j ≤ t}
-(k_j ⊙ e^{−B_j}) v_jᵀ) and o_t = scale · (q_t ⊙ e^{B_t})ᵀ (…). Treating every B_t as a free
-variable, B_t enters only through q̃_t = q_t ⊙ e^{B_t}, k̃_t = k_t ⊙ e^{−B_t} and, for the
-last token, through the final state h_T = e^{B_T} ⊙ (…). Since ∂L/∂q_t = e^{B_t} ⊙ ∂L/∂q̃_t
-and ∂L/∂k_t = e^{−B_t} ⊙ ∂L/∂k̃_t:
-
-    dB_t := ∂L/∂B_t = q_t ⊙ dq_t − k_t ⊙ dk_t  (+ Σ_V h_T ⊙ dh_T on the last token)   [K]
-
-and because B_s = Σ_{t ≤ s} g_t, dg_t = Σ_{s ≥ t} dB_s, a reverse cumulative sum.
-
-That sum, taken over the whole sequence, adds O(1) terms that cancel to a much smaller
-result, so the rounding of dq and dk (bf16 matmul operands) grows with T. It is cut at
-chunk boundaries instead: for t in chunk n, whose last token is m − 1,
-
-    dg_t = Σ_{t ≤ s < m} dB_s  +  Σ_V S_m ⊙ dS_m
-
-because Σ_{s ≥ m} dB_s is the derivative of shifting B_s by the same δ for every s ≥ m,
-which multiplies every pair (j < m ≤ i) and the initial state's contribution after m by
-e^δ, i.e. scales the state S_m leaving chunk n (as later tokens see it) by e^δ; its
-derivative is Σ_V S_m ⊙ dS_m with dS_m the gradient the backward kernel carries there
-(for the last chunk: h_T ⊙ dh_T, the final-state term). The kernel writes that
-"boundary" term per chunk; only sums of at most C terms are left to cancel. A per-head
-decay sums the K channels. Everything else (the gradient of g_gamma, of grouped heads,
-of the flip and the padding) is JAX's autodiff of the normalisation.
+The operations' drivers are `_recurrent_driver.py` (`recurrent`: `PallasBackend`,
+`kernel_recurrent`, the gate gradient from dq and dk) and `_delta_driver.py` (the delta rule:
+`delta_kernel`, every gradient from the backward kernel).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -53,8 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import varlen
-from .._finite import clean_gate, clean_tokens, guarded
-from ..problem import Gate, Problem
+from .._finite import clean_gate
+from ..problem import Gate
 from ..registry import Request, Support
 
 F32 = jnp.float32
@@ -78,146 +51,50 @@ class KernelConfig:
     tiles: Any = None
 
 
-def _no_tiles(problem: Problem) -> None:
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasBackend:
-    """A Pallas backend of the chunk algorithm: what its folder hands the driver. Hashable (it is
-    part of the custom_vjp's static argument), so its fields are module-level functions.
-
-    Both launch functions take token-major `[B, Tp, H, ·]` inputs with Tp a multiple of the
-    chunk, the chunk-local cumulative key-side log decay `a` (float32 `[B, Tp, H]` for
-    `Gate.HEAD`, `[B, Tp, H, K]` for `Gate.KEY`, None without decay), `h0` / `h_T` `[R, H, K, V]`
-    float32 (R = B, or S sequences when packed), for packed input (B = 1, chunk-aligned
-    layout) the `[3, N]` int32 table of `varlen.ChunkOwners.table()` (per chunk its sequence,
-    whether it is that sequence's first chunk, and its last; else None), and `static`, a
-    `KernelConfig`.
-
-    **Arguments:**
-    - `forward(q, k, v, a, h0, table, *, static, emit_output, emit_states)`: a list: `o`
-      [B, Tp, H, V] (q's dtype) if `emit_output`, `h_T` [R, H, K, V] float32 (packed: written
-      only for sequences that own a chunk), and the states entering every chunk
-      [B, H, N, K, V] float32 if `emit_states`.
-    - `backward(q, k, v, a, do, states, h_T, dh_T, table, *, static)`: `(dq, dk, dv, dh0,
-      boundary)`, float32: dq and dk [B, Tp, H, K] with respect to each value head's q and k
-      (summed over value blocks; with shared query/key heads, q and k [B, Tp, G, K], each
-      value head's share, which the driver sums over the groups), dv [B, Tp, H, V], dh0
-      [R, H, K, V] (packed: written only for sequences that own a chunk), and `boundary`
-      [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the gate gradient's carry
-      (`gate_gradient`; None without decay).
-    - `chip_tiles(problem)`: the tiles of a call on the backend's chip.
-    - `interpret_tiles`: the tiles in interpret mode unless a call names its own.
-    - `chunk`: the chunk length where the backend fixes it; None: the tiles' `chunk`.
-    """
-
-    forward: Callable[..., list]
-    backward: Callable[..., tuple]
-    chip_tiles: Callable[[Problem], Any] = _no_tiles
-    interpret_tiles: Any = None
-    chunk: int | None = None
-
-    def recurrent(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
-        """The kernels compiled for the backend's chip; `(output, final_state)`.
-
-        **Arguments:** as `kernel_recurrent`; `tiles` default to `chip_tiles(problem)`.
-        """
-        tiles = self.chip_tiles(problem) if tiles is None else tiles
-        return kernel_recurrent(problem, scale=scale, reverse=reverse, backend=self, tiles=tiles)
-
-    def interpret(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
-        """The same kernels in the backend's interpret mode on any device (tests).
-
-        **Arguments:** as `kernel_recurrent`; `tiles` default to `interpret_tiles`.
-        """
-        tiles = self.interpret_tiles if tiles is None else tiles
-        return kernel_recurrent(problem, scale=scale, reverse=reverse, backend=self, tiles=tiles, interpret=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelCall:
-    """Static configuration of one call (the custom_vjp's non-differentiable argument): the
-    backend and what its kernels are specialised for. Outputs and gradients vary over the
-    mesh axes of q (`jax.shard_map`)."""
-
-    backend: PallasBackend
-    static: KernelConfig
-
-    @property
-    def chunk(self) -> int:
-        return self.backend.chunk or self.static.tiles.chunk
-
-    def forward(self, q, k, v, a, h0, table, **emit):
-        outputs = self.backend.forward(q, k, v, a, h0, table, static=self.static, **emit)
-        return list(vary_over(varying_axes(q), *outputs))
-
-    def backward(self, q, *args):
-        gradients = self.backend.backward(q, *args, static=self.static)
-        return vary_over(varying_axes(q), *gradients)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunk(call: KernelCall, q, k, v, g, h0, table, empty):
-    """(o [B, Tp, H, V], h_T [R, H, K, V]) for padded, forward-ordered inputs.
-
-    `table` ([3, M] int32) and `empty` ([R] bool) describe packed input in the chunk-aligned
-    layout (None when dense): sequences without tokens keep their initial state.
-    """
-    (o, h_T), _ = _chunk_fwd(call, q, k, v, g, h0, table, empty)
-    return o, h_T
-
-
-def _operands(q, k, v):
-    """q, k and v cleaned (`_finite`: non-finite entries read as 0), k and v in q's dtype:
-    grouped heads arrive expanded in float32 (`problem._expand_heads`), the kernels read one
-    operand dtype; their gradients still leave in k's and v's dtype."""
-    return clean_tokens(q), clean_tokens(k).astype(q.dtype), clean_tokens(v).astype(q.dtype)
-
-
 STRONGEST_DECAY = -20.0
 """The kernels' per-token log decays are floored here: e^−20 ≈ 2·10⁻⁹ multiplies what a stronger
 decay would zero, below float32's rounding of the state (their state is float32)."""
 
 
-def _local_decay(g, chunk: int):
-    """The kernels' chunk-local cumulative log decay of the cleaned gate (None without one).
+def chunk_local_cumsum(g, chunk: int):
+    """Inclusive cumulative sum of `g` [B, Tp, H(, K)] restarted at every chunk, in float32."""
+    B, Tp = g.shape[:2]
+    blocks = g.astype(F32).reshape(B, Tp // chunk, chunk, *g.shape[2:])
+    return jnp.cumsum(blocks, axis=2).reshape(g.shape)
 
-    The kernels take e^{A_i − A_j} from differences of these float32 cumulative sums, so a
-    chunk's sum must stay small: with hard resets (−1e4) in a chunk, a difference of two sums
-    near −1e4 keeps about 3 digits. Flooring each token's log decay at `STRONGEST_DECAY`
-    bounds a chunk's sum by C · 20, and the relative error of the decays by about
-    C · 20 · 2⁻²⁴ (1.5·10⁻⁴ at C = 128, whatever the strength of the decays; the XLA `chunk`
-    forms the same factors as products and has no such term).
+
+def floored_gate(g):
+    """The per-token log decay the kernels see, cleaned (a NaN or +inf gate reads as 0) and
+    floored at `STRONGEST_DECAY`; None without one."""
+    return None if g is None else jnp.maximum(clean_gate(g), STRONGEST_DECAY)
+
+
+def keep_empty(empty, kept, computed):
+    """`computed` [R, H, K, V], but `kept` for the sequences `empty` marks (packed input: a
+    sequence without tokens keeps its initial state, its gradient passes through); `computed`
+    when `empty` is None (dense rows)."""
+    return computed if empty is None else jnp.where(empty[:, None, None, None], kept, computed)
+
+
+def in_chunks(chunked: Callable, chunk: int, tokens: tuple, h0, cu_seqlens):
+    """`chunked(*tokens, h0, table, empty) -> (o, h_T)` on token arrays ([B, T, ...], None kept)
+    in the layout the kernels read; `(o [B, T, H, V], h_T)`.
+
+    Dense rows: T zero-padded to a multiple of `chunk` (table and empty None). Packed
+    sequences ([1, N, ...] and `cu_seqlens`, static or traced): the chunk-aligned layout of
+    `recurrax.varlen`, every sequence starting a chunk, with its owners table ([3, M] int32)
+    and which sequences are empty ([R] bool). Inputs are made to vary alike (`vary_alike`).
     """
-    return None if g is None else chunk_local_cumsum(jnp.maximum(clean_gate(g), STRONGEST_DECAY), chunk)
-
-
-def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
-    a = _local_decay(g, call.chunk)
-    o, h_T = call.forward(*_operands(q, k, v), a, h0, table, emit_output=True, emit_states=False)
-    if empty is not None:
-        h_T = jnp.where(empty[:, None, None, None], h0, h_T)
-    return (o, h_T), (q, k, v, g, h0, h_T, table, empty)
-
-
-def _chunk_bwd(call: KernelCall, residuals, cotangents):
-    q, k, v, g, h0, h_T, table, empty = residuals
-    do, dh_T = cotangents
-    a = _local_decay(g, call.chunk)
-    operands = _operands(q, k, v)
-    _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
-    dh_T = dh_T.astype(F32)
-    dq, dk, dv, dh0, boundary = call.backward(*operands, a, clean_tokens(do).astype(q.dtype), states, h_T, dh_T, table)
-    if empty is not None:
-        dh0 = jnp.where(empty[:, None, None, None], dh_T, dh0)
-    dg = None if g is None else gate_gradient(clean_tokens(q), clean_tokens(k), dq, dk, boundary, call).astype(g.dtype)
-    dq, dk = (sum_groups(x, q.shape[2]) for x in (dq, dk))
-    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype))
-    return grads + (None, None)
-
-
-_chunk.defvjp(_chunk_fwd, _chunk_bwd)
+    if cu_seqlens is None:
+        T = tokens[0].shape[1]
+        Tp = -(-T // chunk) * chunk
+        o, h_T = chunked(*vary_alike(*(varlen.pad_tokens(x, Tp) for x in tokens), h0), None, None)
+        return o[:, :T], h_T
+    layout = varlen.chunk_layout(cu_seqlens, tokens[0].shape[1], chunk)
+    to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
+    owners = layout.owners
+    o, h_T = chunked(*vary_alike(*(to_slots(x) for x in tokens), h0, owners.table(), owners.empty))
+    return varlen.from_chunk_layout(o[0], layout)[None], h_T
 
 
 def varying_axes(*arrays) -> frozenset:
@@ -286,103 +163,3 @@ def head_dims_refusal(request: Request, allowed, words: str) -> str | None:
         if dim not in allowed:
             return f"{name}={dim} is not {words}"
     return None
-
-
-def chunk_local_cumsum(g, chunk: int):
-    """Inclusive cumulative sum of `g` [B, Tp, H(, K)] restarted at every chunk, in float32."""
-    B, Tp = g.shape[:2]
-    blocks = g.astype(F32).reshape(B, Tp // chunk, chunk, *g.shape[2:])
-    return jnp.cumsum(blocks, axis=2).reshape(g.shape)
-
-
-def by_group(x, qk_heads: int):
-    """Per-value-head [B, Tp, H, K] as [B, Tp, G, H / G, K], by the G = `qk_heads` query/key
-    heads the value heads share."""
-    B, Tp, H, K = x.shape
-    return x.reshape(B, Tp, qk_heads, H // qk_heads, K)
-
-
-def sum_groups(x, qk_heads: int):
-    """Per-value-head gradients [B, Tp, H, K] summed over the groups sharing each of the
-    `qk_heads` query/key heads: [B, Tp, G, K] (unchanged when G = H)."""
-    return x if qk_heads == x.shape[2] else by_group(x, qk_heads).sum(3)
-
-
-def gate_gradient(q, k, dq, dk, boundary, call: KernelCall):
-    """dg by the chunk-local reverse-cumsum identity (module docstring).
-
-    **Arguments:** `q`, `k` [B, Tp, G, K] (G = H, or query/key heads shared by groups of
-    value heads); `dq`, `dk` [B, Tp, H, K] their float32 gradients per value head (each
-    head's share, before the groups are summed); `boundary` [B, H, N, K] = Σ_V S_{n+1} ⊙
-    dS_{n+1} per chunk. **Returns** [B, Tp, H] (per-head decay) or [B, Tp, H, K] (per
-    channel), float32.
-    """
-    B, Tp, H, K = dq.shape
-    C, G = call.chunk, q.shape[2]
-    shared = lambda x: x.astype(F32)[:, :, :, None, :]  # [B, Tp, G, 1, K]: broadcast, not copied  # noqa: E731
-    dB = (shared(q) * by_group(dq, G) - shared(k) * by_group(dk, G)).reshape(B, Tp, H, K)
-    within = lax.cumsum(dB.reshape(B, Tp // C, C, H, K), axis=2, reverse=True)  # Σ_{t ≤ s < chunk end}
-    dg = (within + jnp.transpose(boundary, (0, 2, 1, 3))[:, :, None]).reshape(B, Tp, H, K)
-    return dg.sum(-1) if call.static.gate is Gate.HEAD else dg
-
-
-def _key_side_gate(problem: Problem) -> tuple[Gate | None, jax.Array | None]:
-    """The key-side decay form and its log decay: [B, T, H] per head, [B, T, H, K] per channel."""
-    decay = problem.key_side_decay()
-    if decay is None:
-        return None, None
-    if problem.log_decay_key is None:
-        return Gate.HEAD, decay[..., 0]
-    return Gate.KEY, decay
-
-
-def _dense(call: KernelCall, q, k, v, g, h0):
-    """[B, T, ...] rows: pad T to a multiple of C (padding leaves the state unchanged)."""
-    T, C = q.shape[1], call.chunk
-    Tp = -(-T // C) * C
-    o, h_T = _chunk(call, *vary_alike(*(varlen.pad_tokens(x, Tp) for x in (q, k, v, g)), h0), None, None)
-    return o[:, :T], h_T
-
-
-def _packed(call: KernelCall, q, k, v, g, h0, cu_seqlens):
-    """[1, N, ...] packed sequences: the chunk-aligned layout of `recurrax.varlen` (static
-    size for a traced `cu_seqlens`), with the owners table per chunk."""
-    layout = varlen.chunk_layout(cu_seqlens, q.shape[1], call.chunk)
-    to_slots = lambda x: None if x is None else varlen.to_chunk_layout(x[0], layout)[None]  # noqa: E731
-    owners = layout.owners
-    o, h_T = _chunk(call, *vary_alike(*(to_slots(x) for x in (q, k, v, g)), h0, owners.table(), owners.empty))
-    return varlen.from_chunk_layout(o[0], layout)[None], h_T
-
-
-def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, backend: PallasBackend, tiles: Any = None,
-                     interpret: bool = False):
-    """The chunk algorithm through a backend's Pallas kernels; `(output, final_state)`.
-
-    **Arguments:**
-    - `problem`: the canonical form, without value-side decay; packed input (`cu_seqlens`)
-      runs in the chunk-aligned layout of `recurrax.varlen` (every sequence starts a chunk).
-    - `scale`, `reverse`: static configuration of the call.
-    - `backend`: the backend's `PallasBackend`; `tiles`: its tile sizes (None where fixed).
-    - `interpret`: run the kernels in the backend's interpret mode.
-    """
-    if problem.log_decay_value is not None:
-        raise ValueError("the Pallas chunk kernels do not support value-side decay (gv)")
-    run = functools.partial(_kernel_recurrent, float(scale), bool(reverse), backend, tiles, bool(interpret))
-    return guarded(run, bool(reverse), problem)
-
-
-def _kernel_recurrent(scale: float, reverse: bool, backend: PallasBackend, tiles, interpret: bool, problem: Problem):
-    state_dtype = problem.initial_state.dtype
-    if reverse:  # the same recurrence on the flipped token axis (and sequence order)
-        problem = problem.mirrored()
-    gate, g = _key_side_gate(problem)
-    call = KernelCall(backend, KernelConfig(float(scale), gate, interpret, tiles))
-    q, k, v, h0 = problem.query, problem.key, problem.value, problem.initial_state.astype(F32)
-    g = None if g is None else g.astype(F32)
-    if problem.cu_seqlens is None:
-        o, h_T = _dense(call, q, k, v, g, h0)
-    else:
-        o, h_T = _packed(call, q, k, v, g, h0, problem.cu_seqlens)
-        h_T = h_T[::-1] if reverse else h_T
-    o = jnp.flip(o, axis=1) if reverse else o
-    return o.astype(problem.query.dtype), h_T.astype(state_dtype)

@@ -1,12 +1,12 @@
 """Pallas Mosaic GPU kernels of the chunk algorithm (Hopper: compute capability 9.x).
 
-| module       | what it holds                                                                 |
-|--------------|-------------------------------------------------------------------------------|
-| `_tiles`     | swizzled SMEM tiles, the wgmma helper (f32 accumulator), decay masks, interpret settings |
-| `_channel`   | per-key-channel decay inside a chunk: anchored wgmma products + the exact diagonal |
-| `_layout`    | driver arrays to TMA-friendly ones; the SMEM budget (slots)                  |
-| `_forward`   | the forward kernel: outputs, final state, chunk-entry states                  |
-| `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms             |
+| module                | what it holds                                                        |
+|-----------------------|----------------------------------------------------------------------|
+| `_tiles`              | swizzled SMEM tiles, the wgmma helper (f32 accumulator), decay masks, interpret settings |
+| `_channel`            | per-key-channel decay inside a chunk: anchored wgmma products + the exact diagonal |
+| `_layout`             | driver arrays to TMA-friendly ones; the SMEM budget (slots)          |
+| `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
+| `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
 
 One warpgroup per (row, head, 64 value columns); chunks of 64 tokens (the wgmma M). Every
 product is a `wgmma` with SMEM operands and a float32 accumulator; input tiles come by TMA
@@ -41,11 +41,12 @@ detection on; never run on a GPU from here.
 from __future__ import annotations
 
 from ...registry import Request
-from .._driver import PallasBackend, kernel_support, missing_module
+from .._driver import kernel_support, missing_module
+from .._recurrent_driver import PallasBackend
 
 try:
-    from ._backward import chunk_backward
-    from ._forward import chunk_forward
+    from ._recurrent_backward import chunk_backward
+    from ._recurrent_forward import chunk_forward
     from ._tiles import CHUNK, has_interpret_mode
 except ImportError as error:  # JAX's Mosaic GPU imports absl-py, which a plain `pip install jax` lacks
     _IMPORT_FAILURE: str | None = f"JAX's Mosaic GPU backend does not import here ({type(error).__name__}: {error})"

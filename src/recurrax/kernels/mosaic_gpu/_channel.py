@@ -24,7 +24,7 @@ split that keeps every exponent ≤ 0 (gates ≤ 0; nothing can overflow):
   e^{A_ik − A_jk} over the C rows (rows of other blocks masked to −inf): C iterations of a
   [C, K] tile each. The row vectors k_j and A_j are loaded from memory in the column layout.
 
-The backward needs the same two sums with other operands (derivation in `_backward`):
+The backward needs the same two sums with other operands (derivation in `_recurrent_backward`):
 dq_i ∋ Σ_{j ≤ i} dP_ij k_j ⊙ e^{A_i − A_j} (anchors before i's block, as for P) and
 dk_j ∋ Σ_{i ≥ j} dP_ij q_i ⊙ e^{A_i − A_j} (anchors r = the last token of j's block, the
 factors e^{A_r − A_j} and e^{A_i − A_r}, i > r).

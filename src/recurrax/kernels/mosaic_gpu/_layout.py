@@ -77,6 +77,13 @@ def fetch_decay(a_ref, scratch: dict, gate: str, b, h, rows, slot, bar) -> None:
         plgpu.copy_gmem_to_smem(a_ref.at[b, h, rows], scratch["a_cols_s"].at[slot], bar)
 
 
+def chunk_inputs(refs: list, gate: str, varlen: bool) -> tuple:
+    """(q, k, v, a or None, meta or None): the kernels' first operands, taken off `refs`."""
+    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    a_ref = refs.pop(0) if gate != "none" else None
+    return q_ref, k_ref, v_ref, a_ref, (refs.pop(0) if varlen else None)
+
+
 def padded_meta(meta):
     """[3, N] -> [3, N16] int32 (zero columns appended): a TMA copy of whole 64-byte rows."""
     N = meta.shape[1]

@@ -1,22 +1,25 @@
 """Pallas TPU (Mosaic) kernels of the chunk algorithm, head-major inside.
 
-| module       | what it holds                                                               |
-|--------------|-----------------------------------------------------------------------------|
-| `_tiles`     | `TpuTiles`, head-major layouts, Mosaic-legal BlockSpecs, tile maths        |
-| `_forward`   | the forward kernel: outputs, final state, chunk-entry states               |
-| `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms          |
-| `_vmem`      | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
-| `_delta_forward` | the delta rule's forward kernel: outputs, final states, chunk-entry states |
-| `_delta_backward` | the delta rule's backward kernel: every gradient, the log decay's included |
-| `_measured`  | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
+| module                | what it holds                                                          |
+|-----------------------|------------------------------------------------------------------------|
+| `_tiles`              | `TpuTiles`, head-major layouts, Mosaic-legal BlockSpecs, tile maths    |
+| `_launch`             | both operations' grid step, carried state, `pallas_call`, forward launch |
+| `_channel`            | both operations' per-channel decay: anchors, the diagonal block's groups |
+| `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
+| `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
+| `_delta_forward`      | the delta rule's forward kernel: outputs, final states, chunk-entry states |
+| `_delta_backward`     | the delta rule's backward kernel: every gradient, the log decay's included |
+| `_vmem`               | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
+| `_measured`           | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
 
-The array contract at the boundary is the driver's (`kernels/_driver.py`, token-major); the
-wrappers transpose to `[B, H, Tp, D]`, and the grid is (b, head block, value block, chunk) with
-the chunk axis sequential ("arbitrary") and the state in VMEM scratch, so VMEM use does not grow
-with T. A grid step takes `TpuTiles.heads` heads, one after another in the kernel body (v5e's one
-TensorCore runs the grid steps in sequence; one head's 128 × 64 matmuls are mostly the step's
-overhead); by default `recurrent` takes the most heads, up to 8, that fit the scoped VMEM, the
-delta rule one. Products run on the MXU with bf16 operands for bf16 inputs and float32 accumulation.
+The array contract at the boundary is the drivers' (`kernels/_recurrent_driver.py`,
+`_delta_driver.py`, token-major); the wrappers transpose to `[B, H, Tp, D]`, and the grid is
+(b, head block, value block, chunk) with the chunk axis sequential ("arbitrary") and the state
+in VMEM scratch, so VMEM use does not grow with T (`_launch`, `_tiles`). A grid step takes
+`TpuTiles.heads` heads, one after another in the kernel body (v5e's one TensorCore runs the
+grid steps in sequence; one head's 128 × 64 matmuls are mostly the step's overhead); by
+default `recurrent` takes the most heads, up to 8, that fit the scoped VMEM, the delta rule
+one. Products run on the MXU with bf16 operands for bf16 inputs and float32 accumulation.
 
 **Declared support** (`SUPPORT`; every combination is lowered for `platforms=["tpu"]` by the
 tests, forward and backward): float32, bfloat16 and float16 inputs (float16 is upcast to
@@ -52,11 +55,12 @@ import dataclasses
 from ...registry import Request
 from ...registry import Support
 from .._delta_driver import delta_kernel
-from .._driver import PallasBackend, head_dims_refusal, kernel_support, missing_module
-from ._backward import chunk_backward
+from .._driver import head_dims_refusal, kernel_support, missing_module
+from .._recurrent_driver import PallasBackend
 from ._delta_backward import delta_backward
 from ._delta_forward import delta_forward
-from ._forward import chunk_forward
+from ._recurrent_backward import chunk_backward
+from ._recurrent_forward import chunk_forward
 from ._measured import SLOWER_THAN_CHUNK, passed_over
 from ._tiles import TpuTiles, mosaic_problems
 

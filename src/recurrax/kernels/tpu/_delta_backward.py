@@ -43,9 +43,9 @@ the wrapper adds up; V̄ and S̄ are the block's own columns.
 **Layout** as the forward's (`_tiles`): the products with a transposed left operand are
 Pᵀ Ō and Xᵀ Ū, taken on [C, C] float32 tiles transposed in VMEM (`x.T`, C a multiple of 128:
 a 32-bit transpose Mosaic lowers), and Q̃ᵀ Ō, K̃ᵀ (β ⊙ Ȳ), which read q and k in the [K, C]
-layout. **Stability**: per-channel decays as in the `recurrent` backward (`_backward.py`):
+layout. **Stability**: per-channel decays as in the `recurrent` backward (`_recurrent_backward.py`):
 sub-blocks of c rows, anchors r = p − 1 (apply) and r = p + c − 1 (apply_t), every factor
-≤ 0, the diagonal block as `_forward.diagonal_scores` (groups of 4 rows anchored at the row
+≤ 0, the diagonal block as `_channel.diagonal_scores` (groups of 4 rows anchored at the row
 before each, element-wise inside a group).
 """
 
@@ -55,39 +55,30 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
-from ._delta_forward import DecayFactors, beta_column, check_delta_tiles, chunk_scores, chunk_writes
-from ._forward import DIAGONAL_GROUP, group_pick, group_scatter
-from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_row
+from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter
+from ._delta_forward import DecayFactors, beta_column, chunk_scores, chunk_writes, delta_shapes
+from ._launch import finish_carry, launch, start_carries, take
+from ._tiles import F32, exp_where, iota, mm, mm_nt
 
 
 def _diagonal_products(G_s, y_s, x_s, a_s, ay, ax, p: int, dtype):
     """Add the diagonal block of sub-block [p, p + c) to apply(G, y) and apply_t(G, x) of its
-    rows (`ay`, `ax` [c, K]); `G_s` [c, C] are G's rows. As `_forward.diagonal_scores`: pairs in
+    rows (`ay`, `ax` [c, K]); `G_s` [c, C] are G's rows. As `_channel.diagonal_scores`: pairs in
     different groups of g rows by block matmuls anchored at the row before the later group,
     pairs inside a group in g element-wise steps."""
-    c, K = a_s.shape
-    g = min(DIAGONAL_GROUP, c)
-    C = G_s.shape[1]
-    into_columns = (iota((c, C), 1) == iota((c, C), 0) + p).astype(F32)  # [c, C]: column j → p + j
-    G = mm_nt(G_s, into_columns, F32)  # [t, s] the diagonal block of G
-    G_t = mm_nt(into_columns, G_s, F32)  # [s, t] the same, transposed
-    rows = iota((c, K), 0)
-    for start in range(g, c, g):  # rows t of the group [start, start + g) against s < start, anchored at r
-        a_r = pick_row(a_s, start - 1)
-        from_anchor = exp_where((rows >= start) & (rows < start + g), a_s - a_r)  # e^{A_t − A_r}
-        to_anchor = exp_where(rows < start, a_r - a_s)  # e^{A_r − A_s}
+    c = a_s.shape[0]
+    G, G_t = diagonal_block(G_s, p)  # [t, s] the diagonal block of G, [s, t] the same transposed
+    groups = DiagonalGroups(a_s, DIAGONAL_GROUP)
+    for from_anchor, to_anchor in groups.across():  # e^{A_t − A_r} on the later group, e^{A_r − A_s} on s < start
         ay += from_anchor * mm(G, y_s * to_anchor, dtype)
         ax += to_anchor * mm(G_t, x_s * from_anchor, dtype)
-    offset = jnp.bitwise_and(rows, g - 1)
-    for step in range(g):  # column g·⌊t/g⌋ + step of each row t's own group
-        pick, scatter = group_pick(c, g, step), group_scatter(c, g, step)
-        a_j, y_j = mm(pick, a_s, F32), mm(pick, y_s, F32)
-        E = exp_where(offset >= step, a_s - a_j)  # [c, K] e^{A_t − A_j}, j ≤ t
+    for step, pick, E in groups.within():  # column g·⌊t/g⌋ + step of each row t's own group, j ≤ t
+        scatter = group_scatter(c, groups.g, step)
+        y_j = mm(pick, y_s, F32)
         G_j = jnp.sum(pick * G, axis=1, keepdims=True)  # [c, 1] G[t, j]
         ay += G_j * y_j * E
         ax += mm(scatter, G_j * x_s * E, F32)
@@ -103,12 +94,10 @@ def _channel_products(G, y, x, a, c: int, dtype):
         a_s = a[p : p + c]
         ay = ax = jnp.zeros((c, K), F32)
         if p > 0:  # s < p, anchored at r = p − 1
-            a_r = pick_row(a, p - 1)
-            y_anchor = y * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for s ≥ p
+            a_r, y_anchor = before_anchor(y, a, p)  # [C, K]; 0 for s ≥ p
             ay = mm(G[p : p + c], y_anchor, dtype) * jnp.exp(a_s - a_r)
         if p + c < C:  # t > r = p + c − 1, anchored at r
-            a_r = pick_row(a, p + c - 1)
-            x_anchor = x * exp_where(iota((C, K), 0) > p + c - 1, a - a_r)  # [C, K]; 0 for t ≤ r
+            a_r, x_anchor = after_anchor(x, a, p + c - 1)  # [C, K]; 0 for t ≤ r
             ax = mm(Gt[p : p + c], x_anchor, dtype) * jnp.exp(a_r - a_s)
         ay, ax = _diagonal_products(G[p : p + c], y[p : p + c], x[p : p + c], a_s, ay, ax, p, dtype)
         applied.append(ay)
@@ -170,35 +159,16 @@ def delta_chunk_bwd(q, k, qT, kT, v, beta, decay, S, do, dE, *, gate: Gate | Non
     return dq, dk, dv, d_beta, (da if gate is Gate.KEY else jnp.sum(da, axis=1, keepdims=True)), dS_entering
 
 
-def _delta_backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
-    refs = list(refs)
-    meta_ref = refs.pop(0) if specs.varlen else None
-    flags = tiles.chunk_flags(specs, meta_ref)
-    for i in range(specs.s.Hb):
-        _delta_backward_head(tiles.head_views(refs, i, specs), flags, static=static, specs=specs)
-
-
 def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
-    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
-    q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref = refs[:6]
-    del refs[:6]
-    has_decay = static.gate is not None
-    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
-    do_ref, states_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dh0_ref = refs[:8]
-    del refs[:8]
-    da_ref = refs.pop(0) if has_decay else None
+    """One head's chunk: `refs` are its views of the step's blocks (`_launch`)."""
+    q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref = take(refs, 6)
+    decay_refs = take(refs, len(specs.decay(static.gate)))
+    do_ref, states_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dh0_ref = take(refs, 8)
+    da_ref = refs.pop(0) if static.gate is not None else None
     (dE_ref,) = refs
 
     first, last, step0 = flags
-
-    @pl.when(step0)
-    def _():  # packed input: chunks owned by no sequence see zeros, not garbage
-        dE_ref[...] = jnp.zeros(dE_ref.shape, F32)
-
-    @pl.when(last)
-    def _():
-        dE_ref[...] = dhT_ref[...].astype(F32)
-
+    start_carries(step0, last, [(dE_ref, dhT_ref)])  # the walk starts at the last chunk
     decay = tiles.read_decay(decay_refs, static.gate)
     q, k, qT, kT, v, beta, do = (tiles.f32(r) for r in (q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref, do_ref))
     dq, dk, dv, d_beta, da, dS_entering = delta_chunk_bwd(
@@ -208,10 +178,7 @@ def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tile
     if da_ref is not None:
         da_ref[...] = da
     dE_ref[...] = dS_entering
-
-    @pl.when(first)
-    def _():
-        dh0_ref[...] = dS_entering.astype(dh0_ref.dtype)
+    finish_carry(first, dh0_ref, dS_entering)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
@@ -227,15 +194,14 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
     """
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = tiles.shapes_of(q, v, static, default_heads=1)
-    check_delta_tiles(s, static, kdt)
+    s = delta_shapes(q, v, static)
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = dh_T.shape[0]
     has_decay = static.gate is not None
 
     inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(q), tiles.head_major_t(k),
               tiles.head_major(v), beta_column(beta)]
-    in_specs = [specs.rows(s.K), specs.rows(s.K), specs.cols(s.K), specs.cols(s.K), specs.rows_v(), specs.rows(1)]
+    in_specs = [specs.qk_rows(), specs.qk_rows(), specs.qk_cols(), specs.qk_cols(), specs.rows_v(), specs.rows(1)]
     inputs += tiles.decay_layouts(a, static.gate)
     in_specs += specs.decay(static.gate)
     inputs += [tiles.head_major(do), states, dh_T.astype(F32)]
@@ -249,14 +215,10 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
         width = s.K if static.gate is Gate.KEY else 1
         out_specs.append(specs.partial_rows(width))
         out_shape.append(partial(width))
-    dq, dk, dv, d_beta, dh0, *da = pl.pallas_call(
-        functools.partial(_delta_backward_kernel, static=static, specs=specs),
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
-        out_shape=out_shape,
-        compiler_params=tiles.compiler_params(static),
-        interpret=tiles.interpret_mode(static),
-        name="recurrax_tpu_delta_bwd",
-    )(*(([meta] if meta is not None else []) + inputs))
+    dq, dk, dv, d_beta, dh0, *da = launch(functools.partial(_delta_backward_head, static=static, specs=specs),
+                                          inputs, in_specs, out_specs, out_shape, [specs.state_scratch()], meta,
+                                          specs=specs, static=static, name="recurrax_tpu_delta_bwd",
+                                          qk=4)  # q, k, qᵀ, kᵀ
     dq, dk = (tiles.token_major(x.sum(0)) for x in (dq, dk))
     d_beta = tiles.token_major(d_beta.sum(0))[..., 0]
     if da:

@@ -13,7 +13,7 @@ chunk-entry states.
 | U       | [C, BV] the values the chunk's tokens actually write                      |
 
 One grid step is one chunk of Hb heads (`TpuTiles.heads`, default 1 here) of one (row, head
-block, value block), the heads one after another (`_tiles.head_views`); the chunk algorithm of
+block, value block), the heads one after another (`_launch`); the chunk algorithm of
 `recurrax.delta._chunk` (its docstring derives it), with the solve folded into one product:
 
     U   = X (β ⊙ (V − (K ⊙ e^{A}) S))
@@ -23,11 +23,11 @@ block, value block), the heads one after another (`_tiles.head_views`); the chun
 Nothing in U depends on other value columns, so the value blocks are independent programs
 (each forms the same M and X). For the backward (`_delta_backward.py`) the same kernel, run
 with `emit_states` and without `emit_output`, writes the state entering every chunk and skips
-the queries. The scores P and M are those of the `recurrent` kernels
-(`_forward.py`): per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key
-channel, sub-blocks of c query rows anchored at the row before them, the keys inside the
-sub-block by groups of 4 rows, element-wise only inside a group (`diagonal_scores`). Every evaluated exponential has a
-non-positive exponent for gates ≤ 0.
+the queries. The scores P and M are those of the `recurrent` kernels (`_recurrent_forward.py`):
+per head (q kᵀ) ⊙ e^{A_t − A_s} masked before the exponential; per key channel, sub-blocks of
+c query rows anchored at the row before them, the keys inside the sub-block by groups of 4
+rows, element-wise only inside a group (`_channel.sub_block_scores`). Every evaluated
+exponential has a non-positive exponent for gates ≤ 0.
 
 **The inverse by masked doubling.** With X_m the inverse of the block-diagonal part of I + M
 in m-blocks (X_1 = I) and L_m the entries of M inside a 2m-block but outside the m-blocks
@@ -47,12 +47,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from ...problem import Gate
-from .._driver import KernelConfig, output_type
+from .._driver import KernelConfig
 from . import _tiles as tiles
-from ._forward import diagonal_scores
+from ._channel import sub_block_scores
+from ._launch import forward
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
 
 
@@ -73,17 +73,9 @@ def unit_lower_inverse(M):
 def channel_scores(x, k, a, c: int, dtype):
     """Σ_d x_td k_sd e^{A_td − A_sd} for s ≤ t (0 above the diagonal), [C, C] float32, built
     from sub-blocks of c rows anchored at the row before each (per-channel decay `a` [C, K])."""
-    C, K = k.shape
-    blocks = []
-    for p in range(0, C, c):
-        x_s, a_s = x[p : p + c], a[p : p + c]
-        scores = jnp.zeros((c, C), F32)
-        if p > 0:  # keys s < p, anchored at r = p − 1
-            a_r = pick_row(a, p - 1)  # [1, K]
-            k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for s ≥ p
-            scores = mm_nt(x_s * jnp.exp(a_s - a_r), k_anchor, dtype)
-        blocks.append(diagonal_scores(x_s, k[p : p + c], a_s, scores, p, dtype))
-    return jnp.concatenate(blocks, axis=0)
+    C = k.shape[0]
+    return jnp.concatenate([sub_block_scores(x[p : p + c], a[p : p + c], k, a, p, dtype) for p in range(0, C, c)],
+                           axis=0)
 
 
 def chunk_scores(x, k, decay, gate: Gate | None, c: int, dtype):
@@ -170,65 +162,32 @@ def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale
     return o, factors.state_rows() * S + mm(factors.to_end_t(kT), U, F32)
 
 
-def _delta_forward_kernel(*refs, static: KernelConfig, specs: tiles.Specs, emit_output: bool, emit_states: bool):
-    refs = list(refs)
-    meta_ref = refs.pop(0) if specs.varlen else None
-    flags = tiles.chunk_flags(specs, meta_ref)
-    for i in range(specs.s.Hb):
-        _delta_forward_head(tiles.head_views(refs, i, specs), flags, static=static, specs=specs,
-                            emit_output=emit_output, emit_states=emit_states)
-
-
-def _delta_forward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs, emit_output: bool,
-                        emit_states: bool):
-    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
-    q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
-    k_ref, kT_ref, v_ref, beta_ref = refs[:4]
-    del refs[:4]
-    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
-    h0_ref = refs.pop(0)
-    o_ref = refs.pop(0) if emit_output else None
-    hT_ref = refs.pop(0)
-    states_ref = refs.pop(0) if emit_states else None
-    (S_ref,) = refs
-
-    first, last, step0 = flags
-
-    @pl.when(step0)
-    def _():  # packed input: chunks owned by no sequence start from zeros, not garbage
-        S_ref[...] = jnp.zeros(S_ref.shape, F32)
-
-    @pl.when(first)
-    def _():
-        S_ref[...] = h0_ref[...].astype(F32)
-
-    S = S_ref[...]
-    if emit_states:
-        states_ref[...] = S
+def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
+    """One head's chunk (`_launch.forward`): writes o when given `o_ref`; returns S'."""
+    k_ref, kT_ref, v_ref, beta_ref = token_refs
     decay = tiles.read_decay(decay_refs, static.gate)
     q = None if q_ref is None else tiles.f32(q_ref)
     k, kT, v, beta = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref, beta_ref))
     o, S_next = delta_chunk(q, k, kT, v, beta, decay, S, gate=static.gate, c=static.tiles.sub,
                             scale=static.scale, dtype=tiles.matmul_dtype(k_ref.dtype))
-    if emit_output:
+    if o_ref is not None:
         o_ref[...] = o.astype(o_ref.dtype)
-    S_ref[...] = S_next
-
-    @pl.when(last)
-    def _():
-        hT_ref[...] = S_next.astype(hT_ref.dtype)
+    return S_next
 
 
-def check_delta_tiles(s: tiles.Shapes, static: KernelConfig, dtype) -> None:
-    """Refuse, at trace time, tiles Mosaic would refuse or a chunk that is not a power of two
-    (the inverse's doubling); interpret mode takes any power of two."""
-    problems = [] if static.interpret else tiles.mosaic_problems(s, dtype)
+def delta_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
+    """The call's sizes, one head per grid step by default, refused at trace time where Mosaic
+    would refuse the tiles or the chunk is not a power of two (the inverse's doubling);
+    interpret mode takes any power of two."""
+    s = tiles.shapes_of(q, v, static, default_heads=1)
+    problems = [] if static.interpret else tiles.mosaic_problems(s, q.dtype)
     if s.C & (s.C - 1):
         problems.append(f"chunk={s.C} must be a power of two")
     if s.C % s.c:
         problems.append(f"sub={s.c} must divide chunk={s.C}")
     if problems:
         raise ValueError("TPU delta-rule kernel: " + "; ".join(problems))
+    return s
 
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
@@ -244,46 +203,9 @@ def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig, emit
     [3, N] owners table (`varlen.ChunkOwners.table()`) or None; Tp a multiple of the chunk.
     h_T is written only for sequences that own a chunk.
     """
-    out_dtype = q.dtype
-    kdt = tiles.kernel_dtype(q.dtype)
-    q, k, v = (x.astype(kdt) for x in (q, k, v))
-    s = tiles.shapes_of(q, v, static, default_heads=1)
-    check_delta_tiles(s, static, kdt)
-    specs = tiles.Specs(s, backward=False, varlen=meta is not None)
-    R = h0.shape[0]
-
-    inputs = [tiles.head_major(q)] if emit_output else []
-    in_specs = [specs.rows(s.K)] if emit_output else []
-    inputs += [tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v), beta_column(beta)]
-    in_specs += [specs.rows(s.K), specs.cols(s.K), specs.rows_v(), specs.rows(1)]
-    inputs += tiles.decay_layouts(a, static.gate)
-    in_specs += specs.decay(static.gate)
-    inputs.append(h0.astype(F32))
-    in_specs.append(specs.state())
-    out_specs, out_shape = [], []
-    if emit_output:
-        out_specs.append(specs.rows_v())
-        out_shape.append(output_type((s.B, s.H, s.Tp, s.V), kdt, k))
-    out_specs.append(specs.state())
-    out_shape.append(output_type((R, s.H, s.K, s.V), F32, k))
-    if emit_states:
-        out_specs.append(specs.chunk_states())
-        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, k))
-
-    kernel = functools.partial(_delta_forward_kernel, static=static, specs=specs, emit_output=emit_output,
-                               emit_states=emit_states)
-    outs = pl.pallas_call(
-        kernel,
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, [specs.state_scratch()]),
-        out_shape=out_shape,
-        compiler_params=tiles.compiler_params(static),
-        interpret=tiles.interpret_mode(static),
-        name="recurrax_tpu_delta_fwd" if emit_output else "recurrax_tpu_delta_states",
-    )(*(([meta] if meta is not None else []) + inputs))
-    outs = list(outs)
-    if emit_output:
-        outs[0] = tiles.token_major(outs[0]).astype(out_dtype)
-    return outs
+    return forward(functools.partial(_chunk, static=static), q, k, v, [beta_column(beta)], a, h0, meta,
+                   shapes=functools.partial(delta_shapes, static=static), static=static, name="recurrax_tpu_delta",
+                   emit_output=emit_output, emit_states=emit_states)
 
 
 def beta_column(beta):

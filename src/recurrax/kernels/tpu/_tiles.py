@@ -75,7 +75,7 @@ class TpuTiles:
     a divisor of g). `heads=None`: the `recurrent` kernels take the most heads, up to
     `MOST_HEADS`, whose blocks fit the target's scoped VMEM (`_vmem.py`); the delta rule's, one.
     `group`: rows of the diagonal sub-block's groups in the `recurrent` kernels (a power of two;
-    `_forward.diagonal_scores`; the delta rule's are 4)."""
+    `_channel.diagonal_scores`; the delta rule's are 4)."""
 
     chunk: int = 128
     sub: int = 16

@@ -11,7 +11,7 @@ Mosaic TPU allocates, per kernel, every block of the pipeline twice (double buff
 scratch, and the kernel body's temporaries, all in VMEM tiles of (8, 128) 32-bit words (16
 rows for 16-bit types); the sum must fit the generation's scoped-VMEM limit (`SCOPED_VMEM_BYTES`,
 the compiler's default) or compiling fails with "CompileTimeScopedVmemOom". `vmem_bytes`
-counts the blocks of `_forward` / `_backward` and bounds the temporaries by [C, C] float32
+counts the blocks of `_recurrent_forward` / `_recurrent_backward` and bounds the temporaries by [C, C] float32
 matrices (one live in the forward, two in the backward) plus [C, max(K, BV)] float32 ones.
 With Hb heads per grid step the blocks and the scratch are Hb times one head's; the body runs
 the heads one after another, so the temporaries are counted once (checked against libtpu for the

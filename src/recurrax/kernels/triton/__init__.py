@@ -1,11 +1,11 @@
 """Pallas kernels of the chunk algorithm on Pallas's Triton backend (Ampere-class GPUs).
 
-| module       | what it holds                                                     |
-|--------------|-------------------------------------------------------------------|
-| `_forward`   | the forward kernel: outputs, final state, chunk-entry states      |
-| `_backward`  | the backward kernel: dq, dk, dv, d(initial state), boundary terms |
-| `_common`    | `TritonTiles`, launch parameters and tile-level helpers           |
-| `_tiling`    | the tiles used on a GPU and in interpret mode                     |
+| module                | what it holds                                                       |
+|-----------------------|---------------------------------------------------------------------|
+| `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
+| `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
+| `_common`             | `TritonTiles`, launch parameters and tile-level helpers             |
+| `_tiling`             | the tiles used on a GPU and in interpret mode                       |
 
 What the kernels take (`SUPPORT`, fail-closed; anything else falls back to XLA `chunk`):
 float32 / bfloat16 / float16 inputs; no decay, per-head decay (`g` per head, `g_gamma`),
@@ -20,10 +20,11 @@ Blackwell (10.x, 12.x), where the Mosaic GPU kernels (wgmma) do not exist.
 from __future__ import annotations
 
 from ...registry import Request
-from .._driver import PallasBackend, head_dims_refusal, kernel_support, missing_module
-from ._backward import chunk_backward
+from .._driver import head_dims_refusal, kernel_support, missing_module
+from .._recurrent_driver import PallasBackend
 from ._common import TritonTiles
-from ._forward import chunk_forward
+from ._recurrent_backward import chunk_backward
+from ._recurrent_forward import chunk_forward
 from ._tiling import INTERPRET_TILES, gpu_tiles
 
 __all__ = ["BACKEND", "MIN_CAPABILITY", "SUPPORT", "TritonTiles", "gpu_tiles", "triton_interpret", "triton_recurrent", "unavailable"]

@@ -10,9 +10,9 @@
 | dP_ij   | scale · do_i · v_j, the gradient of the intra-chunk score P_ij            |
 
 The grid walks the chunks of each (row, head block, value block) from last to first (the Hb
-heads of a step one after another, `_tiles.head_views`), carrying
+heads of a step one after another, `_launch`), carrying
 dS (initialised with the final-state cotangent) and S⁺ in VMEM. Differentiating the
-forward's chunk equations (`_forward`), with ⊙ broadcasting a decay over its axis:
+forward's chunk equations (`_recurrent_forward`), with ⊙ broadcasting a decay over its axis:
 
     dq_i = scale · (S do_i) ⊙ e^{A_i}    +  Σ_{j ≤ i} dP_ij · k_j ⊙ e^{A_i − A_j}
     dk_j = (dS v_j) ⊙ e^{A_L − A_j}       +  Σ_{i ≥ j} dP_ij · q_i ⊙ e^{A_i − A_j}
@@ -22,7 +22,7 @@ forward's chunk equations (`_forward`), with ⊙ broadcasting a decay over its a
 and at a sequence's first chunk dS is d(initial state). dq and dk contract over V, so
 each value block writes a partial sum ([nV, B, H, Tp, K]) that the wrapper adds up. The
 kernel also writes, per chunk, the boundary term Σ_V S⁺ ⊙ dS of the gate gradient
-(`recurrax.kernels._driver.gate_gradient`), as a [1, K] row (a lane reduction, turned into a
+(`recurrax.kernels._recurrent_driver.gate_gradient`), as a [1, K] row (a lane reduction, turned into a
 row by a masked sublane sum: no transpose; a [K, 1] column would be padded to 128 lanes in HBM).
 
 **Transposes avoided.** The sums over i ≥ j are computed directly in transposed form,
@@ -39,12 +39,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from ...problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
-from ._forward import DIAGONAL_GROUP, group_pick, group_scatter
+from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter
+from ._launch import finish_carry, launch, start_carries, take
+from ._recurrent_forward import recurrent_shapes
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
 
 
@@ -70,31 +71,21 @@ def head_chunk_bwd(q, k, qT, v, do, a_col, a_row, S, dS, *, scale, dtype):
 
 def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale, dtype, group: int = DIAGONAL_GROUP):
     """Add the exact diagonal block of sub-block [p, p + c) to its (dq, dk, dv); `dP_s` [c, C] =
-    scale · do_s vᵀ for the sub-block's queries. As `_forward.diagonal_scores`: pairs in different
+    scale · do_s vᵀ for the sub-block's queries. As `_channel.diagonal_scores`: pairs in different
     groups of g rows by block matmuls anchored at the row before the query's group, pairs inside
     a group in g element-wise steps (step t: each row's group's t-th key, gathered and scattered
     back by selection products)."""
-    c, K = q_s.shape
-    g = min(group, c)
-    C = dP_s.shape[1]
-    into_columns = (iota((c, C), 1) == iota((c, C), 0) + p).astype(F32)  # [c, C]: column j → p + j
-    dP = mm_nt(dP_s, into_columns, F32)  # [i, j] the diagonal block of dP
-    dP_t = mm_nt(into_columns, dP_s, F32)  # [j, i] the same, transposed
-    rows = iota((c, K), 0)
-    for start in range(g, c, g):  # query group [start, start + g) against keys j < start, anchored at r
-        a_r = pick_row(a_s, start - 1)
-        from_anchor = exp_where((rows >= start) & (rows < start + g), a_s - a_r)  # [c, K] e^{A_i − A_r}
-        to_anchor = exp_where(rows < start, a_r - a_s)  # [c, K] e^{A_r − A_j}
+    c = q_s.shape[0]
+    dP, dP_t = diagonal_block(dP_s, p)  # [i, j] the diagonal block of dP, [j, i] the same transposed
+    groups = DiagonalGroups(a_s, group)
+    for from_anchor, to_anchor in groups.across():  # e^{A_i − A_r} on the query group, e^{A_r − A_j} on j < s
         q_g, k_g = q_s * from_anchor, k_s * to_anchor
         dq += from_anchor * mm(dP, k_g, dtype)
         dk += to_anchor * mm(dP_t, q_g, dtype)
         dv += mm(scale * mm_nt(k_g, q_g, dtype), do_s, dtype)  # Pᵀ [j, i] of the group's pairs
-    offset = jnp.bitwise_and(rows, g - 1)
-    for t in range(g):  # key g·⌊i/g⌋ + t of each query row i's own group
-        pick = group_pick(c, g, t)  # [i, j]
-        scatter = group_scatter(c, g, t)  # [j, i]: pick transposed
-        a_t, k_t = mm(pick, a_s, F32), mm(pick, k_s, F32)
-        E_t = exp_where(offset >= t, a_s - a_t)  # [c, K] e^{A_i − A_j}, j ≤ i
+    for t, pick, E_t in groups.within():  # key g·⌊i/g⌋ + t of each query row i's own group, j ≤ i
+        scatter = group_scatter(c, groups.g, t)  # [j, i]: pick transposed
+        k_t = mm(pick, k_s, F32)
         qE = q_s * E_t
         P_t = scale * jnp.sum(qE * k_t, axis=1, keepdims=True)  # [c, 1] P[i, j]
         dP_i = jnp.sum(pick * dP, axis=1, keepdims=True)  # [c, 1] dP[i, j]
@@ -106,7 +97,7 @@ def diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p: int, *, scale, dtype,
 
 def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, dtype, group: int):
     """Per-channel decay: (dq, dk, dv) of rows [p, p + c), float32."""
-    C, K = q.shape
+    C = q.shape[0]
     q_s, k_s, v_s, do_s, a_s = (x[p : p + c] for x in (q, k, v, do, a))
     dP_s = scale * mm_nt(do_s, v, dtype)  # [c, C]
     dq = scale * mm_nt(do_s, S, dtype) * jnp.exp(a_s)  # from the state entering the chunk
@@ -114,12 +105,10 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
     dk = mm_nt(v_s, dS, dtype) * to_end  # from the state leaving the chunk
     dv = mm(k_s * to_end, dS, dtype)
     if p > 0:  # keys j < p, anchored at r = p − 1
-        a_r = pick_row(a, p - 1)
-        k_anchor = k * exp_where(iota((C, K), 0) < p, a_r - a)  # [C, K]; 0 for j ≥ p
+        a_r, k_anchor = before_anchor(k, a, p)  # [C, K]; 0 for j ≥ p
         dq += mm(dP_s, k_anchor, dtype) * jnp.exp(a_s - a_r)
     if p + c < C:  # queries i > r = p + c − 1, anchored at r
-        a_r = pick_row(a, p + c - 1)
-        q_hat = q * exp_where(iota((C, K), 0) > p + c - 1, a - a_r)  # [C, K]; 0 for i ≤ r
+        a_r, q_hat = after_anchor(q, a, p + c - 1)  # [C, K]; 0 for i ≤ r
         k_factor = jnp.exp(a_r - a_s)  # [c, K] e^{A_r − A_j}
         P_t = scale * mm_nt(k_s * k_factor, q_hat, dtype)  # [c, C] = Pᵀ rows j
         dP_t = scale * mm_nt(v_s, do, dtype)  # [c, C]
@@ -128,37 +117,17 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
     return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype, group=group)
 
 
-def _backward_kernel(*refs, static: KernelConfig, specs: tiles.Specs):
-    refs = list(refs)
-    meta_ref = refs.pop(0) if specs.varlen else None
-    flags = tiles.chunk_flags(specs, meta_ref)
-    for i in range(specs.s.Hb):
-        _backward_head(tiles.head_views(refs, i, specs, qk=3), flags, static=static, specs=specs)  # q, k, qᵀ
-
-
 def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
-    """One head's chunk: `refs` are its views of the step's blocks (`_tiles.head_views`)."""
-    q_ref, k_ref, qT_ref, v_ref = refs[:4]
-    del refs[:4]
-    has_decay = static.gate is not None
-    decay_refs = [refs.pop(0) for _ in specs.decay(static.gate)]
-    do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = refs[:8]
-    del refs[:8]
-    boundary_ref = refs.pop(0) if has_decay else None
+    """One head's chunk: `refs` are its views of the step's blocks (`_launch`)."""
+    q_ref, k_ref, qT_ref, v_ref = take(refs, 4)
+    decay_refs = take(refs, len(specs.decay(static.gate)))
+    do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = take(refs, 8)
+    boundary_ref = refs.pop(0) if static.gate is not None else None
     dS_ref, after_ref = refs
 
     first, last, step0 = flags
     dtype, scale = tiles.matmul_dtype(q_ref.dtype), static.scale
-
-    @pl.when(step0)
-    def _():  # packed input: chunks owned by no sequence see zeros, not garbage
-        dS_ref[...] = jnp.zeros(dS_ref.shape, F32)
-        after_ref[...] = jnp.zeros(after_ref.shape, F32)
-
-    @pl.when(last)
-    def _():
-        dS_ref[...] = dhT_ref[...].astype(F32)
-        after_ref[...] = hT_ref[...].astype(F32)
+    start_carries(step0, last, [(dS_ref, dhT_ref), (after_ref, hT_ref)])  # the walk starts at the last chunk
 
     S, dS = states_ref[...], dS_ref[...]
     if boundary_ref is not None:
@@ -181,21 +150,17 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
         dq_ref[...], dk_ref[...], dv_ref[...] = dq, dk, dv
     dS_ref[...] = dS_entering
     after_ref[...] = S
-
-    @pl.when(first)
-    def _():
-        dh0_ref[...] = dS_entering.astype(dh0_ref.dtype)
+    finish_carry(first, dh0_ref, dS_entering)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
-    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_driver.py`);
+    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_recurrent_driver.py`);
     inputs go head-major (float16 upcast), per-value-block partial dq, dk and boundary terms are
     summed here (dq, dk stay per value head: shared query/key heads are summed by the driver)."""
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = tiles.shapes_of(q, v, static, backward=True)
-    tiles.check_tiles(s, static, kdt, True)  # backward
+    s = recurrent_shapes(q, v, static, backward=True)
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = h_T.shape[0]
     has_decay = static.gate is not None
@@ -218,14 +183,9 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
         out_specs.append(specs.partial_row())  # a row: a [K, 1] column is padded to 128 lanes in HBM
         out_shape.append(output_type((s.nV, s.B, s.H, s.N, 1, s.K), F32, q))
     scratch = [specs.state_scratch(), specs.state_scratch()]  # dS, S⁺
-    dq, dk, dv, dh0, *boundary = pl.pallas_call(
-        functools.partial(_backward_kernel, static=static, specs=specs),
-        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),
-        out_shape=out_shape,
-        compiler_params=tiles.compiler_params(static),
-        interpret=tiles.interpret_mode(static),
-        name="recurrax_tpu_chunk_bwd",
-    )(*(([meta] if meta is not None else []) + inputs))
+    dq, dk, dv, dh0, *boundary = launch(functools.partial(_backward_head, static=static, specs=specs), inputs,
+                                        in_specs, out_specs, out_shape, scratch, meta, specs=specs, static=static,
+                                        name="recurrax_tpu_chunk_bwd", qk=3)  # q, k, qᵀ
     dq, dk = (tiles.token_major(x.sum(0)) for x in (dq, dk))
     boundary = boundary[0].sum(0)[..., 0, :] if boundary else None
     return dq, dk, tiles.token_major(dv), dh0, boundary

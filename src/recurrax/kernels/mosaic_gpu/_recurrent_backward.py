@@ -10,7 +10,7 @@
 | D       | [C, C] D_ij = e^{A_i − A_j} for j ≤ i, else 0                                |
 
 One program (one warpgroup, grid (B, H, V / BV)) walks the chunks from last to first,
-starting from dS = dh_T. Differentiating the forward's chunk equations (`_forward`):
+starting from dS = dh_T. Differentiating the forward's chunk equations (`_recurrent_forward`):
 
     dP   = scale · (do vᵀ) ⊙ D                  Pᵀ = scale · (k qᵀ) ⊙ Dᵀ       [C, C]
     dq   = scale · e^{A} ⊙_rows (do Sᵀ)  +  dP k                              [C, K]
@@ -27,7 +27,7 @@ to −inf before `exp` above the diagonal). dq and dk contract over V, so each v
 block writes its partial sum ([nV, B, Tp, H, K] float32) and the caller adds them up.
 
 The gate gradient is not formed here: the driver derives it from dq and dk, plus the
-per-chunk "boundary" term Σ_V S⁺ ⊙ dS (`recurrax.kernels._driver.gate_gradient`). S⁺ of
+per-chunk "boundary" term Σ_V S⁺ ⊙ dS (`recurrax.kernels._recurrent_driver.gate_gradient`). S⁺ of
 chunk n is S of chunk n + 1 and dS the gradient that chunk n + 1's step returns, so the step
 of chunk n + 1 writes chunk n's term at its end, from S still in its SMEM slot (no register
 carry); a sequence's last chunk takes h_T ⊙ dh_T.
@@ -47,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
-                      kernel_params, padded_meta, slots_that_fit)
+from ._layout import (DECAY_COPIES, check_shapes, chunk_inputs, decay_bytes, decay_operands, decay_scratch,
+                      fetch_decay, kernel_params, padded_meta, slots_that_fit)
 from .._driver import output_type
 from . import _channel as channel
 from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, iota, matmul,
@@ -103,9 +103,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
     B, Tp, H, K, V, N = shape
     C, BV = CHUNK, BLOCK_V
     refs = list(refs)
-    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    a_ref = refs.pop(0) if gate != "none" else None
-    meta_ref = refs.pop(0) if varlen else None
+    q_ref, k_ref, v_ref, a_ref, meta_ref = chunk_inputs(refs, gate, varlen)
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref, *rest = refs
     boundary_ref = rest[0] if rest else None
     sc = dict(scratch)
@@ -366,7 +364,7 @@ def _backward_body(*refs, gate: str, scale: float, varlen: bool, shape, slots: i
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static):
-    """Run the backward kernel (the driver's `PallasBackend.backward` contract, `kernels/_driver.py`).
+    """Run the backward kernel (the driver's `PallasBackend.backward` contract, `kernels/_recurrent_driver.py`).
 
     **Arguments:**
     - `q`, `k`, `v`, `a`, `meta`: as for `chunk_forward`; `do` [B, Tp, H, V] in q's dtype.

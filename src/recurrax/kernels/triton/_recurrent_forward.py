@@ -168,7 +168,7 @@ def _forward_kernel(*refs, static: KernelConfig, varlen: bool, emit_output: bool
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
 def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_output: bool = True,
                   emit_states: bool = False):
-    """Launch the forward kernel: the driver's `PallasBackend.forward` contract (`kernels/_driver.py`);
+    """Launch the forward kernel: the driver's `PallasBackend.forward` contract (`kernels/_recurrent_driver.py`);
     one program per (row, head, value block) walks the chunks."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]

@@ -34,7 +34,7 @@ anchor choices, each keeping both factors ≤ 0:
   dk and dv of that sub-block.
 
 Gate gradients are not computed here: they follow from dq and dk by the reverse-cumsum
-identity, cut at chunk boundaries (`kernels/_driver.py`), for which the kernel writes, per
+identity, cut at chunk boundaries (`kernels/_recurrent_driver.py`), for which the kernel writes, per
 chunk, the boundary term Σ_V S ⊙ dS of the state leaving it (S from the recomputed states,
 or h_T for the last chunk). Packed input: a sequence's last chunk starts from its
 final-state cotangent, its first chunk writes d(initial state).
@@ -216,7 +216,7 @@ def _backward_kernel(*refs, static: KernelConfig, varlen: bool):
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
-    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_driver.py`);
+    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_recurrent_driver.py`);
     one program per (row, head, value block) walks the chunks backwards; dq, dk and the boundary
     terms are summed over value blocks here."""
     B, Tp, H, K = q.shape

@@ -47,8 +47,8 @@ from .._driver import output_type
 from . import _channel as channel
 from ._tiles import (BLOCK_V, CHUNK, COLS, F32, ROWS, WGMMA, along_rows, causal_decay, matmul, matmuls,
                      swizzled)
-from ._layout import (DECAY_COPIES, check_shapes, decay_bytes, decay_operands, decay_scratch, fetch_decay,
-                      kernel_params, padded_meta, slots_that_fit)
+from ._layout import (DECAY_COPIES, check_shapes, chunk_inputs, decay_bytes, decay_operands, decay_scratch,
+                      fetch_decay, kernel_params, padded_meta, slots_that_fit)
 
 
 def smem_bytes(K: int, dtype, slots: int, gate: str = "head") -> int:
@@ -86,9 +86,7 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
     B, Tp, H, K, V, N = shape
     C, BV = CHUNK, BLOCK_V
     refs = list(refs)
-    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    a_ref = refs.pop(0) if gate != "none" else None
-    meta_ref = refs.pop(0) if varlen else None
+    q_ref, k_ref, v_ref, a_ref, meta_ref = chunk_inputs(refs, gate, varlen)
     h0_ref = refs.pop(0)
     o_ref = refs.pop(0) if emit_output else None
     hT_ref = refs.pop(0)
@@ -227,7 +225,7 @@ def _forward_body(*refs, gate: str, scale: float, varlen: bool, emit_output: boo
 
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
 def chunk_forward(q, k, v, a, h0, meta=None, *, static, emit_output: bool = True, emit_states: bool = False):
-    """Run the forward kernel (the driver's `PallasBackend.forward` contract, `kernels/_driver.py`).
+    """Run the forward kernel (the driver's `PallasBackend.forward` contract, `kernels/_recurrent_driver.py`).
 
     **Arguments:**
     - `q`, `k`: [B, Tp, H, K]; `v`: [B, Tp, H, V]; bf16/f16; Tp a multiple of C = 64.

@@ -1,0 +1,151 @@
+"""The launch scaffolding both operations' TPU kernels share: one grid step's heads, the state
+carried across the chunk axis, the `pallas_call`, and the forward launch whole.
+
+A kernel module (`_recurrent_forward`, `_recurrent_backward`, `_delta_forward`,
+`_delta_backward`) writes one head's chunk, `head(refs, flags)`, with `refs` its views of the
+step's blocks (`_tiles.head_views`) and `flags` = (the chunk is its sequence's first, its
+last, the program's first grid step) (`_tiles.chunk_flags`); `launch` runs it for the step's
+Hb heads, one after another, on the grid (b, head block, value block, chunk) of `_tiles`.
+
+A carry is a [K, BV] float32 VMEM scratch that walks the chunks of a (row, head, value block):
+the state S forward, its cotangent backward. `start_carries` loads it where a sequence starts
+in the walk's order and zeroes it at a program's first step (packed input: chunks owned by no
+sequence read zeros, not garbage); `finish_carry` writes it out where a sequence ends.
+
+`forward` is the forward launch of either operation: q (only with `emit_output`), k, kᵀ, v,
+the operation's own token columns (the delta rule's β), the decay, h0; out o, h_T and (with
+`emit_states`) the state entering every chunk, for the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .._driver import KernelConfig, output_type
+from . import _tiles as tiles
+from ._tiles import F32
+
+
+def _grid_step(*refs, head, specs: tiles.Specs, qk: int):
+    refs = list(refs)
+    meta_ref = refs.pop(0) if specs.varlen else None
+    flags = tiles.chunk_flags(specs, meta_ref)
+    for i in range(specs.s.Hb):
+        head(tiles.head_views(refs, i, specs, qk), flags)
+
+
+def launch(head, inputs: list, in_specs: list, out_specs: list, out_shape: list, scratch: list, meta, *,
+           specs: tiles.Specs, static: KernelConfig, name: str, qk: int):
+    """`head` on every grid step (the first `qk` inputs are query/key blocks); the outputs.
+    `meta`: the packed input's [3, N] owners table, scalar-prefetched, or None."""
+    return pl.pallas_call(
+        functools.partial(_grid_step, head=head, specs=specs, qk=qk),
+        grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),
+        out_shape=out_shape,
+        compiler_params=tiles.compiler_params(static),
+        interpret=tiles.interpret_mode(static),
+        name=name,
+    )(*(([meta] if meta is not None else []) + inputs))
+
+
+def take(refs: list, n: int) -> list:
+    """The first `n` of a head's `refs`, taken off the list (a kernel unpacks its refs in order)."""
+    taken = refs[:n]
+    del refs[:n]
+    return taken
+
+
+def start_carries(step0, start, carries: list) -> None:
+    """Every (scratch, ref of its value where a sequence starts) in `carries`: zeros at the
+    program's first grid step `step0`, the start value where `start`."""
+
+    @pl.when(step0)
+    def _():  # packed input: chunks owned by no sequence start from zeros, not garbage
+        for carry_ref, _ in carries:
+            carry_ref[...] = jnp.zeros(carry_ref.shape, F32)
+
+    @pl.when(start)
+    def _():
+        for carry_ref, start_ref in carries:
+            carry_ref[...] = start_ref[...].astype(F32)
+
+
+def finish_carry(end, out_ref, value) -> None:
+    """`value` written to `out_ref` (its dtype) where a sequence ends in the walk's order."""
+
+    @pl.when(end)
+    def _():
+        out_ref[...] = value.astype(out_ref.dtype)
+
+
+def _forward_head(refs: list, flags, *, chunk, tokens: int, decays: int, emit_output: bool, emit_states: bool):
+    """One head's chunk of the forward: `chunk(q_ref or None, token_refs, decay_refs, S, o_ref
+    or None) -> S'` (writing o when given its ref)."""
+    q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
+    token_refs = take(refs, tokens)
+    decay_refs = take(refs, decays)
+    h0_ref = refs.pop(0)
+    o_ref = refs.pop(0) if emit_output else None
+    hT_ref = refs.pop(0)
+    states_ref = refs.pop(0) if emit_states else None
+    (S_ref,) = refs
+
+    first, last, step0 = flags
+    start_carries(step0, first, [(S_ref, h0_ref)])
+    S = S_ref[...]
+    if emit_states:
+        states_ref[...] = S
+    S_next = chunk(q_ref, token_refs, decay_refs, S, o_ref)
+    S_ref[...] = S_next
+    finish_carry(last, hT_ref, S_next)
+
+
+def forward(chunk, q, k, v, columns: list, a, h0, meta, *, shapes, static: KernelConfig, name: str,
+            emit_output: bool, emit_states: bool) -> list:
+    """Launch an operation's forward kernel: a list of o [B, Tp, H, V] in q's dtype (if
+    `emit_output`), h_T [R, H, K, V] float32 and the states entering every chunk
+    [B, H, N, K, V] float32 (if `emit_states`).
+
+    **Arguments:** `chunk` as `_forward_head`'s; token-major q, k [B, Tp, G, K], v [B, Tp, H,
+    V]; `columns` the operation's own head-major [B, H, Tp, width] inputs, read after v; `a`
+    the chunk-local cumulative log decay (`_tiles.decay_layouts`); h0 [R, H, K, V]; `meta` the
+    packed input's owners table or None; `shapes(q, v) -> Shapes`, checked; `name` the
+    kernel's name without its `_fwd` / `_states`."""
+    out_dtype = q.dtype
+    kdt = tiles.kernel_dtype(q.dtype)
+    q, k, v = (x.astype(kdt) for x in (q, k, v))
+    s = shapes(q, v)
+    specs = tiles.Specs(s, backward=False, varlen=meta is not None)
+    R = h0.shape[0]
+
+    inputs = [tiles.head_major(q)] if emit_output else []
+    in_specs = [specs.qk_rows()] if emit_output else []
+    inputs += [tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v), *columns]
+    in_specs += [specs.qk_rows(), specs.qk_cols(), specs.rows_v(), *(specs.rows(x.shape[-1]) for x in columns)]
+    decay = specs.decay(static.gate)
+    inputs += tiles.decay_layouts(a, static.gate)
+    in_specs += decay
+    inputs.append(h0.astype(F32))
+    in_specs.append(specs.state())
+
+    out_specs, out_shape = [], []
+    if emit_output:
+        out_specs.append(specs.rows_v())
+        out_shape.append(output_type((s.B, s.H, s.Tp, s.V), kdt, k))
+    out_specs.append(specs.state())
+    out_shape.append(output_type((R, s.H, s.K, s.V), F32, k))
+    if emit_states:
+        out_specs.append(specs.chunk_states())
+        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, k))
+
+    head = functools.partial(_forward_head, chunk=chunk, tokens=3 + len(columns), decays=len(decay),
+                             emit_output=emit_output, emit_states=emit_states)
+    outs = list(launch(head, inputs, in_specs, out_specs, out_shape, [specs.state_scratch()], meta, specs=specs,
+                       static=static, name=f"{name}_fwd" if emit_output else f"{name}_states",
+                       qk=3 if emit_output else 2))  # q, k, kᵀ
+    if emit_output:
+        outs[0] = tiles.token_major(outs[0]).astype(out_dtype)
+    return outs
