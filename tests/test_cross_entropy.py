@@ -130,16 +130,20 @@ def full_logits_losses(logits, targets, where):
     return jnp.where(where, -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0], 0)
 
 
-@pytest.mark.parametrize("kind", ["language_model", "linear_attn", pytest.param("falcon_h1", marks=pytest.mark.slow)])
-def test_token_losses_equal_full_logits(kind):
-    """`model.token_losses` equals the loss of `model(tokens)`'s logits, dense and packed."""
+def model_of(kind: str):
+    """A `recurrax.nn.LanguageModel` (`"language_model"`) or a fixture's `CausalLM`."""
     if kind in CHECKPOINTS:
         pytest.importorskip("safetensors")
         from recurrax.nn.pretrained import from_pretrained
 
-        model = from_pretrained(CHECKPOINTS[kind])
-    else:
-        model = LanguageModel(29, 16, 1, 2, implementation="scan", rngs=nnx.Rngs(0))
+        return from_pretrained(CHECKPOINTS[kind])
+    return LanguageModel(29, 16, 1, 2, implementation="scan", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kind", ["language_model", "linear_attn", pytest.param("falcon_h1", marks=pytest.mark.slow)])
+def test_token_losses_equal_full_logits(kind):
+    """`model.token_losses` equals the loss of `model(tokens)`'s logits, dense and packed."""
+    model = model_of(kind)
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, model.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)
     where = jnp.arange(9)[None] < jnp.array([[9], [6]])
@@ -157,3 +161,20 @@ def test_token_losses_equal_full_logits(kind):
     packed = [jnp.concatenate([x[0], x[1, :6]]) for x in (tokens, targets, where)]
     got, want = both(params, *packed, cu_seqlens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["language_model", "linear_attn"])
+@pytest.mark.parametrize("call", ["logits", "token_losses"])
+def test_models_refuse_bad_tokens_alike(kind, call):
+    """Both model stacks check their tokens in one place (`recurrax.nn._decoder`): the same
+    errors, before any layer runs, from the call and from `token_losses`."""
+    model = model_of(kind)
+    run = model if call == "logits" else lambda tokens, **packed: model.token_losses(tokens, tokens, **packed)
+    with pytest.raises(TypeError, match=r"^tokens must be an integer array of token ids, got dtype float32"):
+        run(jnp.ones((1, 3), jnp.float32))
+    with pytest.raises(ValueError, match=r"^tokens must have at least one batch row and one token .*\(1, 0\)"):
+        run(jnp.zeros((1, 0), jnp.int32))
+    with pytest.raises(ValueError, match=r"^tokens must be \[batch, seq_len\] token ids, .*pass cu_seqlens"):
+        run(jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"^tokens must have at least one batch row and one token"):
+        run(jnp.zeros((0,), jnp.int32), cu_seqlens=jnp.array([0, 0]))

@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..delta import IMPLEMENTATIONS, delta_rule_step
 from ._conv import CausalConv1d
-from ._mixers import CachedMixer, MixerCache, _linear_factory, check_width
+from ._mixers import CachedMixer, MixerCache, _linear_factory
 from ._sharding import delta_rule_on_mesh, param
 
 A_RANGE = (1.0, 16.0)
@@ -97,24 +97,10 @@ class GatedDeltaNet(CachedMixer):
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        num_v_heads: int | None = None,
-        head_dim: int | None = None,
-        expand_v: float = 2.0,
-        conv_size: int = 4,
-        conv_bias: bool = False,
-        use_gate: bool = True,
-        allow_neg_eigval: bool = False,
-        norm_eps: float = 1e-5,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        implementation: str | None = None,
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, d_model: int, num_heads: int, *, num_v_heads: int | None = None, head_dim: int | None = None,
+                 expand_v: float = 2.0, conv_size: int = 4, conv_bias: bool = False, use_gate: bool = True,
+                 allow_neg_eigval: bool = False, norm_eps: float = 1e-5, dtype=jnp.float32, param_dtype=jnp.float32,
+                 implementation: str | None = None, rngs: nnx.Rngs):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         check_eps("norm_eps", norm_eps)
         _check_heads(d_model, num_heads, num_v_heads, head_dim)
@@ -146,34 +132,11 @@ class GatedDeltaNet(CachedMixer):
         self.o_norm = GatedRMSNorm(V, eps=norm_eps, dtype=param_dtype)
         self.o_proj = make_linear(H * V, d_model, ("heads", "embed"))
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq_len d_model"] | Float[Array, "total_tokens d_model"],
-        cache: MixerCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    ) -> Float[Array, "... d_model"] | tuple[Float[Array, "... d_model"], MixerCache]:
-        """Mix the tokens of `x`; with `cache`, continue from it and return the new one too.
-
-        **Arguments:**
-        - `x`: `[batch, seq_len, d_model]`, or packed `[total_tokens, d_model]` /
-          `[1, total_tokens, d_model]` with `cu_seqlens`.
-        - `cache`: a `MixerCache` for the tokens before `x` (rows: `batch`, or `num_seqs`
-          when packed), e.g. `init_cache(batch)`; `None` for a parallel forward from nothing.
-        - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
-
-        **Returns:** `y` shaped like `x`, or `(y, new_cache)` when `cache` is given.
-        """
-        check_width("x", x, self.d_model, cu_seqlens)
-        x3 = x[None] if x.ndim == 2 else x
-        if cache is not None:
-            self._check_cache(cache, x3.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
-        q, k, v, conv = self._qkv(x3, None if cache is None else cache.conv, cu_seqlens)
-        beta, g = self._gates(x3)
+    def _mix(self, x: Float[Array, "B T D"], cache: MixerCache | None, cu_seqlens):
+        q, k, v, conv = self._qkv(x, None if cache is None else cache.conv, cu_seqlens)
+        beta, g = self._gates(x)
         o, state = self._delta(q, k, v, beta, g, None if cache is None else cache.state, cu_seqlens)
-        y = self._output(o, x3)
-        y = y[0] if x.ndim == 2 else y
-        return y if cache is None else (y, MixerCache(state, conv))
+        return self._output(o, x), MixerCache(state, conv)
 
     def _cache_shapes(self, rows: int) -> MixerCache:
         state = (rows, self.num_v_heads, self.head_dim, self.head_v_dim)

@@ -71,9 +71,42 @@ class MixerCache(NamedTuple):
 
 
 class CachedMixer(nnx.Module):
-    """What every token mixer with a `MixerCache` shares: an empty cache, and the check of a
+    """What every token mixer with a `MixerCache` shares: the call (input and cache checks, packed
+    inputs; subclasses implement `_mix` on `[B, T, D]`), an empty cache, and the check of a
     given one, from the cache shapes the mixer declares (`_cache_shapes(rows)`) and the dtype of
     its convolution inputs (`self.dtype`)."""
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq_len d_model"] | Float[Array, "total_tokens d_model"],
+        cache: MixerCache | None = None,
+        *,
+        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+    ) -> Float[Array, "... d_model"] | tuple[Float[Array, "... d_model"], MixerCache]:
+        """Mix the tokens of `x`; with `cache`, continue from it and return the new one too.
+
+        **Arguments:**
+        - `x`: `[batch, seq_len, d_model]`, or packed `[total_tokens, d_model]` /
+          `[1, total_tokens, d_model]` with `cu_seqlens`.
+        - `cache`: a `MixerCache` for the tokens before `x` (rows: `batch`, or `num_seqs`
+          when packed), e.g. `init_cache(batch)`; `None` for a parallel forward from nothing.
+        - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
+
+        **Returns:** `y` shaped like `x`, or `(y, new_cache)` when `cache` is given.
+        """
+        check_width("x", x, self.d_model, cu_seqlens)
+        x3 = x[None] if x.ndim == 2 else x
+        if cache is not None:
+            self._check_cache(cache, x3.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+        y, new_cache = self._mix(x3, cache, cu_seqlens)
+        y = y[0] if x.ndim == 2 else y
+        return y if cache is None else (y, new_cache)
+
+    def _mix(self, x: Float[Array, "B T D"], cache: MixerCache | None, cu_seqlens
+             ) -> tuple[Float[Array, "B T D"], MixerCache]:
+        """The mixer on `[B, T, D]` inputs (checked): `y` and the new cache (the state and
+        convolution buffer after `x`, whether or not `cache` was given)."""
+        raise NotImplementedError
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> MixerCache:
         """An empty decode cache for `batch_size` sequences (zero state and convolution buffer).
@@ -170,42 +203,16 @@ class RecurrentMixer(CachedMixer):
         self.norm = nnx.RMSNorm(V, dtype=dtype, param_dtype=param_dtype, scale_init=partitioned(ones, "head_dim"),
                                 rngs=rngs)
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq_len d_model"] | Float[Array, "total_tokens d_model"],
-        cache: MixerCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    ) -> Float[Array, "... d_model"] | tuple[Float[Array, "... d_model"], MixerCache]:
-        """Mix the tokens of `x`; with `cache`, continue from it and return the new one too.
-
-        **Arguments:**
-        - `x`: `[batch, seq_len, d_model]`, or packed `[total_tokens, d_model]` /
-          `[1, total_tokens, d_model]` with `cu_seqlens`.
-        - `cache`: a `MixerCache` for the tokens before `x` (rows: `batch`, or `num_seqs`
-          when packed), e.g. `init_cache(batch)`; `None` for a parallel forward from nothing.
-        - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
-
-        **Returns:** `y` shaped like `x`, or `(y, new_cache)` when `cache` is given.
-        """
-        x3 = self._check_input(x, cu_seqlens)
-        if cache is not None:
-            self._check_cache(cache, x3.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
-        q, k, v, conv = self._project(x3, None if cache is None else cache.conv, cu_seqlens)
-        o, state = self._recur(q, k, v, self._decays(x3), None if cache is None else cache.state, cu_seqlens)
-        y = self._output(o, x3)
-        y = y[0] if x.ndim == 2 else y
-        return y if cache is None else (y, MixerCache(state, conv))
+    def _mix(self, x: Float[Array, "B T D"], cache: MixerCache | None, cu_seqlens):
+        q, k, v, conv = self._project(x, None if cache is None else cache.conv, cu_seqlens)
+        o, state = self._recur(q, k, v, self._decays(x), None if cache is None else cache.state, cu_seqlens)
+        return self._output(o, x), MixerCache(state, conv)
 
     def _cache_shapes(self, rows: int) -> MixerCache:
         """The shapes of a cache for `rows` sequences."""
         state = (rows, self.num_heads, self.qk_head_dim, self.v_head_dim)
         conv = None if self.conv is None else (rows, self.conv.kernel_size - 1, self.conv.channels)
         return MixerCache(state, conv)
-
-    def _check_input(self, x, cu_seqlens, name: str = "x") -> Float[Array, "B T D"]:
-        check_width(name, x, self.d_model, cu_seqlens)
-        return x[None] if x.ndim == 2 else x
 
     def _project(self, x: Float[Array, "B T D"], conv_buffer, cu_seqlens):
         """q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] and the new convolution buffer."""

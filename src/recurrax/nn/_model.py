@@ -17,17 +17,14 @@ import json
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from ._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
+from ._decoder import CausalDecoder, DecoderBody, pre_norm_residual
 from ._gated_deltanet import GatedDeltaNet
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
-from ._layer_scan import call_blocks
 from ._remat import check_remat
-from ._sharding import RESIDUAL, constrain, partitioned
-from ._tokens import check_token_ids
-from ._tied import tied_logits
+from ._sharding import constrain, partitioned
 
 MIXERS = {
     "gla": GatedLinearAttention,
@@ -96,15 +93,12 @@ class Block(nnx.Module):
         self.mlp = MLP(d_model, mlp_hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cache: MixerCache | None = None, *, cu_seqlens=None):
-        mixed = self.mixer(self.mixer_norm(x), cache, cu_seqlens=cu_seqlens)
-        mixed, new_cache = mixed if cache is not None else (mixed, None)
-        x = x + mixed
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, new_cache
+        return pre_norm_residual(x, self.mixer_norm, self.mixer, self.mlp_norm, self.mlp, cache, cu_seqlens=cu_seqlens)
 
 
-class LanguageModel(nnx.Module):
-    """A causal language model over a stack of recurrent-attention blocks, with a decode cache.
+class LanguageModel(CausalDecoder, DecoderBody):
+    """A causal language model over a stack of recurrent-attention blocks, with a decode cache:
+    the shared decoder (`recurrax.nn._decoder`) with this model's blocks, tied head and cache.
 
     **Arguments:**
     - `vocab_size`: number of token ids.
@@ -132,6 +126,8 @@ class LanguageModel(nnx.Module):
     parameters by module path) and `from_pretrained` builds it back.
     """
 
+    embedding_name, lm_head = "embed", None  # its own body; the head is tied
+
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
                  mlp_ratio: int = 4, mixer_options: dict | None = None, implementation: str | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, remat: str | None = None, scan_layers: bool = True,
@@ -152,6 +148,15 @@ class LanguageModel(nnx.Module):
             blocks.append(Block(mix, d_model, mlp_ratio * d_model, rngs=rngs, **types))
         self.blocks = nnx.List(blocks)
         self.norm = embed_norm(d_model, rngs=rngs, **types)
+
+    @property
+    def body(self) -> LanguageModel:
+        """The model is its own body: the embedding `embed`, the `blocks`, the final `norm`."""
+        return self
+
+    @property
+    def layers(self) -> nnx.List:
+        return self.blocks
 
     @property
     def config(self) -> dict:
@@ -184,46 +189,10 @@ class LanguageModel(nnx.Module):
         **Returns:** `logits` `[..., vocab_size]`, float32 (accumulated so for a bfloat16 model;
         float64 for a float64 one), or `(logits, new_cache)` with `cache`.
         """
-        h, new_caches = self._head_input(tokens, cache, cu_seqlens)
-        logits = constrain(tied_logits(self.embed, h), "batch", "length", "vocab")
+        h, new_caches = self._decode(tokens, cache, cu_seqlens)
+        logits = constrain(self._head(h), "batch", "length", "vocab")
+        logits = logits[0] if tokens.ndim == 1 else logits
         return logits if cache is None else (logits, new_caches)
-
-    def token_losses(
-        self,
-        tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
-        targets: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
-        *,
-        where: Bool[Array, "batch seq_len"] | Bool[Array, " total_tokens"] | None = None,
-        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        with_predictions: bool = False,
-    ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Int[Array, "..."]]:
-        """The cross entropy of each position's logits against `targets`, without the logits:
-        `recurrax.nn.chunked_cross_entropy` over the final hidden states and the tied head.
-
-        **Arguments:**
-        - `tokens`, `cu_seqlens`: as for a call without a cache.
-        - `targets`: the ids to predict, shaped like `tokens` (outside `[0, vocab_size)`: ignored).
-        - `where`: booleans shaped like `tokens`, False to ignore a position.
-        - `chunk_size`, `with_predictions`: as for `chunked_cross_entropy`.
-
-        **Returns:** float32 losses shaped like `tokens` (0 where ignored), and with
-        `with_predictions` the argmax ids too.
-        """
-        h, _ = self._head_input(tokens, None, cu_seqlens)
-        table = self.embed.embedding[...]
-        return chunked_cross_entropy(h, table.astype(self.embed.dtype or table.dtype), targets, where=where, tied=True,
-                                     chunk_size=chunk_size, with_predictions=with_predictions)
-
-    def _head_input(self, tokens, cache, cu_seqlens):
-        """The final norm's output `[..., d_model]`, and the new caches (None without `cache`)."""
-        _check_tokens(tokens, cu_seqlens)
-        check_token_ids(tokens, self.vocab_size)
-        x = constrain(self.embed(tokens), *RESIDUAL)
-        if cache is not None and len(cache) != len(self.blocks):
-            raise ValueError(f"cache must hold one state per block ({len(self.blocks)}), got {len(cache)}")
-        x, new_caches = call_blocks(self.blocks, self.remat, x, cache, scan=self.scan_layers, cu_seqlens=cu_seqlens)
-        return self.norm(x), None if cache is None else tuple(new_caches)
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:
         """An empty decode cache: one zero state per block for `batch_size` sequences.
@@ -239,18 +208,6 @@ class LanguageModel(nnx.Module):
         `recurrax.nn.pretrained.generate`'s protocol, with `prefill` and `decode_step`."""
         return self.init_cache(slots, jnp.promote_types(jnp.float32, self.embed.embedding.get_value().dtype))
 
-    def prefill(self, tokens: Int[Array, " total_tokens"], cu_seqlens: Int[Array, " num_seqs_plus_one"],
-                cache: tuple[MixerCache, ...]) -> tuple[Float[Array, "total_tokens vocab"], tuple[MixerCache, ...]]:
-        """Continue `num_seqs` packed sequences (empty ones allowed) from the rows of `cache`:
-        `model(tokens, cache, cu_seqlens=cu_seqlens)`."""
-        return self(tokens, cache, cu_seqlens=cu_seqlens)
-
-    def decode_step(self, tokens: Int[Array, " batch"], cache: tuple[MixerCache, ...]
-                    ) -> tuple[Float[Array, "batch vocab"], tuple[MixerCache, ...]]:
-        """Advance every row of `cache` by its one token: logits `[batch, vocab]`."""
-        logits, cache = self(tokens[:, None], cache)
-        return logits[:, 0], cache
-
 
 def _arguments_json(**arguments) -> str | None:
     """`arguments` as JSON, or None where some value is not JSON-serialisable."""
@@ -258,20 +215,3 @@ def _arguments_json(**arguments) -> str | None:
         return json.dumps(arguments, sort_keys=True)
     except (TypeError, ValueError):
         return None
-
-
-def _check_tokens(tokens, cu_seqlens) -> None:
-    """`tokens` must be integer ids [batch, seq_len], or packed [total_tokens] with cu_seqlens."""
-    shape = getattr(tokens, "shape", None)
-    if shape is None or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        what = type(tokens).__name__ if shape is None else f"dtype {tokens.dtype}"
-        raise TypeError(f"tokens must be an integer array of token ids, got {what}")
-    packed = cu_seqlens is not None
-    if len(shape) == 2 or (packed and len(shape) == 1):
-        if 0 in shape:
-            raise ValueError(f"tokens must have at least one batch row and one token (the model takes "
-                             f"no empty input), got shape {tuple(shape)}")
-        return
-    words = "[batch, seq_len]" + (" or packed [total_tokens]" if packed else "")
-    hint = " (a 1-D input is packed sequences: pass cu_seqlens)" if len(shape) == 1 else ""
-    raise ValueError(f"tokens must be {words} token ids, got shape {tuple(shape)}{hint}")

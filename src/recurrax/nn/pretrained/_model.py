@@ -34,17 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from ...problem import runtime_checks_enabled
 from ...varlen import segments
-from .._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
+from .._decoder import CausalDecoder, DecoderBody, pre_norm_residual
 from .._precision import compute_view, store_params
-from .._layer_scan import call_blocks
 from .._remat import check_remat
-from .._sharding import RESIDUAL, constrain, param, partitioned
-from .._tied import tied_logits, untied_logits
-from .._tokens import check_token_ids
+from .._sharding import constrain, param, partitioned
 from ._config import FAMILY_MODULES, attention_spec, intermediate_size, native_mixer, resolve
 from ._config_checks import ConfigError, eos_token_ids
 from .families._mamba2 import HFBackbone, is_hf_config, resolve_hf
@@ -88,14 +85,13 @@ class Block(nnx.Module):
         self.mlp = GatedMLP(D, intermediate_size(config), dtype=dtype, rngs=rngs)
 
     def __call__(self, h, cache=None, **context):
-        mixed = self.attn(self.attn_norm(h), cache, **context)
-        mixed, new_cache = mixed if cache is not None else (mixed, None)
-        h = h + mixed
-        return h + self.mlp(self.mlp_norm(h)), new_cache
+        return pre_norm_residual(h, self.attn_norm, self.attn, self.mlp_norm, self.mlp, cache, **context)
 
 
-class Backbone(nnx.Module):
+class Backbone(DecoderBody):
     """fla's `...Model`: embeddings, blocks, final norm (and HGRN2's lower bounds)."""
+
+    embedding_name = "embeddings"
 
     def __init__(self, config: dict, *, dtype=jnp.float32, rngs: nnx.Rngs):
         D = config["hidden_size"]
@@ -116,19 +112,9 @@ class Backbone(nnx.Module):
         bounds = jnp.cumsum(probs, axis=0) - probs[0]
         return [bounds[l] for l in range(len(self.layers))]
 
-    @property
-    def embedding(self) -> nnx.Embed:
-        return self.embeddings
-
-    def embed(self, tokens):
-        return self.embeddings(tokens)
-
     def layer_context(self, embedded) -> list[dict]:
         """Per-layer keyword arguments of the blocks: HGRN2's lower bounds."""
         return [dict(lower_bound=bound) for bound in self.layer_lower_bounds()]
-
-    def head_input(self, h):
-        return self.norm(h)
 
     def init_caches(self, rows: int, capacity: int) -> tuple:
         """One empty cache per layer; softmax-attention layers hold `capacity` tokens per row."""
@@ -136,7 +122,7 @@ class Backbone(nnx.Module):
                      else block.attn.init_cache(rows) for block in self.layers)
 
 
-class CausalLM(nnx.Module):
+class CausalLM(CausalDecoder):
     """A causal language model of any supported family (`SUPPORTED`), built from its
     config.json: fla's `...ForCausalLM` (GLA, RetNet, HGRN2, LinearAttention, LightNet,
     Gated DeltaNet; hybrids via `attn`) or `transformers`' `Mamba2ForCausalLM`, `NemotronHForCausalLM`,
@@ -167,10 +153,14 @@ class CausalLM(nnx.Module):
       another. A plain attribute.
     - `rngs`: initialisation (`from_pretrained` overwrites every parameter).
 
-    The body (embedding, layers, final norm) is `model.body`, under the name the family's
-    checkpoints use (`model`, or `backbone` for Mamba2 and Nemotron-H). `eos_token_ids` (from
-    `eos_token_id`, an id or a list) are `generate`'s default stop tokens.
+    It is the shared decoder (`recurrax.nn._decoder`, as `recurrax.nn.LanguageModel` is) with
+    the family's body, head and cache. The body (embedding, layers, final norm) is `model.body`,
+    under the name the family's checkpoints use (`model`, or `backbone` for Mamba2 and
+    Nemotron-H). `eos_token_ids` (from `eos_token_id`, an id or a list) are `generate`'s default
+    stop tokens.
     """
+
+    logits_dtype = jnp.float32
 
     def __init__(self, config: dict, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,
                  scan_layers: bool = True, rngs: nnx.Rngs | None = None):
@@ -245,7 +235,8 @@ class CausalLM(nnx.Module):
         """
         packed = cu_seqlens is not None
         model = self._computing()
-        h, positions, new_caches = model._hidden_states(tokens, cache, cu_seqlens)
+        h, new_caches = model._decode(tokens, cache, cu_seqlens)
+        positions = self._positions(h, cache, cu_seqlens)
         if logits_to_keep is not None and (packed or not 1 <= logits_to_keep <= tokens.shape[1]):
             raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, "
                              f"got {logits_to_keep}" + (" with cu_seqlens" if packed else ""))
@@ -259,42 +250,7 @@ class CausalLM(nnx.Module):
         if cache is None:
             return logits
         seen = tokens.shape[1] if not packed else cu_seqlens[1:] - cu_seqlens[:-1]
-        return logits, ModelCache(tuple(new_caches), cache.positions + seen)
-
-    def token_losses(
-        self,
-        tokens: Int[Array, "B T"] | Int[Array, " N"],
-        targets: Int[Array, "B T"] | Int[Array, " N"],
-        *,
-        where: Bool[Array, "B T"] | Bool[Array, " N"] | None = None,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        with_predictions: bool = False,
-    ) -> Float[Array, "..."] | tuple[Float[Array, "..."], Int[Array, "..."]]:
-        """The cross entropy of each token's logits against `targets`, without the logits:
-        `recurrax.nn.chunked_cross_entropy` over the head's input and the head (times the
-        family's logits multiplier).
-
-        **Arguments:**
-        - `tokens`, `cu_seqlens`: as for a call without a cache.
-        - `targets`: the ids to predict, shaped like `tokens` (outside `[0, vocab_size)`: ignored).
-        - `where`: booleans shaped like `tokens`, False to ignore a token.
-        - `chunk_size`, `with_predictions`: as for `chunked_cross_entropy`.
-
-        **Returns:** float32 losses shaped like `tokens` (0 where ignored), and with
-        `with_predictions` the argmax ids too.
-        """
-        model = self._computing()
-        h, _, _ = model._hidden_states(tokens, None, cu_seqlens)
-        h = model.body.head_input(h)
-        h = h[0] if cu_seqlens is not None else h
-        if model.lm_head is not None:
-            head, tied, dtype = model.lm_head.kernel[...], False, model.lm_head.dtype
-        else:
-            head, tied, dtype = model.body.embedding.embedding[...], True, model.body.embedding.dtype
-        return chunked_cross_entropy(h, head.astype(dtype or head.dtype), targets, where=where, tied=tied,
-                                     logits_scale=self.logits_multiplier, chunk_size=chunk_size,
-                                     with_predictions=with_predictions)
+        return logits, ModelCache(new_caches, cache.positions + seen)
 
     def _computing(self) -> CausalLM:
         """The model to run the forward with: itself, or (parameters stored in another dtype
@@ -305,29 +261,16 @@ class CausalLM(nnx.Module):
         view.param_dtype = self.dtype
         return view
 
-    def _hidden_states(self, tokens, cache, cu_seqlens):
-        """The last layer's output `[B, T, D]` (packed: `[1, N, D]`), every token's position,
-        and the new layer caches."""
-        packed = cu_seqlens is not None
-        if packed and tokens.ndim != 1:
+    def _layer_caches(self, cache: ModelCache) -> tuple:
+        return cache.layers
+
+    def _block_inputs(self, tokens, h, cache, cu_seqlens) -> dict:
+        """Every token's position (refused past the cache's attention capacity)."""
+        if cu_seqlens is not None and tokens.ndim != 1:
             raise ValueError(f"packed tokens must be [total_tokens], got shape {tokens.shape}")
-        if not packed and tokens.ndim != 2:
-            raise ValueError(f"tokens must be [batch, seq_len] (or packed [total_tokens] with cu_seqlens), "
-                             f"got shape {tokens.shape}")
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
-        check_token_ids(tokens, self.vocab_size)
-        h = constrain(self.body.embed(tokens[None] if packed else tokens), *RESIDUAL)  # [B, T, D]
         positions = self._positions(h, cache, cu_seqlens)
-        capacity = None if cache is None else _capacity(cache)
-        _refuse_past_capacity(positions, capacity)
-        layers = self.body.layers
-        if cache is not None and len(cache.layers) != len(layers):
-            raise ValueError(f"cache must hold {len(layers)} layer caches, got {len(cache.layers)}")
-        h, new_caches = call_blocks(layers, self.remat, h, None if cache is None else cache.layers,
-                                    self.body.layer_context(h), scan=self.scan_layers, cu_seqlens=cu_seqlens,
-                                    positions=positions)
-        return h, positions, new_caches
+        _refuse_past_capacity(positions, None if cache is None else _capacity(cache))
+        return dict(positions=positions)
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
         """An empty cache for `rows` sequences; softmax-attention layers hold `capacity` tokens
@@ -340,25 +283,8 @@ class CausalLM(nnx.Module):
         """`init_cache(slots, capacity)`: `generate`'s protocol (`CachedLanguageModel`)."""
         return self.init_cache(slots, capacity)
 
-    def prefill(self, tokens: Int[Array, " N"], cu_seqlens: Int[Array, " S_plus_1"],
-                cache: ModelCache) -> tuple[Float[Array, "N vocab"], ModelCache]:
-        """Packed `model(tokens, cache, cu_seqlens=cu_seqlens)`: `generate`'s protocol."""
-        return self(tokens, cache, cu_seqlens=cu_seqlens)
-
-    def decode_step(self, tokens: Int[Array, " R"], cache: ModelCache) -> tuple[Float[Array, "R vocab"], ModelCache]:
-        """One token per cache row: `generate`'s protocol."""
-        logits, cache = self(tokens[:, None], cache)
-        return logits[:, 0], cache
-
-    def _head(self, h):
-        """Final norm, then the (tied) head: float32 logits (times the family's multiplier)."""
-        h = self.body.head_input(h)
-        head = untied_logits(self.lm_head, h) if self.lm_head is not None else tied_logits(self.body.embedding, h)
-        logits = head.astype(jnp.float32)
-        return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
-
     @staticmethod
-    def _positions(h, cache, cu_seqlens):
+    def _positions(h, cache, cu_seqlens) -> Int[Array, "B T"]:
         """Every token's position in its sequence `[B, T]`, counting the cached tokens."""
         B, T = h.shape[:2]
         offsets = jnp.zeros((B if cu_seqlens is None else cu_seqlens.shape[0] - 1,), jnp.int32)

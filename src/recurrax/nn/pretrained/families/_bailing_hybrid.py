@@ -88,13 +88,7 @@ IGNORED_BY_TRANSFORMERS = {  # field of Ling's own configs: the only value accep
 def _check(c: dict) -> None:
     """Ling's own fields; the shared ones are checked as Kimi Linear's."""
     _check_fields(c, POSITIVE_INTS, bools=BOOLS, finite=("kda_lower_bound",))
-    if c["hidden_act"] not in ("silu", "swish"):
-        raise NotImplementedError(f"only hidden_act='silu' is supported (the MLPs and the short convolutions use "
-                                  f"it), got {c['hidden_act']!r}")
-    for field, accepted in IGNORED_BY_TRANSFORMERS.items():
-        if c.get(field, accepted) not in (None, accepted):
-            raise NotImplementedError(f"config field {field!r} = {c[field]!r} is not supported: transformers' "
-                                      f"bailing_hybrid computes {field}={accepted!r} whatever it says")
+    kimi.refuse_ignored(c, IGNORED_BY_TRANSFORMERS, "bailing_hybrid")
     shared = c.get("moe_shared_expert_intermediate_size")
     if shared is not None and shared != c["moe_intermediate_size"] * c["num_shared_experts"]:
         _refuse("moe_shared_expert_intermediate_size", f"moe_intermediate_size × num_shared_experts "

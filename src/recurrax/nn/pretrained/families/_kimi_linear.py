@@ -73,7 +73,8 @@ from ..layers._decoder import DecoderBody
 from ..layers._kda import KimiDeltaAttention
 from ..layers._mixer import run_mixer
 from ..layers._mla import LatentAttention
-from ..layers._mlp import GatedMLP, NemotronRouter, StackedSwiGLUExperts, per_expert, stacked_experts
+from ..layers._mlp import (GatedMLP, NemotronRouter, StackedSwiGLUExperts, expand_matching, per_expert,
+                           stacked_experts)
 from ..layers._norm import RMSNorm
 
 MODEL_TYPES = ("kimi_linear",)
@@ -117,15 +118,21 @@ def canonical(config: dict, aliases: dict, defaults: dict) -> dict:
     return {**defaults, **c}
 
 
-def _unsupported(c: dict) -> None:
-    """Options `transformers` 5.25 ignores (or cannot compute), refused by name."""
+def refuse_ignored(c: dict, ignored: dict, family: str) -> None:
+    """Refuse `hidden_act` other than SiLU, and a value of a field of `ignored` other than the one
+    `transformers`' `family` computes whatever the config says."""
     if c["hidden_act"] not in ("silu", "swish"):
         raise NotImplementedError(f"only hidden_act='silu' is supported (the MLPs and the short convolutions use "
                                   f"it), got {c['hidden_act']!r}")
-    for field, accepted in IGNORED_BY_TRANSFORMERS.items():
+    for field, accepted in ignored.items():
         if c.get(field, accepted) not in (None, accepted):
             raise NotImplementedError(f"config field {field!r} = {c[field]!r} is not supported: transformers' "
-                                      f"kimi_linear computes {field}={accepted!r} whatever it says")
+                                      f"{family} computes {field}={accepted!r} whatever it says")
+
+
+def _unsupported(c: dict) -> None:
+    """Options `transformers` 5.25 ignores (or cannot compute), refused by name."""
+    refuse_ignored(c, IGNORED_BY_TRANSFORMERS, "kimi_linear")
     if c.get("use_grouped_topk") is False and c["num_expert_group"] > 1:
         raise NotImplementedError("config field 'use_grouped_topk' = False with num_expert_group > 1 is not "
                                   "supported: transformers' kimi_linear always limits the choice to groups")
@@ -315,6 +322,7 @@ HUB_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w1|w2|w3)\.weight$")
 SAVED_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(gate_proj|up_proj|down_proj)\.weight$")
 FORGET_GATE = re.compile(r"\.self_attn\.(?P<part>f_a_proj\.|f_b_proj\.|f_proj\.|dt_bias$|A_log$)")
 CONVOLUTION = re.compile(r"^(?P<prefix>.+\.self_attn)\.(?P<conv>[qkv]_conv1d)\.weight$")
+STACKED_CONVOLUTION = re.compile(r"^(?P<prefix>.+\.self_attn)\.conv1d\.weight$")
 CONVOLUTIONS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
@@ -337,15 +345,11 @@ def stack_convolutions(weights: dict) -> dict:
 
 def split_convolutions(weights: dict) -> dict:
     """`weights` with each stacked `conv1d` cut into `q_conv1d`, `k_conv1d`, `v_conv1d`."""
-    out = {}
-    for name, value in weights.items():
-        if name.endswith(".self_attn.conv1d.weight"):
-            prefix = name[: -len("conv1d.weight")]
-            out.update({f"{prefix}{c}.weight": np.ascontiguousarray(part)
-                        for c, part in zip(CONVOLUTIONS, np.split(value, 3))})
-        else:
-            out[name] = value
-    return out
+    def split(match, value):
+        return {f"{match['prefix']}.{c}.weight": np.ascontiguousarray(part)
+                for c, part in zip(CONVOLUTIONS, np.split(value, 3))}
+
+    return expand_matching(weights, STACKED_CONVOLUTION, split)
 
 
 def forget_gate_names(name: str) -> str:

@@ -39,6 +39,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from ..._decoder import DecoderBody
 from ..._sharding import partitioned
 from .._config_checks import _rope, check_hf_config, decode_floats
 from ..layers._attention import HFAttention, LayerCache
@@ -372,7 +373,7 @@ class HFBlock(nnx.Module):
         return residual + self.mixer(x), cache
 
 
-class HFBackbone(nnx.Module):
+class HFBackbone(DecoderBody):
     """Embedding, layers, final norm (named as the family's checkpoints name them): the body
     of a `CausalLM` built from a `transformers` config."""
 
@@ -391,10 +392,6 @@ class HFBackbone(nnx.Module):
         self.embedding_multiplier, self.dtype = spec["embedding_multiplier"], dtype
 
     @property
-    def embedding(self) -> nnx.Embed:
-        return getattr(self, self.embedding_name)
-
-    @property
     def final_norm(self) -> RMSNorm:
         return getattr(self, self.final_norm_name)
 
@@ -410,7 +407,3 @@ class HFBackbone(nnx.Module):
     def head_input(self, h):
         """The final norm, in the model's dtype (the residual stream may be float32)."""
         return self.final_norm(h).astype(self.dtype)
-
-    def init_caches(self, rows: int, capacity: int) -> tuple:
-        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
-        return tuple(block.init_cache(rows, capacity) for block in self.layers)

@@ -69,12 +69,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..._conv import CausalConv1d
 from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
 from ..._gated_deltanet import initial_A_log
-from ..._mixers import MixerCache, check_width
+from ..._mixers import MixerCache
 from ..._sharding import param
 from .._config_checks import _check_fields, _is_int, _refuse, _rope, check_layer_types, decode_floats, rope_parameters
 from ..layers._attention import HFAttention, KVCache
@@ -245,28 +245,15 @@ class Qwen3NextGatedDeltaNet(DeltaNetLayer):
         self.norm = GatedNorm(V, eps=eps, dtype=dtype)
         self.out_proj = linear(H * V, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(
-        self,
-        x: Float[Array, "B T D"] | Float[Array, "N D"],
-        cache: MixerCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-    ):
-        """`y = layer(x)`, or `y, cache = layer(x, cache)` (as `recurrax.nn.GatedDeltaNet`)."""
-        check_width("x", x, self.d_model, cu_seqlens)
-        x3 = x[None] if x.ndim == 2 else x
-        B, T, _ = x3.shape
-        if cache is not None:
-            self._check_cache(cache, B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
-        mixed, z, b, a = self._project(x3)
+    def _mix(self, x: Float[Array, "B T D"], cache: MixerCache | None, cu_seqlens):
+        B, T, _ = x.shape
+        mixed, z, b, a = self._project(x)
         mixed, conv = self.conv1d(mixed.astype(self.dtype), None if cache is None else cache.conv, cu_seqlens)
         q, k, v = jnp.split(mixed, np.cumsum(self.channels)[:-1], axis=-1)
         q, k, v = q.reshape(B, T, self.num_heads, -1), k.reshape(B, T, self.num_heads, -1), heads(v, self.head_v_dim)
         beta, g = self._gates_from(b, a)
         o, state = self._delta(q, k, v, beta, g, None if cache is None else cache.state, cu_seqlens)
-        y = self.out_proj(self.norm(o, z).reshape(B, T, -1))
-        y = y[0] if x.ndim == 2 else y
-        return y if cache is None else (y, MixerCache(state, conv))
+        return self.out_proj(self.norm(o, z).reshape(B, T, -1)), MixerCache(state, conv)
 
     def _cache_shapes(self, rows: int) -> MixerCache:
         return MixerCache((rows, self.num_v_heads, self.head_dim, self.head_v_dim),

@@ -41,12 +41,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ....varlen import segments
 from ..._ring_attention import ring_attention
 from ..._sharding import mesh_axis
-from ._mixer import RecurrentCache, heads, linear
+from ._mixer import RecurrentCache, TokenLayer, heads, linear
 from ._rotary import apply_rotary, token_positions
 
 
@@ -68,7 +68,7 @@ class LayerCache(NamedTuple):
     attention: KVCache | None
 
 
-class Attention(nnx.Module):
+class Attention(TokenLayer):
     """fla's causal softmax attention with rotary embedding, grouped heads and an optional window.
 
     **Arguments:** `hidden_size`, `num_heads`, `num_kv_heads`, `qkv_bias`, `window_size`,
@@ -91,22 +91,18 @@ class Attention(nnx.Module):
         self.v_proj = linear(hidden_size, kv_dim, axes=("embed", "kv_heads"), bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = linear(hidden_size, hidden_size, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(
-        self,
-        x: Float[Array, "B T D"] | Float[Array, "N D"],
-        cache: KVCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-        positions: Int[Array, "B T"] | None = None,
-        lower_bound=None,
-    ):
-        """Like the recurrent layers: `y = attn(x)` or `y, cache = attn(x, cache, positions=...)`."""
-        return self._attention(x, cache, cu_seqlens, positions, self._project)
+    def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
+        return self._attended(x, cache, cu_seqlens, positions, self._project)
 
     def _attention(self, x, cache, cu_seqlens, positions, project, output=None):
         """The call, with `project(x [B, T, ·], positions)` giving q, k, v and `output(o [B, T, H·D])`
         the layer's output (default `o_proj`; a subclass may pass its own of either)."""
-        x3 = x[None] if x.ndim == 2 else x
+        y, new_cache = self._attended(x[None] if x.ndim == 2 else x, cache, cu_seqlens, positions, project, output)
+        y = y[0] if x.ndim == 2 else y
+        return y if cache is None else (y, new_cache)
+
+    def _attended(self, x3, cache, cu_seqlens, positions, project, output=None):
+        """`_attention` on `x3 [B, T, ·]`: `(y, new_cache)` (None without `cache`)."""
         B, T, _ = x3.shape
         if positions is None:
             if cache is not None:
@@ -130,9 +126,7 @@ class Attention(nnx.Module):
                 o = self._attend(q, keys, values, positions, jnp.arange(keys.shape[1])[None], None, None)
             else:
                 o = self._attend_packed(q, k, v, keys, values, positions, seq, cu_seqlens)
-        y = (output or self.o_proj)(o.reshape(B, T, -1).astype(self.dtype))
-        y = y[0] if x.ndim == 2 else y
-        return y if cache is None else (y, new_cache)
+        return (output or self.o_proj)(o.reshape(B, T, -1).astype(self.dtype)), new_cache
 
     def _project(self, x, positions):
         """q `[B, T, H, D]`, k and v `[B, T, Hkv, D]`, rotated (a subclass may change this)."""

@@ -3,8 +3,9 @@
     h = embed_tokens[tokens];  h = layer_l(h) for each layer;  head input = norm(h)
 
 `DecoderBody` holds `embed_tokens`, `layers` and `norm` under `transformers`' names (a family
-module's `Body` subclasses it with its own layers and norm) and gives `CausalLM` the calls it
-makes on every body: `embedding`, `embed`, `layer_context`, `head_input`, `init_caches`.
+module's `Body` subclasses it with its own layers and norm); the calls `CausalLM` makes on every
+body (`embedding`, `embed`, `layer_context`, `head_input`, `init_caches`) are the shared
+decoder's (`recurrax.nn._decoder.DecoderBody`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from ..._decoder import DecoderBody as Body
 from ..._sharding import partitioned
 
 
-class DecoderBody(nnx.Module):
+class DecoderBody(Body):
     """`embed_tokens`, `layers`, `norm`: the `model` of a `transformers` causal LM.
 
     **Arguments:** `spec` (a family's resolved config: `vocab_size`, `hidden_size`, `eps`);
@@ -32,20 +34,3 @@ class DecoderBody(nnx.Module):
                                       embedding_init=partitioned(nnx.initializers.normal(0.02), "vocab", "embed"))
         self.layers = nnx.List(layers())
         self.norm = norm(D, eps=spec["eps"], dtype=dtype)
-
-    @property
-    def embedding(self) -> nnx.Embed:
-        return self.embed_tokens
-
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
-
-    def layer_context(self, embedded) -> list[dict]:
-        return [{} for _ in self.layers]
-
-    def head_input(self, h):
-        return self.norm(h)
-
-    def init_caches(self, rows: int, capacity: int) -> tuple:
-        """One empty cache per layer; attention layers hold `capacity` tokens per row."""
-        return tuple(layer.init_cache(rows, capacity) for layer in self.layers)

@@ -35,12 +35,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..._conv import CausalConv1d
 from ..._gated_deltanet import GatedDeltaNet as DeltaNetLayer
 from ..._gated_deltanet import initial_A_log, initial_dt_bias
-from ..._mixers import MixerCache, check_width
+from ..._mixers import MixerCache
 from ..._sharding import param
 from ._mixer import linear
 from ._norm import RMSNorm
@@ -112,30 +112,18 @@ class KimiDeltaAttention(DeltaNetLayer):
         self.o_norm = RMSNorm(K, eps=eps, axis="head_dim", dtype=dtype)
         self.o_proj = project(H * K, hidden_size, ("heads", "embed"))
 
-    def __call__(
-        self,
-        x: Float[Array, "B T D"] | Float[Array, "N D"],
-        cache: MixerCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-    ):
-        """`y = layer(x)`, or `y, cache = layer(x, cache)` (as `recurrax.nn.GatedDeltaNet`)."""
-        check_width("x", x, self.d_model, cu_seqlens)
-        x3 = x[None] if x.ndim == 2 else x
-        B, T, _ = x3.shape
-        if cache is not None:
-            self._check_cache(cache, B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
-        mixed = jnp.concatenate([proj(x3) for proj in (self.q_proj, self.k_proj, self.v_proj)], axis=-1)
+    def _mix(self, x: Float[Array, "B T D"], cache: MixerCache | None, cu_seqlens):
+        B, T, _ = x.shape
+        mixed = jnp.concatenate([proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj)], axis=-1)
         mixed, conv = self.conv1d(mixed.astype(self.dtype), None if cache is None else cache.conv, cu_seqlens)
         q, k, v = (part.reshape(B, T, self.num_heads, self.head_dim) for part in jnp.split(mixed, 3, axis=-1))
         wide = jnp.promote_types(self.dtype, jnp.float32)
-        beta = jax.nn.sigmoid(self.b_proj(x3).astype(wide))
-        o, state = self._delta(q, k, v, beta, self.forget_gate(x3), None if cache is None else cache.state,
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(wide))
+        o, state = self._delta(q, k, v, beta, self.forget_gate(x), None if cache is None else cache.state,
                                cu_seqlens)
-        gate = self.g_proj(x3) if self.g_proj is not None else self.g_b_proj(self.g_a_proj(x3))
+        gate = self.g_proj(x) if self.g_proj is not None else self.g_b_proj(self.g_a_proj(x))
         y = self.o_proj(self.o_norm(o, gate.reshape(o.shape), gate_fn="sigmoid").reshape(B, T, -1))
-        y = y[0] if x.ndim == 2 else y
-        return y if cache is None else (y, MixerCache(state, conv))
+        return y, MixerCache(state, conv)
 
     def _cache_shapes(self, rows: int) -> MixerCache:
         return MixerCache((rows, self.num_heads, self.head_dim, self.head_dim),

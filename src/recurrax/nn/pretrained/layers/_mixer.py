@@ -47,20 +47,14 @@ class RecurrentCache(NamedTuple):
     normalizer: Float[Array, "R H K"] | None
 
 
-class FlaMixer(nnx.Module):
-    """Base of the converted fla layers: input checks, short convolutions, the recurrence.
-
-    Subclasses set `num_heads`, `head_k_dim`, `head_v_dim`, `dtype`, `conv_names` (attribute
-    names of their `CausalConv1d`s, possibly empty) and implement `_mix`.
-    """
-
-    conv_names: tuple[str, ...] = ()
-    normalizer_fill: float | None = None  # initial value of `RecurrentCache.normalizer`, or None
+class TokenLayer(nnx.Module):
+    """The call every converted layer shares (recurrent or softmax attention): input checks,
+    packed inputs, and `_mix` on `[B, T, D]`, which subclasses implement."""
 
     def __call__(
         self,
         x: Float[Array, "B T D"] | Float[Array, "N D"],
-        cache: RecurrentCache | None = None,
+        cache=None,
         *,
         cu_seqlens: Int[Array, " S_plus_1"] | None = None,
         positions: Int[Array, "B T"] | None = None,
@@ -85,6 +79,22 @@ class FlaMixer(nnx.Module):
         y = y[0] if x.ndim == 2 else y
         return y if cache is None else (y, new_cache)
 
+    def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
+        """`(y [B, T, D], new_cache)` for the checked `x [B, T, D]` (`new_cache` None without `cache`)."""
+        raise NotImplementedError
+
+
+class FlaMixer(TokenLayer):
+    """Base of the converted fla recurrent layers: the call (`TokenLayer`), short convolutions,
+    the recurrence.
+
+    Subclasses set `num_heads`, `head_k_dim`, `head_v_dim`, `dtype`, `conv_names` (attribute
+    names of their `CausalConv1d`s, possibly empty) and implement `_mix`.
+    """
+
+    conv_names: tuple[str, ...] = ()
+    normalizer_fill: float | None = None  # initial value of `RecurrentCache.normalizer`, or None
+
     def init_cache(self, rows: int) -> RecurrentCache:
         """An empty cache for `rows` sequences: zero state, zero convolution inputs."""
         state = jnp.zeros((rows, self.num_heads, self.head_k_dim, self.head_v_dim), jnp.float32)
@@ -93,9 +103,6 @@ class FlaMixer(nnx.Module):
         if self.normalizer_fill is not None:
             normalizer = jnp.full((rows, self.num_heads, self.head_k_dim), self.normalizer_fill, jnp.float32)
         return RecurrentCache(state, conv, normalizer)
-
-    def _mix(self, x, cache, cu_seqlens, positions, lower_bound):
-        raise NotImplementedError
 
     def _convolve(self, inputs: dict[str, Array], cache: RecurrentCache | None, cu_seqlens):
         """Run each named convolution on its input; returns outputs and the new buffers."""

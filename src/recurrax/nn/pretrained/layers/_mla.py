@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ....varlen import segments
 from ._attention import Attention
@@ -97,16 +97,7 @@ class LatentAttention(Attention):
         self.o_proj = project(H * dv, hidden_size, ("heads", "embed"), bias)
         self.g_proj = project(hidden_size, H, ("embed", "heads")) if output_gate else None
 
-    def __call__(
-        self,
-        x: Float[Array, "B T D"] | Float[Array, "N D"],
-        cache: MLACache | None = None,
-        *,
-        cu_seqlens: Int[Array, " S_plus_1"] | None = None,
-        positions: Int[Array, "B T"] | None = None,
-    ):
-        """`y = attn(x)`, or `y, cache = attn(x, cache, positions=...)` (as `Attention`)."""
-        x3 = x[None] if x.ndim == 2 else x
+    def _mix(self, x3, cache, cu_seqlens, positions, lower_bound):
         B, T, _ = x3.shape
         if positions is None:
             if cache is not None:
@@ -128,9 +119,7 @@ class LatentAttention(Attention):
                 o = self._attend(q, keys, values, positions, jnp.arange(keys.shape[1])[None], None, None)
             else:
                 o = self._attend_packed(q, *self._expand(latent, rope_key), keys, values, positions, seq, cu_seqlens)
-        y = self._output(o.astype(self.dtype), x3)
-        y = y[0] if x.ndim == 2 else y
-        return y if cache is None else (y, new_cache)
+        return self._output(o.astype(self.dtype), x3), new_cache
 
     def init_cache(self, rows: int, capacity: int) -> MLACache:
         """Zero buffers for `rows` sequences of up to `capacity` tokens."""

@@ -312,11 +312,18 @@ def stacked_experts(weights: dict) -> dict:
 
 def per_expert(weights: dict) -> dict:
     """`weights` with each stacked expert matrix written per expert, as `transformers` saves them."""
+    def split(match, value):
+        return {f"{match['experts']}.{e}.{match['proj']}.weight": np.ascontiguousarray(value[e])
+                for e in range(value.shape[0])}
+
+    return expand_matching(weights, STACKED, split)
+
+
+def expand_matching(weights: dict, pattern: re.Pattern, expand) -> dict:
+    """`weights` (checkpoint name → tensor) with each entry whose name `pattern` matches replaced
+    by the entries `expand(match, tensor)` returns (in place, the others kept in order)."""
     out = {}
     for name, value in weights.items():
-        if match := STACKED.match(name):
-            out.update({f"{match['experts']}.{e}.{match['proj']}.weight": np.ascontiguousarray(value[e])
-                        for e in range(value.shape[0])})
-        else:
-            out[name] = value
+        match = pattern.match(name)
+        out.update(expand(match, value) if match else {name: value})
     return out
