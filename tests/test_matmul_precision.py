@@ -127,7 +127,7 @@ def test_an_unknown_precision_is_refused_by_name(bad):
     (None, "highest"), ("HIGHEST", "highest"), (jax.lax.Precision.DEFAULT, "default"), ("tensorfloat32", "tensorfloat32"),
 ])
 def test_precision_is_resolved_from_the_inputs(given, expected):
-    from recurrax._matmul_precision import resolve
+    from recurrax._core.matmul_precision import resolve
 
     assert resolve(given, jnp.float32) == expected
     assert resolve(None, jnp.bfloat16) == "default"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Float, Int
 
-from .._eager import cached_when_eager
-from .._matmul_precision import matmul_precision, resolve
-from ..problem import _fail, check_values
-from ..registry import Request
+from .._core.eager import cached_when_eager
+from .._core.matmul_precision import matmul_precision, resolve
+from .._core.problem import _fail, check_values
+from .._core.registry import Request
 from ._implementations import kernel_registry
 from ._problem import canonicalize_delta, check_beta, check_update
 from ._step import delta_token_one_pass

@@ -74,11 +74,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .. import varlen
-from .._finite import clean_gate, clean_tokens
-from .._matmul_precision import matmul_precision, traced_precision
-from ..chunk._intra import ChunkDecay, dot
-from ..problem import Gate
+from .._core import varlen
+from .._core.finite import clean_gate, clean_tokens
+from .._core.matmul_precision import matmul_precision, traced_precision
+from .._core.intra import ChunkDecay, dot
+from .._core.problem import Gate
 from ._chunk_adjoint import chunk_backward
 from ._chunk_vjp import chunk_scan
 from ._finite import guarded

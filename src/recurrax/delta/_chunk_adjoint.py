@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..chunk._intra import ChunkDecay, chunk_cumsum, dot
-from ..problem import Gate
+from .._core.intra import ChunkDecay, chunk_cumsum, dot
+from .._core.problem import Gate
 from ._unit_lower import unit_lower_inverse
 
 

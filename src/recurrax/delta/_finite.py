@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from .._finite import _NONE, _bad_entries, _if_any, _nan_where, clean_gate, clean_tokens
+from .._core.finite import _NONE, _bad_entries, _if_any, _nan_where, clean_gate, clean_tokens
 from ._problem import DeltaProblem
 
 GATE_FIELDS = ("log_decay_head", "log_decay_key")

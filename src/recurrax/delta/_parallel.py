@@ -62,19 +62,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._eager import cached_when_eager
-from .._finite import clean_cotangent
-from .._mesh import (
-    MeshAxes,
-    Pieces,
-    check_divisible,
-    head_axis_splits,
-    local_sequences,
-    run_sharded,
-)
-from ..chunk._intra import dot
-from ..problem import check_values
-from ..registry import Request
+from .._core.eager import cached_when_eager
+from .._core.finite import clean_cotangent
+from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, local_sequences, run_sharded
+from .._core.intra import dot
+from .._core.problem import check_values
+from .._core.registry import Request
 from ._api import _packed_tokens
 from ._finite import cleaned, guarded
 from ._implementations import kernel_registry

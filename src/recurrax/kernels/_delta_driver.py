@@ -39,9 +39,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .. import varlen
-from .._finite import clean_gate, clean_tokens
-from ..problem import Gate
+from .._core import varlen
+from .._core.finite import clean_gate, clean_tokens
+from .._core.problem import Gate
 from ._driver import STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, vary_alike, vary_over, varying_axes
 
 F32 = jnp.float32

@@ -52,10 +52,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import varlen
-from .._finite import clean_gate, clean_tokens, guarded
-from ..problem import Gate, Problem
-from ..registry import Request, Support
+from .._core import varlen
+from .._core.finite import clean_gate, clean_tokens, guarded
+from .._core.problem import Gate, Problem
+from .._core.registry import Request, Support
 
 F32 = jnp.float32
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._forward import DIAGONAL_GROUP, group_pick, group_scatter

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._delta_forward import DecayFactors, beta_column, check_delta_tiles, chunk_scores, chunk_writes

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row

@@ -36,8 +36,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from ...problem import runtime_checks_enabled
-from ...varlen import segments
+from ..._core.problem import runtime_checks_enabled
+from ..._core.varlen import segments
 from .._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from .._precision import compute_view, store_params
 from .._layer_scan import call_blocks

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._matmul_precision import matmul_precision
+from .matmul_precision import matmul_precision
 from .problem import Gate, Problem
 
 

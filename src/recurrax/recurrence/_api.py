@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Float, Int
 
-from ._eager import cached_when_eager
-from ._matmul_precision import resolve
-from .problem import canonicalize, check_values
-from .registry import Request, kernel_registry
+from .._core.eager import cached_when_eager
+from .._core.matmul_precision import resolve
+from .._core.problem import canonicalize, check_values
+from .._core.registry import Request, kernel_registry
 
 
 def recurrent(

@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._eager import cached_when_eager
-from ._matmul_precision import resolve
-from .problem import Problem, _fail, _floating, canonicalize, check_values
-from .registry import Request, kernel_registry
+from .._core.eager import cached_when_eager
+from .._core.matmul_precision import resolve
+from .._core.problem import Problem, _fail, _floating, canonicalize, check_values
+from .._core.registry import Request, kernel_registry
 
 _STEP_HINT = (
     " (recurrent_step adds a seq_len axis of 1 to one-token arguments: query "

@@ -47,10 +47,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._matmul_precision import matmul_precision, traced_precision
-from .problem import Problem
-from .registry import ALL_GATES, FLOAT_DTYPES, Support
-from .varlen import segments
+from .._core.matmul_precision import matmul_precision, traced_precision
+from .._core.problem import Problem
+from .._core.registry import ALL_GATES, FLOAT_DTYPES, Support
+from .._core.varlen import segments
 
 SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True)
 DEFAULT_CHECKPOINT_EVERY = 64

@@ -1,8 +1,8 @@
 """Sequence parallelism: the token axis split over a device mesh, exact forward and backward.
 
 (The derivation below and the shard bodies that implement it are one algorithm and are read
-together; the mesh plumbing both operations share is `_mesh.py`; the delta rule's parallel
-form, `delta_rule` here, lives in `delta/_parallel.py`.)
+together; the mesh plumbing both operations share is `_core/mesh.py`; the delta rule's parallel
+form is `delta/_parallel.py`; `recurrax.parallel` offers both.)
 
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
@@ -58,21 +58,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._eager import cached_when_eager
-from ._mesh import (
-    MeshAxes,
-    Pieces,
-    check_divisible,
-    head_axis_splits,
-    local_sequences,
-    run_sharded,
-)
-from ._recurrent import _packed_tokens
-from .delta._parallel import delta_rule
-from .problem import Problem, canonicalize, check_values
-from .registry import Implementation, Request, kernel_registry
+from .._core.eager import cached_when_eager
+from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, local_sequences, run_sharded
+from ._api import _packed_tokens
+from .._core.problem import Problem, canonicalize, check_values
+from .._core.registry import Implementation, Request, kernel_registry
 
-__all__ = ["delta_rule", "recurrent"]
+__all__ = ["recurrent"]
 
 
 class Decays(NamedTuple):
