@@ -9,8 +9,7 @@ context in which dispatch judges a named chip, and `targets` (compiling for it w
 maps the package.
 """
 
-from . import decays, targets
-from .recurrence import _parallel as parallel
+from . import decays, parallel, targets
 from ._compilation_cache import use_compilation_cache
 from .delta import DeltaProblem, delta_rule, delta_rule_step
 from .recurrence import recurrent, recurrent_step
