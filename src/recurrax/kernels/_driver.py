@@ -53,7 +53,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core import varlen
-from .._core.finite import clean_gate, clean_tokens, guarded
+from .._core.finite import clean_gate, clean_tokens
+from ..recurrence._finite import guarded
 from .._core.problem import Gate, Problem
 from .._core.registry import Request, Support
 

@@ -1,0 +1,48 @@
+"""`recurrent`'s rule for non-finite inputs (the table in `recurrax/_core/finite.py`'s note):
+which of a token's bad entries taint the state and its adjoint, and so which gradients are NaN."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from jaxtyping import Array, Bool
+
+from .._core.finite import Rule, _bad_entries, bad_gates
+from .._core.finite import guarded as guarded_by
+from .._core.problem import Problem
+
+GATE_FIELDS = ("log_decay_head", "log_decay_key", "log_decay_value")
+
+
+class BadTokens(NamedTuple):
+    """Per token and value head [B, T, H]: which inputs of the token hold a non-finite entry
+    (a gate of −inf is a reset, not bad)."""
+
+    query: Bool[Array, "B T H"]
+    key: Bool[Array, "B T H"]
+    value: Bool[Array, "B T H"]
+    gate: Bool[Array, "B T H"]
+
+
+def bad_tokens(problem: Problem) -> BadTokens:
+    """The non-finite entries of a canonical problem, per token and value head."""
+    H = problem.value.shape[2]
+    return BadTokens(_bad_entries(problem.query, H), _bad_entries(problem.key, H), _bad_entries(problem.value, H),
+                     bad_gates(problem, GATE_FIELDS))
+
+
+def _gradients(bad: BadTokens, bad_output, p, first, adjoint) -> dict:
+    """dq_p = h_p do_p, dk_p = ∂h_p v_p, dv_p = ∂h_pᵀ k_p, da_p = Σ ∂h_p ⊙ e^{a_p} h_{p−1}."""
+    d_gate = adjoint | (p > first) | bad.gate
+    return {"query": (p >= first) | bad_output, "key": adjoint | bad.value, "value": adjoint | bad.key,
+            **dict.fromkeys(GATE_FIELDS, d_gate)}
+
+
+RULE = Rule(bad_tokens, lambda bad: bad.key | bad.value | bad.gate, lambda bad: bad.gate, _gradients)
+
+
+def guarded(fn: Callable, reverse: bool, problem: Problem):
+    """`fn(problem)` with the results that depend on a non-finite input set to NaN
+    (`recurrax._core.finite.guarded` with `recurrent`'s rule)."""
+    return guarded_by(fn, RULE, problem, reverse=reverse)
