@@ -116,16 +116,18 @@ def _to_heads(mask: Bool[Array, "B T Hx"], heads: int) -> Bool[Array, "B T heads
     return mask if have == heads else mask.reshape(*mask.shape[:2], heads, have // heads).any(-1)
 
 
-def bad_gates(problem, fields: tuple[str, ...]) -> Bool[Array, "B T H"]:
-    """Any non-finite entry of the gate `fields` per token and value head (−inf, a reset, is
-    not bad)."""
+def bad_tokens(problem, fields: tuple[str, ...], gate_fields: tuple[str, ...]) -> dict[str, Array]:
+    """Per token and value head [B, T, H]: which of the token `fields` of a canonical problem
+    hold a non-finite entry, and under "gate" which of its `gate_fields` do (a gate of −inf is
+    a hard reset, not bad)."""
     H = problem.value.shape[2]
-    gate = jnp.zeros(problem.value.shape[:3], bool)
-    for name in fields:
+    bad = {name: _bad_entries(getattr(problem, name), H) for name in fields}
+    bad["gate"] = jnp.zeros(problem.value.shape[:3], bool)
+    for name in gate_fields:
         g = getattr(problem, name)
         if g is not None:
-            gate = gate | _bad_entries(jnp.where(g == -jnp.inf, 0, g), H)
-    return gate
+            bad["gate"] = bad["gate"] | _bad_entries(jnp.where(g == -jnp.inf, 0, g), H)
+    return bad
 
 
 _NONE = 2**30  # a position beyond every token ("no such token")
@@ -179,15 +181,17 @@ class Rule(NamedTuple):
     """An operation's table (its module docstring): where a bad entry reaches the results.
 
     **Arguments:**
-    - `bad_tokens`: problem → a NamedTuple of [B, T, H] flags per input (`query` among them).
-    - `writes`: flags → [B, T, H]: token p writes a bad value into the state (F = the first p).
-    - `read_before`: flags → [B, T, H]: the state's adjoint at p − 1 reads a bad value of
+    - `fields`, `gate_fields`: the canonical problem's token inputs (`query` among them) and
+      gates, whose non-finite entries are flagged per token and head (`bad_tokens`).
+    - `writes`: flags (by name) → [B, T, H]: token p writes a bad value into the state (F = the first p).
+    - `read_before`: flags (by name) → [B, T, H]: the state's adjoint at p − 1 reads a bad value of
       token p (with the bad queries and output cotangents at p, Cb = the last such position).
     - `gradients`: (flags, bad output cotangent, p, F per token, p ≤ Cb) → {field of the
       canonical problem: its gradient's NaN mask [B, T, H]}.
     """
 
-    bad_tokens: Callable
+    fields: tuple[str, ...]
+    gate_fields: tuple[str, ...]
     writes: Callable
     read_before: Callable
     gradients: Callable
@@ -201,14 +205,14 @@ def _first_tainted(rule: Rule, bad, span: Span):
 def _output_marks(rule: Rule, bad, span: Span):
     """(output [B, T, H], final state [R, H]) masks: NaN where they depend on a bad entry."""
     first_segment, first = _first_tainted(rule, bad, span)
-    return (span.position >= first) | bad.query, first_segment < _NONE
+    return (span.position >= first) | bad["query"], first_segment < _NONE
 
 
 def _gradient_marks(rule: Rule, bad, bad_output: Array, bad_final: Array, span: Span):
     """Masks of the token fields' gradients ({field: [B, T, H]}) and d initial state [R, H]."""
     _, first = _first_tainted(rule, bad, span)
     p = span.position
-    reads = jnp.maximum(jnp.where(bad.query | bad_output, p, -_NONE), jnp.where(rule.read_before(bad), p - 1, -_NONE))
+    reads = jnp.maximum(jnp.where(bad["query"] | bad_output, p, -_NONE), jnp.where(rule.read_before(bad), p - 1, -_NONE))
     last_segment, _ = span.reduce(reads, "max")
     last_segment = jnp.where(bad_final, _NONE, last_segment)  # [R, H]
     adjoint = p <= span.per_token(last_segment)
@@ -258,7 +262,7 @@ def _marked(flags, axis: str | None, mark: Callable, results):
 
 def _guarded_fwd(fn, rule, reverse, axis, problem):
     results, pullback = jax.vjp(fn, problem)
-    bad = rule.bad_tokens(problem)
+    bad = bad_tokens(problem, rule.fields, rule.gate_fields)
     shape = (problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0])
 
     def mark(results):
@@ -266,14 +270,14 @@ def _guarded_fwd(fn, rule, reverse, axis, problem):
         output_mask, final_mask = _output_marks(rule, bad, Span.of(*shape, reverse, axis))
         return _nan_where(output, output_mask), jnp.where(final_mask[..., None, None], jnp.nan, final).astype(final.dtype)
 
-    return _marked(bad, axis, mark, results), (pullback, bad, shape)
+    return _marked(bad.values(), axis, mark, results), (pullback, bad, shape)
 
 
 def _guarded_bwd(fn, rule, reverse, axis, residuals, cotangents):
     pullback, bad, shape = residuals
     d_output, d_final = cotangents
     bad_final = ~jnp.isfinite(d_final).all((-2, -1))  # [R, H]
-    bad_output = _bad_cotangent(d_output, bad.query.shape[2])
+    bad_output = _bad_cotangent(d_output, bad["query"].shape[2])
     (grads,) = pullback((d_output, clean_tokens(d_final)))  # fn cleans d_output at load
 
     def mark(grads):
@@ -283,7 +287,7 @@ def _guarded_bwd(fn, rule, reverse, axis, residuals, cotangents):
         fields["initial_state"] = jnp.where(d_init[..., None, None], jnp.nan, init).astype(init.dtype)
         return grads._replace(**fields)
 
-    return (_marked((*bad, bad_output, bad_final), axis, mark, grads._replace(cu_seqlens=None)),)
+    return (_marked((*bad.values(), bad_output, bad_final), axis, mark, grads._replace(cu_seqlens=None)),)
 
 
 _guarded.defvjp(_guarded_fwd, _guarded_bwd)

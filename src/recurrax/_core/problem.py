@@ -288,6 +288,19 @@ def check_values(gates: dict, cu_seqlens: object, num_tokens: int | None, allow_
             raise ValueError(f"cu_seqlens must end at the token count {num_tokens}, got {values.tolist()}")
 
 
+def check_call_values(gates: dict, query: object, cu_seqlens: object, allow_positive_gates: bool) -> None:
+    """`check_values` of a call's concrete gates and `cu_seqlens`, which must end at the token
+    count of the packed `query` (`[total_tokens, ...]` or `[1, total_tokens, ...]`)."""
+    check_values(gates, cu_seqlens, packed_tokens(query, cu_seqlens), allow_positive_gates)
+
+
+def packed_tokens(query: object, cu_seqlens: object) -> int | None:
+    """The token count a concrete `cu_seqlens` must end at (None when it cannot be known)."""
+    if cu_seqlens is None or not hasattr(query, "ndim") or query.ndim not in (3, 4):
+        return None
+    return query.shape[0] if query.ndim == 3 else query.shape[1]
+
+
 def _refuse_positive(name: str, values: np.ndarray) -> None:
     largest = float(np.max(values))
     if not largest > 0:

@@ -41,41 +41,21 @@ always, as `where`s: the branch would hold collectives).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
-
 import jax
-from jaxtyping import Array, Bool
 
-from .._core.finite import Rule, _bad_entries, bad_gates, clean_gate, clean_tokens
+from .._core.finite import Rule, clean_gate, clean_tokens
 from .._core.finite import guarded as guarded_by
 from ._problem import DeltaProblem
 
+TOKEN_FIELDS = ("query", "key", "value", "beta")
 GATE_FIELDS = ("log_decay_head", "log_decay_key")
-
-
-class BadTokens(NamedTuple):
-    """Per token and value head [B, T, H]: which inputs hold a non-finite entry (a gate of
-    −inf is a hard reset, not bad)."""
-
-    query: Bool[Array, "B T H"]
-    key: Bool[Array, "B T H"]
-    value: Bool[Array, "B T H"]
-    beta: Bool[Array, "B T H"]
-    gate: Bool[Array, "B T H"]
-
-
-def bad_tokens(problem: DeltaProblem) -> BadTokens:
-    """The non-finite entries of a canonical problem, per token and value head."""
-    H = problem.value.shape[2]
-    return BadTokens(_bad_entries(problem.query, H), _bad_entries(problem.key, H), _bad_entries(problem.value, H),
-                     _bad_entries(problem.beta, H), bad_gates(problem, GATE_FIELDS))
 
 
 def cleaned(problem: DeltaProblem) -> DeltaProblem:
     """The problem with its non-finite token entries read as 0 and its gates as `clean_gate`
     reads them, differentiated as the identity (what a chunkwise algorithm does at load inside
     its custom VJP; `parallel.delta_rule` does it once, around JAX's autodiff)."""
-    fields = {name: _read_clean(getattr(problem, name)) for name in ("query", "key", "value", "beta")}
+    fields = {name: _read_clean(getattr(problem, name)) for name in TOKEN_FIELDS}
     fields.update({name: _read_clean_gate(getattr(problem, name)) for name in GATE_FIELDS})
     return problem._replace(**fields)
 
@@ -92,19 +72,24 @@ _read_clean = _straight_through(clean_tokens)
 _read_clean_gate = _straight_through(clean_gate)
 
 
-def _gradients(bad: BadTokens, bad_output, p, first, adjoint) -> dict:
+def _gradients(bad: dict, bad_output, p, first, adjoint) -> dict:
     """The masks of (dq, dk, dv, dβ, d gate), the module table's rows."""
     after = p > first
-    d_gate = adjoint | after | bad.key | bad.beta | bad.gate
+    d_gate = adjoint | after | bad["key"] | bad["beta"] | bad["gate"]
     return {"query": (p >= first) | bad_output,
             "key": adjoint | (p >= first),
-            "value": adjoint | bad.key | bad.beta,
-            "beta": adjoint | after | bad.key | bad.value | bad.gate,
+            "value": adjoint | bad["key"] | bad["beta"],
+            "beta": adjoint | after | bad["key"] | bad["value"] | bad["gate"],
             **dict.fromkeys(GATE_FIELDS, d_gate)}
 
 
-RULE = Rule(bad_tokens, lambda bad: bad.key | bad.value | bad.beta | bad.gate,
-            lambda bad: bad.key | bad.beta | bad.gate, _gradients)
+RULE = Rule(
+    fields=TOKEN_FIELDS,
+    gate_fields=GATE_FIELDS,
+    writes=lambda bad: bad["key"] | bad["value"] | bad["beta"] | bad["gate"],
+    read_before=lambda bad: bad["key"] | bad["beta"] | bad["gate"],
+    gradients=_gradients,
+)
 
 
 def guarded(fn: Callable, problem: DeltaProblem, axis: str | None = None):

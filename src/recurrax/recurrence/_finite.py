@@ -4,42 +4,28 @@ which of a token's bad entries taint the state and its adjoint, and so which gra
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
-from jaxtyping import Array, Bool
-
-from .._core.finite import Rule, _bad_entries, bad_gates
+from .._core.finite import Rule
 from .._core.finite import guarded as guarded_by
 from .._core.problem import Problem
 
 GATE_FIELDS = ("log_decay_head", "log_decay_key", "log_decay_value")
 
 
-class BadTokens(NamedTuple):
-    """Per token and value head [B, T, H]: which inputs of the token hold a non-finite entry
-    (a gate of −inf is a reset, not bad)."""
-
-    query: Bool[Array, "B T H"]
-    key: Bool[Array, "B T H"]
-    value: Bool[Array, "B T H"]
-    gate: Bool[Array, "B T H"]
-
-
-def bad_tokens(problem: Problem) -> BadTokens:
-    """The non-finite entries of a canonical problem, per token and value head."""
-    H = problem.value.shape[2]
-    return BadTokens(_bad_entries(problem.query, H), _bad_entries(problem.key, H), _bad_entries(problem.value, H),
-                     bad_gates(problem, GATE_FIELDS))
-
-
-def _gradients(bad: BadTokens, bad_output, p, first, adjoint) -> dict:
+def _gradients(bad: dict, bad_output, p, first, adjoint) -> dict:
     """dq_p = h_p do_p, dk_p = ∂h_p v_p, dv_p = ∂h_pᵀ k_p, da_p = Σ ∂h_p ⊙ e^{a_p} h_{p−1}."""
-    d_gate = adjoint | (p > first) | bad.gate
-    return {"query": (p >= first) | bad_output, "key": adjoint | bad.value, "value": adjoint | bad.key,
+    d_gate = adjoint | (p > first) | bad["gate"]
+    return {"query": (p >= first) | bad_output, "key": adjoint | bad["value"], "value": adjoint | bad["key"],
             **dict.fromkeys(GATE_FIELDS, d_gate)}
 
 
-RULE = Rule(bad_tokens, lambda bad: bad.key | bad.value | bad.gate, lambda bad: bad.gate, _gradients)
+RULE = Rule(
+    fields=("query", "key", "value"),
+    gate_fields=GATE_FIELDS,
+    writes=lambda bad: bad["key"] | bad["value"] | bad["gate"],
+    read_before=lambda bad: bad["gate"],
+    gradients=_gradients,
+)
 
 
 def guarded(fn: Callable, reverse: bool, problem: Problem):

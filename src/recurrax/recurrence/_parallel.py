@@ -58,11 +58,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .._core.arguments import ConstantGates, CuSeqlens, Gates, KeyGates, Keys, Precision, Queries, Results
+from .._core.arguments import States, ValueGates, Values
 from .._core.eager import cached_when_eager
 from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, local_sequences, run_sharded
-from ._api import _packed_tokens
-from .._core.problem import Problem, canonicalize, check_values
+from .._core.problem import Problem, canonicalize
 from .._core.registry import Implementation, Request, kernel_registry
+from ._api import check_gate_values
 
 __all__ = ["recurrent"]
 
@@ -270,26 +272,12 @@ def _shared_or_expanded(problem: Problem, mesh: Any, axes: MeshAxes) -> Problem:
 
 
 def recurrent(
-    query: Float[Array, "batch seq_len num_heads qk_head_dim"] | Float[Array, "total_tokens num_heads qk_head_dim"],
-    key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
-    value: Float[Array, "batch seq_len num_kv_heads v_head_dim"] | Float[Array, "total_tokens num_kv_heads v_head_dim"],
-    g: Float[Array, "batch seq_len num_heads *qk_head_dim"] | None = None,
-    g_gamma: Float[Array, " num_heads"] | Float[Array, "rows num_heads"] | None = None,
-    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
-    gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
-    softmax_scale: float | None = None,
-    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
-    reverse: bool = False,
-    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    *,
-    mesh: Any,
-    sequence_axis: str,
-    batch_axis: str | None = None,
-    head_axis: str | None = None,
-    implementation: str | None = None,
-    precision: str | jax.lax.Precision | None = None,
-    allow_positive_gates: bool = False,
-) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    query: Queries, key: Keys, value: Values, g: Gates = None, g_gamma: ConstantGates = None, gk: KeyGates = None,
+    gv: ValueGates = None, softmax_scale: float | None = None, initial_state: States = None, reverse: bool = False,
+    cu_seqlens: CuSeqlens = None, *,
+    mesh: Any, sequence_axis: str, batch_axis: str | None = None, head_axis: str | None = None,
+    implementation: str | None = None, precision: Precision = None, allow_positive_gates: bool = False,
+) -> Results:
     """`recurrax.recurrent` with the token axis split over `sequence_axis` of a device mesh.
 
     Same arguments, results and gradients as `recurrax.recurrent`; each device runs the
@@ -322,8 +310,7 @@ def recurrent(
     axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
     output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation, precision=precision,
                       allow_positive_gates=allow_positive_gates)
-    gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
-    check_values(gates, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)  # eager values
+    check_gate_values(query, g, g_gamma, gk, gv, cu_seqlens, allow_positive_gates)
     return output
 
 

@@ -231,8 +231,7 @@ def _is_empty(boundaries: Boundaries, num_seqs: int) -> Bool[Array, " S"]:
 def _recurrence(scale: float, precision: str | None, tokens: Tokens, init, boundaries: Boundaries | None):
     """(o [N, C, B, H, V] in the query dtype, final state [R, H, K, V] in the state dtype);
     `precision` is the forward's matmul precision, which the backward re-enters."""
-    o, finals, _ = _forward(scale, tokens, init, boundaries)
-    return o, finals
+    return _recurrence_fwd(scale, precision, tokens, init, boundaries)[0]
 
 
 def _recurrence_fwd(scale, precision, tokens, init, boundaries):
