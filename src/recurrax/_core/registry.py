@@ -2,10 +2,10 @@
 
 Each implementation registers with a platform (how it is written), a backend (where it
 runs), a priority and a `Support` declaration; the library's own registrations are the
-table in `recurrax/implementations.py`. Dispatch is fail-closed: a call goes only
-to an implementation whose declaration covers it; with no name given, the highest
-priority among those wins; a forced name that cannot take the call raises `ValueError`
-saying why.
+tables in `recurrax/recurrence/_implementations.py` and `recurrax/delta/_implementations.py`.
+Dispatch is fail-closed: a call goes only to an implementation whose declaration covers it;
+with no name given, the highest priority among those wins; a forced name that cannot take
+the call raises `ValueError` saying why.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 | B, T, H  | batch rows, tokens per row, value heads (shared query/key heads repeated to H per chunk) |
 | n        | chunks per row: ceil(T / C) (packed: the aligned layout's M chunks)       |
 | K, V     | key/query and value head dimensions                                       |
-| C, c     | chunk size; leaf size of the per-channel decay ladder (`chunk/_intra.py`) |
+| C, c     | chunk size; leaf size of the per-channel decay ladder (`_core/intra.py`) |
 | t, s     | token positions inside a chunk, 0 … C−1                                   |
 | S_0      | the state entering the chunk [K, V]                                       |
 | a_t, A_t | log decay of token t [K] (per head: the same for every channel); A_t = Σ_{u≤t} a_u |
@@ -29,7 +29,7 @@ solve Φ = (I + M)⁻¹ diag(β), W = Φ (K ⊙ e^{A}) and U_0 = Φ V (both inde
     S_C = diag(e^{A_{C−1}}) S_0 + (K ⊙ e^{A_{C−1} − A})ᵀ U         (the state leaving the chunk)
 
 Every factor has a non-positive exponent (for log decays ≤ 0): e^{A_t} and e^{A_{C−1} − A_t}
-are products of e^{a}; P and M are `ChunkDecay.scores` of `chunk/_intra.py` (per head the
+are products of e^{a}; P and M are `ChunkDecay.scores` of `_core/intra.py` (per head the
 decay matrix built from products of e^{a}, per channel the ladder of rescaled halves), never
 e^{A_t}·e^{−A_s}. The
 per-head and per-channel gates are combined into one per-channel decay when both are present.

@@ -57,7 +57,7 @@ def recurrent(
       `recurrax.runtime_checks()`.
 
     Called eagerly, the validated call runs as one compiled program cached per shape and
-    static option (`_eager.py`); under `jit`, `grad` or `vmap` it is traced as usual.
+    static option (`_core/eager.py`); under `jit`, `grad` or `vmap` it is traced as usual.
 
     **Returns:** `(output, final_state)`: `output` shaped like `query` with `v_head_dim` last, in
     the query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32
