@@ -12,9 +12,7 @@ maps the package.
 from . import decays, parallel, targets
 from ._compilation_cache import use_compilation_cache
 from .delta import DeltaProblem, delta_rule, delta_rule_step
-from .recurrence import _implementations  # noqa: F401  (registers the table's implementations)
-from .recurrence._api import recurrent
-from .recurrence._step import recurrent_step
+from .recurrence import recurrent, recurrent_step
 from ._core.problem import Gate, Problem, runtime_checks
 from ._core.registry import Backend, Chip, Implementation, Platform, Request, Support, kernel_registry
 from .targets import target

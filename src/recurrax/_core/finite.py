@@ -1,7 +1,7 @@
 """Hard resets and non-finite inputs around the chunkwise algorithms (XLA `chunk`, the kernels),
 for both operations: the cleaning, and `guarded`, which marks NaN what an operation's `Rule`
 says depends on a bad entry. The table below is `recurrent`'s (its `Rule`:
-`recurrence/_finite.py`); the delta rule's is `delta/_finite.py`'s.
+`finite_recurrent.py`); the delta rule's is `finite_delta.py`'s.
 
 | symbol  | meaning                                                                       |
 |---------|-------------------------------------------------------------------------------|

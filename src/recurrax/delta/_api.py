@@ -73,7 +73,7 @@ def delta_rule(
     value, β or gate of token t, or in the output cotangent, makes NaN exactly the outputs and
     gradients the token loop's own autodiff makes non-finite, per token and head (never the
     outputs of earlier tokens, other rows or other packed sequences), in every implementation;
-    the rule is tabled in `recurrax/delta/_finite.py`. A log decay of −inf is a hard reset,
+    the rule is tabled in `recurrax/_core/finite_delta.py`. A log decay of −inf is a hard reset,
     finite (as −1e4).
 
     **Returns:** `(output, final_state)`: `output` shaped like `value` (per value head), in the

@@ -81,7 +81,7 @@ from .._core.intra import ChunkDecay, dot
 from .._core.problem import Gate
 from ._chunk_adjoint import chunk_backward
 from ._chunk_vjp import chunk_scan
-from ._finite import guarded
+from .._core.finite_delta import guarded
 from ._problem import DeltaProblem
 from ._unit_lower import unit_lower_inverse
 
@@ -225,7 +225,7 @@ def _stepper(scale: float, leaf: int):
 
 def _loaded(x: tuple) -> tuple:
     """One chunk's inputs as the step reads them: non-finite token entries as 0, gates cleaned
-    (`recurrax.delta._finite`)."""
+    (`recurrax._core.finite_delta`)."""
     q, k, v, beta, log_decay = x
     return (*map(clean_tokens, (q, k, v, beta)), clean_gate(log_decay))
 

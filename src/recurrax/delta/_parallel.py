@@ -70,7 +70,8 @@ from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, lo
 from .._core.intra import dot
 from .._core.registry import Request
 from ._api import check_argument_values
-from ._finite import cleaned, guarded
+from .._core.finite_delta import guarded
+from ._finite import cleaned
 from ._implementations import kernel_registry
 from ._problem import DeltaProblem, canonicalize_delta
 
@@ -178,7 +179,7 @@ def _packed_shard(plan: DeltaPlan, problem: DeltaProblem, shard: Int[Array, ""],
 
 def _shard(plan: DeltaPlan, problem: DeltaProblem, dtype):
     """The body run on every device of the mesh, on its own block of the canonical problem:
-    the cleaned problem's results, marked NaN where the token loop's are (`_finite`)."""
+    the cleaned problem's results, marked NaN where the token loop's are (`_core/finite_delta.py`)."""
     return guarded(functools.partial(_cleaned_shard, plan, dtype), problem, plan.axes.sequence)
 
 

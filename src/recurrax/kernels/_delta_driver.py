@@ -168,7 +168,7 @@ def delta_kernel(problem, *, scale: float, forward: Callable, backward: Callable
       (`DeltaKernelCall`); `tiles`: its tiles.
     - `interpret`: run the kernels in the backend's interpret mode.
     """
-    from ..delta._finite import guarded  # here: recurrax.delta imports these kernels
+    from .._core.finite_delta import guarded
 
     gate = Gate.KEY if problem.log_decay_key is not None else Gate.HEAD if problem.log_decay_head is not None else None
     call = DeltaKernelCall(forward, backward, KernelConfig(float(scale), gate, bool(interpret), tiles))

@@ -54,7 +54,7 @@ from jax import lax
 
 from .._core import varlen
 from .._core.finite import clean_gate, clean_tokens
-from ..recurrence._finite import guarded
+from .._core.finite_recurrent import guarded
 from .._core.problem import Gate, Problem
 from .._core.registry import Request, Support
 

@@ -13,7 +13,12 @@ The same shape as `recurrax.delta`:
 | `_step`            | `recurrent_step`: the state advanced by the next token(s)              |
 
 Its canonical form is `recurrax._core.problem.Problem`, the base the registry and the kernels
-are typed on; its rule for non-finite inputs is `_finite` (the guard itself: `recurrax._core.finite`).
-The package imports none of its modules (`recurrax/__init__.py` does, registering the table):
-the kernels read `_finite` without running the algorithms' imports.
+are typed on; its rule for non-finite inputs is `recurrax/_core/finite_recurrent.py` (the
+kernels' driver applies it too, so it sits on the floor below).
 """
+
+from . import _implementations  # noqa: F401  (registers the table's implementations)
+from ._api import recurrent
+from ._step import recurrent_step
+
+__all__ = ["recurrent", "recurrent_step"]

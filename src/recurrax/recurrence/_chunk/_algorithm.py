@@ -40,7 +40,7 @@ import functools
 from jaxtyping import Array, Float
 
 from ..._core import varlen
-from .._finite import guarded
+from ..._core.finite_recurrent import guarded
 from ..._core.matmul_precision import traced_precision
 from ..._core.problem import Problem
 from ..._core.registry import ALL_GATES, FLOAT_DTYPES, Support

@@ -1,13 +1,14 @@
-"""`recurrent`'s rule for non-finite inputs (the table in `recurrax/_core/finite.py`'s note):
-which of a token's bad entries taint the state and its adjoint, and so which gradients are NaN."""
+"""`recurrent`'s rule for non-finite inputs (the table in `finite.py`'s note): which of a
+token's bad entries taint the state and its adjoint, and so which gradients are NaN. Here, on
+the floor below the operations, because the kernels' driver wraps its runs in it too."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._core.finite import Rule
-from .._core.finite import guarded as guarded_by
-from .._core.problem import Problem
+from .finite import Rule
+from .finite import guarded as guarded_by
+from .problem import Problem
 
 GATE_FIELDS = ("log_decay_head", "log_decay_key", "log_decay_value")
 
