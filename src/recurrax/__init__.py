@@ -11,10 +11,10 @@ maps the package.
 
 from . import decays, parallel, targets
 from ._compilation_cache import use_compilation_cache
-from .delta import DeltaProblem, delta_rule, delta_rule_step
-from .recurrence import recurrent, recurrent_step
 from ._core.problem import Gate, Problem, runtime_checks
 from ._core.registry import Backend, Chip, Implementation, Platform, Request, Support, kernel_registry
+from .delta import DeltaProblem, delta_rule, delta_rule_step
+from .recurrence import recurrent, recurrent_step
 from .targets import target
 
 __all__ = [

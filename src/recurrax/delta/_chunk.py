@@ -76,12 +76,12 @@ from jaxtyping import Array, Float
 
 from .._core import varlen
 from .._core.finite import clean_gate, clean_tokens
-from .._core.matmul_precision import matmul_precision, traced_precision
+from .._core.finite_delta import guarded
 from .._core.intra import ChunkDecay, dot
+from .._core.matmul_precision import matmul_precision, traced_precision
 from .._core.problem import Gate
 from ._chunk_adjoint import chunk_backward
 from ._chunk_vjp import chunk_scan
-from .._core.finite_delta import guarded
 from ._problem import DeltaProblem
 from ._unit_lower import unit_lower_inverse
 

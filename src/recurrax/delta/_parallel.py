@@ -66,11 +66,11 @@ from .._core.arguments import CuSeqlens, HeadGates, HeadValues, KeyGates, PerHea
 from .._core.arguments import SharedQueries, States
 from .._core.eager import cached_when_eager
 from .._core.finite import clean_cotangent
-from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, local_sequences, run_sharded
+from .._core.finite_delta import guarded
 from .._core.intra import dot
+from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, local_sequences, run_sharded
 from .._core.registry import Request
 from ._api import check_argument_values
-from .._core.finite_delta import guarded
 from ._finite import cleaned
 from ._implementations import kernel_registry
 from ._problem import DeltaProblem, canonicalize_delta

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import _chunk as chunk, _reference as reference, _scan as scan
-from ..kernels import mosaic_gpu, tpu, triton
 from .._core.registry import Backend, Platform, kernel_registry
+from ..kernels import mosaic_gpu, tpu, triton
+from . import _chunk as chunk, _reference as reference, _scan as scan
 
 
 class Row(NamedTuple):

@@ -59,11 +59,11 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from ..._core.finite import clean_gate, clean_tokens
+from ..._core.intra import ChunkDecay, chunk_cumsum, dot
 from ..._core.matmul_precision import matmul_precision
-from ...kernels._driver import vary_over, varying_axes
 from ..._core.problem import Gate
 from ..._core.varlen import ChunkOwners
-from ..._core.intra import ChunkDecay, chunk_cumsum, dot
+from ...kernels._driver import vary_over, varying_axes
 
 
 class ChunkCall(NamedTuple):
