@@ -28,7 +28,7 @@ the tool itself, not a measurement).
 The report (markdown, printed and written to `--out`) gives each side's median over the
 rounds of the per-round medians, the ratio this tree / REV (below 1: this tree is faster or
 smaller), every round's figures, and the load average before and after. Run it on a quiet
-machine and before closing any change to `recurrax/chunk/` (the issue-31 rule).
+machine and before closing any change to `recurrax/recurrence/_chunk/` (the issue-31 rule).
 """
 
 from __future__ import annotations

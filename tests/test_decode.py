@@ -7,7 +7,7 @@ import pytest
 from _cases import GATE_COMBOS, Case, float64, floor_tolerance, make_inputs, max_rel_error
 
 import recurrax
-from recurrax.decode import recurrent_step
+from recurrax.recurrence._step import recurrent_step
 
 PER_TOKEN = ("query", "key", "value", "g", "gk", "gv")
 TOL = 1e-12

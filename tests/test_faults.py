@@ -672,7 +672,7 @@ def test_targets_slice_must_be_chips_per_axis(name):
 
 
 def test_targets_none_judges_this_host_and_other_values_are_refused():
-    from recurrax.registry import current_chip, host_chip
+    from recurrax._core.registry import current_chip, host_chip
     from recurrax.targets import get_target
 
     with recurrax.target(None) as chosen:

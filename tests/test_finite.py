@@ -1,4 +1,4 @@
-"""Hard resets and non-finite values (`recurrax._finite`), property tests over every
+"""Hard resets and non-finite values (`recurrax._core.finite`), property tests over every
 chunkwise implementation and the token-by-token ones.
 
 - A gate of −inf (a hard reset, `log 0`) gives the −1e4 result, finite, forward and backward.

@@ -60,8 +60,8 @@ def child(K: int, gate: str, kernel: str, packed: bool) -> None:
 
 def compile_one(K: int, gate: str, kernel: str, packed: bool) -> targets.KernelResources:
     from recurrax.kernels import KernelConfig
-    from recurrax.kernels.mosaic_gpu._backward import chunk_backward
-    from recurrax.kernels.mosaic_gpu._forward import chunk_forward
+    from recurrax.kernels.mosaic_gpu._recurrent_backward import chunk_backward
+    from recurrax.kernels.mosaic_gpu._recurrent_forward import chunk_forward
     from recurrax.problem import Gate
 
     static = KernelConfig(K**-0.5, {"none": None, "head": Gate.HEAD, "key": Gate.KEY}[gate], False)

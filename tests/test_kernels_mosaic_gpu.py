@@ -180,7 +180,7 @@ def test_support_is_fail_closed():
 
 
 def test_hard_reset_gives_the_minus_1e4_result():
-    """A gate of −inf (log 0) at one token runs as −1e4 (`recurrax._finite`, applied by the
+    """A gate of −inf (log 0) at one token runs as −1e4 (`recurrax._core.finite`, applied by the
     kernel driver): output, final state and every gradient equal the −1e4 run, and are finite."""
     kwargs = make_inputs(Case(T=64, **{**BF16, "H": 1}, gates=("g_channel",)))
     runs = {}
@@ -196,7 +196,7 @@ def test_hard_reset_gives_the_minus_1e4_result():
 @pytest.mark.parametrize("array", ["value", "g"])
 def test_non_finite_input_stays_causal(array):
     """A NaN at token 9 of row 0 leaves the outputs of tokens 0–8 and everything of row 1 (its
-    output, final state and gradients) exactly as in the clean run (`recurrax._finite`)."""
+    output, final state and gradients) exactly as in the clean run (`recurrax._core.finite`)."""
     kwargs = make_inputs(Case(T=64, **{**BF16, "B": 2, "H": 1}, gates=("g_channel",)))
     clean = run_vjp(MOSAIC, kwargs)
     bad = np.array(kwargs[array])

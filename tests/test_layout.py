@@ -91,3 +91,36 @@ def test_no_import_circles_in_the_package():
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(
         " ⇄ ".join(f"{m} → {sorted(graph[m] & set(c))}" for m in c) for c in found)
+
+
+FLOORS = (
+    ("recurrax._core",),
+    ("recurrax.kernels",),
+    ("recurrax.recurrence", "recurrax.delta"),
+)
+"""The package's floors, bottom up: what both operations share, the kernels, the operations.
+Above them sit the public modules, the models (`nn`), `targets` and the tools."""
+
+
+def floor_of(module: str) -> int:
+    """The floor of a module (len(FLOORS) for everything above the operations)."""
+    for level, packages in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return level
+    return len(FLOORS)
+
+
+def test_the_floor_finder():
+    assert floor_of("recurrax._core.finite") == 0 and floor_of("recurrax.kernels.tpu._recurrent_forward") == 1
+    assert floor_of("recurrax.delta._api") == floor_of("recurrax.recurrence._chunk._algorithm") == 2
+    assert floor_of("recurrax.parallel") == floor_of("recurrax.nn._mixers") == 3
+
+
+def test_nothing_imports_a_floor_above_its_own():
+    """The core imports neither the kernels nor an operation; the kernels import no operation
+    (each operation's rule for non-finite inputs, which the kernels' drivers apply, is in the
+    core); the operations import neither each other's modules above the core nor the models."""
+    known = modules()
+    upward = sorted(f"{name} → {target}" for name, path in known.items() for target in imported(name, path, known)
+                    if floor_of(target) > floor_of(name))
+    assert not upward, "imports of a floor above: " + "; ".join(upward)

@@ -1,4 +1,4 @@
-"""Each XLA path asks for the matmul precision it promises (`recurrax._matmul_precision`).
+"""Each XLA path asks for the matmul precision it promises (`recurrax._core.matmul_precision`).
 
 A CPU computes float32 products exactly whatever precision a program asks for, so these tests
 read the traced programs instead: every `dot_general` of the forward and of every gradient.
@@ -127,7 +127,7 @@ def test_an_unknown_precision_is_refused_by_name(bad):
     (None, "highest"), ("HIGHEST", "highest"), (jax.lax.Precision.DEFAULT, "default"), ("tensorfloat32", "tensorfloat32"),
 ])
 def test_precision_is_resolved_from_the_inputs(given, expected):
-    from recurrax._matmul_precision import resolve
+    from recurrax._core.matmul_precision import resolve
 
     assert resolve(given, jnp.float32) == expected
     assert resolve(None, jnp.bfloat16) == "default"

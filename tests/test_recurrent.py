@@ -96,7 +96,7 @@ def test_default_dispatch_picks_the_highest_priority_xla_implementation():
 def test_eager_calls_reuse_one_compiled_program():
     """Outside jit, a second call with the same shapes runs the cached program (no new trace);
     new shapes or options compile once more; under an outer jit nothing is cached here."""
-    from recurrax._recurrent import _recurrent
+    from recurrax.recurrence._api import _recurrent
 
     kwargs = make_inputs(Case(B=1, T=5, H=2, Hkv=2, K=4, V=4, gates=("g_head",), dtype="float32"))
     before = _recurrent.jitted._cache_size()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import recurrax
 from recurrax import Problem
-from recurrax.scan import scan_recurrent
+from recurrax.recurrence._scan import scan_recurrent
 
 ALL_GATES = GATES  # g_head and g_channel both set g; make_inputs lets the channel one win
 

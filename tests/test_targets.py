@@ -9,7 +9,7 @@ import pytest
 import recurrax
 from recurrax import Chip, kernel_registry
 from recurrax.kernels.mosaic_gpu import has_interpret_mode
-from recurrax.registry import chip_of, current_chip, judging_for
+from recurrax._core.registry import chip_of, current_chip, judging_for
 from recurrax.targets import TARGETS, get_target, parse_ptxas
 
 REPORT = """\

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recurrax import varlen
+from recurrax._core import varlen
 
 
 def _layout_by_hand(lengths, chunk_size):

@@ -9,14 +9,12 @@ context in which dispatch judges a named chip, and `targets` (compiling for it w
 maps the package.
 """
 
-from . import implementations as _implementations  # noqa: F401  (registers the table's implementations)
 from . import decays, parallel, targets
 from ._compilation_cache import use_compilation_cache
-from ._recurrent import recurrent
-from .decode import recurrent_step
+from ._core.problem import Gate, Problem, runtime_checks
+from ._core.registry import Backend, Chip, Implementation, Platform, Request, Support, kernel_registry
 from .delta import DeltaProblem, delta_rule, delta_rule_step
-from .problem import Gate, Problem, runtime_checks
-from .registry import Backend, Chip, Implementation, Platform, Request, Support, kernel_registry
+from .recurrence import recurrent, recurrent_step
 from .targets import target
 
 __all__ = [

@@ -5,7 +5,7 @@
 | `_api`        | `delta_rule`, `delta_rule_step`: validate, dispatch through the registry  |
 | `_implementations` | `kernel_registry`: the algorithms, their priority and `Support`      |
 | `_problem`    | `DeltaProblem`: validation (reusing `recurrax.problem`'s), β, `qk_l2norm`, the β‖k‖² ≤ 2 check |
-| `_finite`     | non-finite inputs: their effect kept causal (`recurrax._finite` for the delta rule) |
+| `_finite`     | the problem cleaned around autodiff (`parallel.delta_rule`); the rule itself: `recurrax._core.finite_delta` |
 | `_reference`  | the token loop (the oracle)                                                |
 | `_step`       | one token for `delta_rule_step`: one read of the state and one write     |
 | `_scan`       | the token loop in blocks, one stored state per block (the fallback)        |

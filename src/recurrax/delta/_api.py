@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import jax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from .._eager import cached_when_eager
-from .._matmul_precision import matmul_precision, resolve
-from ..problem import _fail, check_values
-from ..registry import Request
+from .._core.arguments import CuSeqlens, HeadGates, HeadValues, KeyGates, PerHead, Precision, Results
+from .._core.arguments import SharedQueries, States
+from .._core.eager import cached_when_eager
+from .._core.matmul_precision import matmul_precision, resolve
+from .._core.problem import _fail, check_call_values
+from .._core.registry import Request
 from ._implementations import kernel_registry
 from ._problem import canonicalize_delta, check_beta, check_update
 from ._step import delta_token_one_pass
@@ -17,21 +19,11 @@ _STATIC = ("softmax_scale", "qk_l2norm", "implementation", "precision", "allow_p
 
 
 def delta_rule(
-    query: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
-    key: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
-    value: Float[Array, "batch seq_len num_heads v_head_dim"] | Float[Array, "total_tokens num_heads v_head_dim"],
-    beta: Float[Array, "batch seq_len num_heads"] | Float[Array, "total_tokens num_heads"],
-    g: Float[Array, "batch seq_len num_heads"] | None = None,
-    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
-    softmax_scale: float | None = None,
-    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
-    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    qk_l2norm: bool = False,
-    *,
-    implementation: str | None = None,
-    precision: str | jax.lax.Precision | None = None,
-    allow_positive_gates: bool = False,
-) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    query: SharedQueries, key: SharedQueries, value: HeadValues, beta: PerHead, g: HeadGates = None,
+    gk: KeyGates = None, softmax_scale: float | None = None, initial_state: States = None, cu_seqlens: CuSeqlens = None,
+    qk_l2norm: bool = False, *,
+    implementation: str | None = None, precision: Precision = None, allow_positive_gates: bool = False,
+) -> Results:
     """The (gated) delta rule, in linear time. For every value head, with state S ∈ R^{K×V}:
 
         a_t = g_t + gk_t                                  (log decays; absent terms are 0)
@@ -81,7 +73,7 @@ def delta_rule(
     value, β or gate of token t, or in the output cotangent, makes NaN exactly the outputs and
     gradients the token loop's own autodiff makes non-finite, per token and head (never the
     outputs of earlier tokens, other rows or other packed sequences), in every implementation;
-    the rule is tabled in `recurrax/delta/_finite.py`. A log decay of −inf is a hard reset,
+    the rule is tabled in `recurrax/_core/finite_delta.py`. A log decay of −inf is a hard reset,
     finite (as −1e4).
 
     **Returns:** `(output, final_state)`: `output` shaped like `value` (per value head), in the
@@ -91,9 +83,7 @@ def delta_rule(
     arrays = (query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm)
     output = _delta_rule(*arrays, implementation=implementation, precision=precision,
                          allow_positive_gates=allow_positive_gates)
-    check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
-    check_beta(beta)
-    check_update(key, beta, qk_l2norm)
+    check_argument_values(query, key, beta, g, gk, cu_seqlens, qk_l2norm, allow_positive_gates)
     return output
 
 
@@ -112,10 +102,12 @@ def _delta_rule(
     return layout.restore(output), final_state
 
 
-def _packed_tokens(query, cu_seqlens) -> int | None:
-    if cu_seqlens is None or not hasattr(query, "ndim") or query.ndim not in (3, 4):
-        return None
-    return query.shape[0] if query.ndim == 3 else query.shape[1]
+def check_argument_values(query, key, beta, g, gk, cu_seqlens, qk_l2norm: bool, allow_positive_gates: bool) -> None:
+    """The checks of a call's concrete values, after it ran (eager calls; traced ones under
+    `recurrax.runtime_checks()`): gate signs and `cu_seqlens`, β in [0, 2], β‖k‖² ≤ 2."""
+    check_call_values({"g": g, "gk": gk}, query, cu_seqlens, allow_positive_gates)
+    check_beta(beta)
+    check_update(key, beta, qk_l2norm)
 
 
 def delta_rule_step(
@@ -151,9 +143,7 @@ def delta_rule_step(
         if x is not None and getattr(x, "ndim", None) is not None and x.ndim < 2:
             _fail(name, "an array with a batch and a head axis (one token per sequence)", f"shape {x.shape}")
     output = _delta_rule_step(*arrays, state, softmax_scale, qk_l2norm, allow_positive_gates=allow_positive_gates)
-    check_values({"g": g, "gk": gk}, None, None, allow_positive_gates)
-    check_beta(beta)
-    check_update(key, beta, qk_l2norm)
+    check_argument_values(query, key, beta, g, gk, None, qk_l2norm, allow_positive_gates)
     return output
 
 

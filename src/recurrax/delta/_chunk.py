@@ -5,7 +5,7 @@
 | B, T, H  | batch rows, tokens per row, value heads (shared query/key heads repeated to H per chunk) |
 | n        | chunks per row: ceil(T / C) (packed: the aligned layout's M chunks)       |
 | K, V     | key/query and value head dimensions                                       |
-| C, c     | chunk size; leaf size of the per-channel decay ladder (`chunk/_intra.py`) |
+| C, c     | chunk size; leaf size of the per-channel decay ladder (`_core/intra.py`) |
 | t, s     | token positions inside a chunk, 0 … C−1                                   |
 | S_0      | the state entering the chunk [K, V]                                       |
 | a_t, A_t | log decay of token t [K] (per head: the same for every channel); A_t = Σ_{u≤t} a_u |
@@ -29,7 +29,7 @@ solve Φ = (I + M)⁻¹ diag(β), W = Φ (K ⊙ e^{A}) and U_0 = Φ V (both inde
     S_C = diag(e^{A_{C−1}}) S_0 + (K ⊙ e^{A_{C−1} − A})ᵀ U         (the state leaving the chunk)
 
 Every factor has a non-positive exponent (for log decays ≤ 0): e^{A_t} and e^{A_{C−1} − A_t}
-are products of e^{a}; P and M are `ChunkDecay.scores` of `chunk/_intra.py` (per head the
+are products of e^{a}; P and M are `ChunkDecay.scores` of `_core/intra.py` (per head the
 decay matrix built from products of e^{a}, per channel the ladder of rescaled halves), never
 e^{A_t}·e^{−A_s}. The
 per-head and per-channel gates are combined into one per-channel decay when both are present.
@@ -74,14 +74,14 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .. import varlen
-from .._finite import clean_gate, clean_tokens
-from .._matmul_precision import matmul_precision, traced_precision
-from ..chunk._intra import ChunkDecay, dot
-from ..problem import Gate
+from .._core import varlen
+from .._core.finite import clean_gate, clean_tokens
+from .._core.finite_delta import guarded
+from .._core.intra import ChunkDecay, dot
+from .._core.matmul_precision import matmul_precision, traced_precision
+from .._core.problem import Gate
 from ._chunk_adjoint import chunk_backward
 from ._chunk_vjp import chunk_scan
-from ._finite import guarded
 from ._problem import DeltaProblem
 from ._unit_lower import unit_lower_inverse
 
@@ -225,7 +225,7 @@ def _stepper(scale: float, leaf: int):
 
 def _loaded(x: tuple) -> tuple:
     """One chunk's inputs as the step reads them: non-finite token entries as 0, gates cleaned
-    (`recurrax.delta._finite`)."""
+    (`recurrax._core.finite_delta`)."""
     q, k, v, beta, log_decay = x
     return (*map(clean_tokens, (q, k, v, beta)), clean_gate(log_decay))
 

@@ -26,7 +26,7 @@ Reversed, given Ō and Ē:
     [V̄, K̃̄] = diag(β) Ȳ
 
 A decayed causal product scores(x, y) with cotangent G gives x̄ = apply(G, y) and
-ȳ = apply_t(G, x) (`chunk/_intra.py`), and since ∂/∂A_t of e^{A_t − A_s} is the factor itself,
+ȳ = apply_t(G, x) (`_core/intra.py`), and since ∂/∂A_t of e^{A_t − A_s} is the factor itself,
 
     Ā_t += x_t ⊙ apply(G, y)_t,     Ā_s −= y_s ⊙ apply_t(G, x)_s
 
@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..chunk._intra import ChunkDecay, chunk_cumsum, dot
-from ..problem import Gate
+from .._core.intra import ChunkDecay, chunk_cumsum, dot
+from .._core.problem import Gate
 from ._unit_lower import unit_lower_inverse
 
 

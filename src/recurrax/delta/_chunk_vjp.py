@@ -77,8 +77,7 @@ def chunk_scan(step: Callable, step_backward: Callable, chunks: tuple, table: Ar
     `owners` = (seq, first, last), each [n]: chunk i starts from `table[seq[i]]` when
     `first[i]`, else from chunk i−1's exit; its exit is `seq[i]`'s final state when `last[i]`.
     A row of the table no chunk opens is its own final state."""
-    out, finals, _ = _forward(step, chunks, table, owners)
-    return out, finals
+    return _chunk_scan_fwd(step, step_backward, chunks, table, owners)[0]
 
 
 def _chunk_scan_fwd(step, step_backward, chunks, table, owners):

@@ -7,9 +7,9 @@ take it raises `ValueError` saying why; `kernel_registry.select(...)` explains t
 
 from __future__ import annotations
 
+from .._core.problem import Gate
+from .._core.registry import FLOAT_DTYPES, Backend, KernelRegistry, Platform, Request, Support
 from ..kernels import tpu
-from ..problem import Gate
-from ..registry import FLOAT_DTYPES, Backend, KernelRegistry, Platform, Request, Support
 from ._chunk import chunk_delta
 from ._problem import canonicalize_delta
 from ._reference import reference_delta

@@ -62,23 +62,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._eager import cached_when_eager
-from .._finite import clean_cotangent
-from .._mesh import (
-    MeshAxes,
-    Pieces,
-    check_divisible,
-    head_axis_splits,
-    local_sequences,
-    run_sharded,
-)
-from ..chunk._intra import dot
-from ..problem import check_values
-from ..registry import Request
-from ._api import _packed_tokens
-from ._finite import cleaned, guarded
+from .._core.arguments import CuSeqlens, HeadGates, HeadValues, KeyGates, PerHead, Precision, Results
+from .._core.arguments import SharedQueries, States
+from .._core.eager import cached_when_eager
+from .._core.finite import clean_cotangent
+from .._core.finite_delta import guarded
+from .._core.intra import dot
+from .._core.mesh import MeshAxes, Pieces, check_divisible, head_axis_splits, local_sequences, run_sharded
+from .._core.registry import Request
+from ._api import check_argument_values
+from ._finite import cleaned
 from ._implementations import kernel_registry
-from ._problem import DeltaProblem, canonicalize_delta, check_beta, check_update
+from ._problem import DeltaProblem, canonicalize_delta
 
 __all__ = ["delta_rule"]
 
@@ -184,7 +179,7 @@ def _packed_shard(plan: DeltaPlan, problem: DeltaProblem, shard: Int[Array, ""],
 
 def _shard(plan: DeltaPlan, problem: DeltaProblem, dtype):
     """The body run on every device of the mesh, on its own block of the canonical problem:
-    the cleaned problem's results, marked NaN where the token loop's are (`_finite`)."""
+    the cleaned problem's results, marked NaN where the token loop's are (`_core/finite_delta.py`)."""
     return guarded(functools.partial(_cleaned_shard, plan, dtype), problem, plan.axes.sequence)
 
 
@@ -209,25 +204,12 @@ def _heads_split_evenly(problem: DeltaProblem, mesh: Any, axes: MeshAxes) -> Del
 
 
 def delta_rule(
-    query: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
-    key: Float[Array, "batch seq_len num_qk_heads qk_head_dim"] | Float[Array, "total_tokens num_qk_heads qk_head_dim"],
-    value: Float[Array, "batch seq_len num_heads v_head_dim"] | Float[Array, "total_tokens num_heads v_head_dim"],
-    beta: Float[Array, "batch seq_len num_heads"] | Float[Array, "total_tokens num_heads"],
-    g: Float[Array, "batch seq_len num_heads"] | None = None,
-    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
-    softmax_scale: float | None = None,
-    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
-    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    qk_l2norm: bool = False,
-    *,
-    mesh: Any,
-    sequence_axis: str,
-    batch_axis: str | None = None,
-    head_axis: str | None = None,
-    implementation: str | None = None,
-    precision: str | jax.lax.Precision | None = None,
-    allow_positive_gates: bool = False,
-) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    query: SharedQueries, key: SharedQueries, value: HeadValues, beta: PerHead, g: HeadGates = None,
+    gk: KeyGates = None, softmax_scale: float | None = None, initial_state: States = None, cu_seqlens: CuSeqlens = None,
+    qk_l2norm: bool = False, *,
+    mesh: Any, sequence_axis: str, batch_axis: str | None = None, head_axis: str | None = None,
+    implementation: str | None = None, precision: Precision = None, allow_positive_gates: bool = False,
+) -> Results:
     """`recurrax.delta_rule` with the token axis split over `sequence_axis` of a device mesh.
 
     Same arguments, results and gradients as `recurrax.delta_rule`; each device runs the
@@ -236,35 +218,21 @@ def delta_rule(
     that state (an all-gather whose size does not depend on the sequence length) and each
     corrects its outputs by the state entering its block.
 
-    **Arguments:**
-    - `query` … `qk_l2norm`: as for `recurrax.delta_rule`. With `cu_seqlens`, sequences may
-      cross shard boundaries and empty sequences are allowed.
-    - `mesh`: a `jax.sharding.Mesh` (on a mesh with explicit axes, call inside
-      `jax.set_mesh(mesh)`).
-    - `sequence_axis`: the mesh axis the token axis is split over; its size must divide the
-      token count (`seq_len`, or `total_tokens` when packed) — no padding is done.
-    - `batch_axis`, `head_axis`: optional other mesh axes for the batch rows (not with
-      `cu_seqlens`, whose batch is 1) and the value heads; their sizes must divide B and H.
-    - `implementation`: the local algorithm, as for `recurrax.delta_rule` (`None`: the
-      registry's choice for the call, `"chunk"` here).
-    - `precision`: as for `recurrax.delta_rule` (it covers the exchange's products too).
-    - `allow_positive_gates`: as for `recurrax.delta_rule`.
-
-    Called eagerly, it runs one compiled program cached per shape, mesh and option.
+    **Arguments:** `query` … `qk_l2norm`, `precision` (which covers the exchange's products
+    too) and `allow_positive_gates` as for `recurrax.delta_rule`; `implementation` the local
+    algorithm, as there (`None`: the registry's choice for the call, `"chunk"` here); `mesh`,
+    `sequence_axis`, `batch_axis` and `head_axis` (which splits the value heads) as for
+    `recurrax.parallel.recurrent`, and so are packed sequences across shards, eager calls and
+    the errors, besides `recurrax.delta_rule`'s own argument checks.
 
     **Returns:** `(output, final_state)` as `recurrax.delta_rule`, laid out over the mesh:
     `output` split like the value, `final_state` split over `batch_axis` and `head_axis`.
-
-    **Raises:** `ValueError` for a mesh axis the mesh lacks, or a split axis that does not
-    divide evenly, besides `recurrax.delta_rule`'s own argument checks.
     """
     arrays = (query, key, value, beta, g, gk, softmax_scale, initial_state, cu_seqlens, qk_l2norm)
     axes = MeshAxes.of(mesh, sequence_axis, batch_axis, head_axis)
     output = _sharded(*arrays, mesh=mesh, axes=axes, implementation=implementation, precision=precision,
                       allow_positive_gates=allow_positive_gates)
-    check_values({"g": g, "gk": gk}, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)
-    check_beta(beta)
-    check_update(key, beta, qk_l2norm)
+    check_argument_values(query, key, beta, g, gk, cu_seqlens, qk_l2norm, allow_positive_gates)
     return output
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..problem import (
+from .._core.problem import (
     Gate,
     Layout,
     _concrete,

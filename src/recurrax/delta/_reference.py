@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..varlen import Segments, segments, single_segment
+from .._core.varlen import Segments, segments, single_segment
 from ._problem import DeltaProblem
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .. import varlen
+from .._core import varlen
 from ._problem import DeltaProblem
 from ._reference import delta_token
 

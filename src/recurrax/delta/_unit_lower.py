@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..chunk._intra import dot
+from .._core.intra import dot
 
 
 def _diagonal_blocks(x: Array, m: int) -> Array:

@@ -83,7 +83,7 @@ from flax import nnx
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
-from ..problem import runtime_checks_enabled
+from .._core.problem import runtime_checks_enabled
 from ..nn._sharding import constrain
 from ..nn._tokens import check_token_ids
 from ._sampling import penalize_repetitions, sample_tokens

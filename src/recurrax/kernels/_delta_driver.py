@@ -39,8 +39,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .._finite import clean_tokens
-from ..problem import Gate
+from .._core.finite import clean_tokens
+from .._core.problem import Gate
 from ._driver import (STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, floored_gate, in_chunks, keep_empty,
                       vary_over, varying_axes)
 
@@ -151,7 +151,7 @@ def delta_kernel(problem, *, scale: float, forward: Callable, backward: Callable
       (`DeltaKernelCall`); `tiles`: its tiles.
     - `interpret`: run the kernels in the backend's interpret mode.
     """
-    from ..delta._finite import guarded  # here: recurrax.delta imports these kernels
+    from .._core.finite_delta import guarded
 
     gate = Gate.KEY if problem.log_decay_key is not None else Gate.HEAD if problem.log_decay_head is not None else None
     call = DeltaKernelCall(forward, backward, KernelConfig(float(scale), gate, bool(interpret), tiles))

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import varlen
-from .._finite import clean_gate
-from ..problem import Gate
-from ..registry import Request, Support
+from .._core import varlen
+from .._core.finite import clean_gate
+from .._core.problem import Gate
+from .._core.registry import Request, Support
 
 F32 = jnp.float32
 
@@ -82,7 +82,7 @@ def in_chunks(chunked: Callable, chunk: int, tokens: tuple, h0, cu_seqlens):
 
     Dense rows: T zero-padded to a multiple of `chunk` (table and empty None). Packed
     sequences ([1, N, ...] and `cu_seqlens`, static or traced): the chunk-aligned layout of
-    `recurrax.varlen`, every sequence starting a chunk, with its owners table ([3, M] int32)
+    `recurrax._core.varlen`, every sequence starting a chunk, with its owners table ([3, M] int32)
     and which sequences are empty ([R] bool). Inputs are made to vary alike (`vary_alike`).
     """
     if cu_seqlens is None:

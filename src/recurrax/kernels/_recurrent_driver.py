@@ -53,8 +53,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._finite import clean_tokens, guarded
-from ..problem import Gate, Problem
+from .._core.finite import clean_tokens
+from .._core.finite_recurrent import guarded
+from .._core.problem import Gate, Problem
 from ._driver import (F32, KernelConfig, chunk_local_cumsum, floored_gate, in_chunks, keep_empty, vary_over,
                       varying_axes)
 
@@ -241,7 +242,7 @@ def kernel_recurrent(problem: Problem, *, scale: float, reverse: bool, backend: 
 
     **Arguments:**
     - `problem`: the canonical form, without value-side decay; packed input (`cu_seqlens`)
-      runs in the chunk-aligned layout of `recurrax.varlen` (every sequence starts a chunk).
+      runs in the chunk-aligned layout of `recurrax._core.varlen` (every sequence starts a chunk).
     - `scale`, `reverse`: static configuration of the call.
     - `backend`: the backend's `PallasBackend`; `tiles`: its tile sizes (None where fixed).
     - `interpret`: run the kernels in the backend's interpret mode.

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Float, Int
 
-from .._mesh import shard_map_unchecked
+from .._core.mesh import shard_map_unchecked
 from ..kernels._driver import sum_to_vary_like, vary_over, varying_axes
 from ._sharding import mesh_axis, param
 

@@ -34,8 +34,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..decays import alibi_slopes, lightning_g_gamma, retention_g_gamma
-from ..decode import recurrent_step
-from ..registry import kernel_registry
+from ..recurrence._step import recurrent_step
+from .._core.registry import kernel_registry
 from ._conv import ShortConvolution
 from ._sharding import partitioned, recurrent_on_mesh
 

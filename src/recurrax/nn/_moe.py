@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ..registry import current_backend
+from .._core.registry import current_backend
 from ._expert_blocks import block_ffn, combine, glu
 from ._expert_parallel import expert_axis, expert_parallel
 from ._sharding import param

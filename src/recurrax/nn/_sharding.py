@@ -62,7 +62,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
 from .. import parallel
-from .._recurrent import recurrent
+from ..recurrence._api import recurrent
 from ..delta import delta_rule
 
 LOGICAL_AXES = ("batch", "length", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "inner",

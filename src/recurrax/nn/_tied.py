@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ..registry import current_backend
+from .._core.registry import current_backend
 
 COLUMN_ROWS = 32
 

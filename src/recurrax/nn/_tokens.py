@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..problem import runtime_checks_enabled
+from .._core.problem import runtime_checks_enabled
 
 
 def check_token_ids(tokens, vocab_size: int, name: str = "tokens") -> None:

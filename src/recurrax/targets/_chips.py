@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..registry import Chip
+from .._core.registry import Chip
 
 GiB = 1 << 30
 

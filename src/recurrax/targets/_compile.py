@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..registry import judging_for
+from .._core.registry import judging_for
 from ._chips import Target, get_target
 from ._ptxas import KernelResources, captured_fd1, mosaic_launches, parse_ptxas
 

@@ -20,7 +20,7 @@ import numpy as np
 
 import recurrax
 
-from recurrax.problem import Gate, canonicalize
+from recurrax._core.problem import Gate, canonicalize
 
 GATE_ARGUMENTS = {
     "g_head": Gate.HEAD,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from recurrax import kernel_registry
 from recurrax.delta import canonicalize_delta
 from recurrax.delta import kernel_registry as delta_registry
-from recurrax.registry import Backend, KernelRegistry, Request, current_backend
+from recurrax._core.registry import Backend, KernelRegistry, Request, current_backend
 
 from .cases import (
     Case,

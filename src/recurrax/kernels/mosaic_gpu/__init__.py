@@ -40,7 +40,7 @@ detection on; never run on a GPU from here.
 
 from __future__ import annotations
 
-from ...registry import Request
+from ..._core.registry import Request
 from .._driver import kernel_support, missing_module
 from .._recurrent_driver import PallasBackend
 

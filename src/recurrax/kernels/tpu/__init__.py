@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...registry import Request
-from ...registry import Support
+from ..._core.registry import Request
+from ..._core.registry import Support
 from .._delta_driver import delta_kernel
 from .._driver import head_dims_refusal, kernel_support, missing_module
 from .._recurrent_driver import PallasBackend

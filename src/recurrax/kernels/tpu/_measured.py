@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ...problem import Gate
-from ...registry import Request
+from ..._core.problem import Gate
+from ..._core.registry import Request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter

@@ -38,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig
 from . import _tiles as tiles
 from ._channel import sub_block_scores

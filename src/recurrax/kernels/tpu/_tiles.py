@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig
 
 F32 = jnp.float32
@@ -211,7 +211,7 @@ def mosaic_problems(s: Shapes, dtype) -> list[str]:
 
 def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[str]:
     """[why] when the tiles overflow the scoped VMEM of the TPU generation dispatch judges for."""
-    from ...registry import current_chip
+    from ..._core.registry import current_chip
     from ._vmem import vmem_problem
 
     chip = current_chip()

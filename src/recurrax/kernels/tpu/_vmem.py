@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ...problem import Gate
+from ..._core.problem import Gate
 
 MiB = 1 << 20
 SCOPED_VMEM_BYTES = {"v5e": 16 * MiB, "v6e": 32 * MiB}

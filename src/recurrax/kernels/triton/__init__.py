@@ -19,7 +19,7 @@ Blackwell (10.x, 12.x), where the Mosaic GPU kernels (wgmma) do not exist.
 
 from __future__ import annotations
 
-from ...registry import Request
+from ..._core.registry import Request
 from .._driver import head_dims_refusal, kernel_support, missing_module
 from .._recurrent_driver import PallasBackend
 from ._common import TritonTiles

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ...problem import Gate
+from ..._core.problem import Gate
 from .._driver import KernelConfig
 
 F32 = jnp.float32

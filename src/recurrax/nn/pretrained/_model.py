@@ -36,8 +36,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ...problem import runtime_checks_enabled
-from ...varlen import segments
+from ..._core.problem import runtime_checks_enabled
+from ..._core.varlen import segments
 from .._decoder import CausalDecoder, DecoderBody, pre_norm_residual
 from .._precision import compute_view, store_params
 from .._remat import check_remat

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from recurrax._extras import require
-from recurrax.registry import kernel_registry
+from recurrax._core.registry import kernel_registry
 
 from ..cases import DELTA_PRESETS, GATE_PRESETS
 from ..options import non_negative_int, positive_float, positive_int, positive_int_list

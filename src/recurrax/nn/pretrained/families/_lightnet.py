@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ....varlen import segments
+from ...._core.varlen import segments
 from ..layers._mixer import heads, linear
 from ..layers._norm import RMSNorm
 from ..layers._projected import ProjectedMixer

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ....varlen import segments
+from ...._core.varlen import segments
 from ..layers._mixer import FlaMixer, heads, linear, repeat_heads
 from ..layers._norm import RMSNorm
 from ..layers._qkv import head_dims

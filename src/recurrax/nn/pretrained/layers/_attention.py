@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ....varlen import segments
+from ...._core.varlen import segments
 from ..._ring_attention import ring_attention
 from ..._sharding import mesh_axis
 from ._mixer import RecurrentCache, TokenLayer, heads, linear

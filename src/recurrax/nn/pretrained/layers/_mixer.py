@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ....decode import recurrent_step
+from ....recurrence._step import recurrent_step
 from ..._conv import CausalConv1d
 from ..._sharding import partitioned, recurrent_on_mesh
 

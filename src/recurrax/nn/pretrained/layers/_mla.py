@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from ....varlen import segments
+from ...._core.varlen import segments
 from ._attention import Attention
 from ._mixer import heads, linear
 from ._norm import RMSNorm

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ....varlen import segments
+from ...._core.varlen import segments
 
 
 def token_positions(x: Float[Array, "B T ..."], cu_seqlens: Int[Array, " S_plus_1"] | None) -> Int[Array, "B T"]:

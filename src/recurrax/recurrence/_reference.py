@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .problem import Problem
-from .registry import ALL_GATES, FLOAT_DTYPES, Support
-from .varlen import Segments, segments, single_segment
+from .._core.problem import Problem
+from .._core.registry import ALL_GATES, FLOAT_DTYPES, Support
+from .._core.varlen import Segments, segments, single_segment
 
 SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True)
 

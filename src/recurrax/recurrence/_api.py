@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import jax
-from jaxtyping import Array, Float, Int
 
-from ._eager import cached_when_eager
-from ._matmul_precision import resolve
-from .problem import canonicalize, check_values
-from .registry import Request, kernel_registry
+from .._core.arguments import ConstantGates, CuSeqlens, Gates, KeyGates, Keys, Precision, Queries, Results
+from .._core.arguments import States, ValueGates, Values
+from .._core.eager import cached_when_eager
+from .._core.matmul_precision import resolve
+from .._core.problem import canonicalize, check_call_values
+from .._core.registry import Request, kernel_registry
 
 
 def recurrent(
-    query: Float[Array, "batch seq_len num_heads qk_head_dim"] | Float[Array, "total_tokens num_heads qk_head_dim"],
-    key: Float[Array, "batch seq_len num_kv_heads qk_head_dim"] | Float[Array, "total_tokens num_kv_heads qk_head_dim"],
-    value: Float[Array, "batch seq_len num_kv_heads v_head_dim"] | Float[Array, "total_tokens num_kv_heads v_head_dim"],
-    g: Float[Array, "batch seq_len num_heads *qk_head_dim"] | None = None,
-    g_gamma: Float[Array, " num_heads"] | Float[Array, "rows num_heads"] | None = None,
-    gk: Float[Array, "batch seq_len num_heads qk_head_dim"] | None = None,
-    gv: Float[Array, "batch seq_len num_heads v_head_dim"] | None = None,
-    softmax_scale: float | None = None,
-    initial_state: Float[Array, "rows num_heads qk_head_dim v_head_dim"] | None = None,
-    reverse: bool = False,
-    cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    *,
-    implementation: str | None = None,
-    precision: str | jax.lax.Precision | None = None,
-    allow_positive_gates: bool = False,
-) -> tuple[Float[Array, "... num_heads v_head_dim"], Float[Array, "rows num_heads qk_head_dim v_head_dim"]]:
+    query: Queries, key: Keys, value: Values, g: Gates = None, g_gamma: ConstantGates = None, gk: KeyGates = None,
+    gv: ValueGates = None, softmax_scale: float | None = None, initial_state: States = None, reverse: bool = False,
+    cu_seqlens: CuSeqlens = None, *,
+    implementation: str | None = None, precision: Precision = None, allow_positive_gates: bool = False,
+) -> Results:
     """Gated linear attention as a recurrence, in linear time.
 
         h_t = diag(exp(a_t)) · h_{t-1} · diag(exp(b_t)) + k_t v_tᵀ
@@ -67,7 +57,7 @@ def recurrent(
       `recurrax.runtime_checks()`.
 
     Called eagerly, the validated call runs as one compiled program cached per shape and
-    static option (`_eager.py`); under `jit`, `grad` or `vmap` it is traced as usual.
+    static option (`_core/eager.py`); under `jit`, `grad` or `vmap` it is traced as usual.
 
     **Returns:** `(output, final_state)`: `output` shaped like `query` with `v_head_dim` last, in
     the query's dtype; `final_state` `[rows, num_heads, qk_head_dim, v_head_dim]` in float32
@@ -76,8 +66,7 @@ def recurrent(
     arrays = (query, key, value, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu_seqlens)
     output = _recurrent(*arrays, implementation=implementation, precision=precision,
                         allow_positive_gates=allow_positive_gates)
-    gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
-    check_values(gates, cu_seqlens, _packed_tokens(query, cu_seqlens), allow_positive_gates)  # eager values
+    check_gate_values(query, g, g_gamma, gk, gv, cu_seqlens, allow_positive_gates)
     return output
 
 
@@ -95,8 +84,8 @@ def _recurrent(
     return layout.restore(output), final_state
 
 
-def _packed_tokens(query, cu_seqlens) -> int | None:
-    """The token count a concrete `cu_seqlens` must end at (None when it cannot be known)."""
-    if cu_seqlens is None or not hasattr(query, "ndim") or query.ndim not in (3, 4):
-        return None
-    return query.shape[0] if query.ndim == 3 else query.shape[1]
+def check_gate_values(query, g, g_gamma, gk, gv, cu_seqlens, allow_positive_gates: bool) -> None:
+    """The checks of a call's concrete gate and `cu_seqlens` values, after it ran (eager
+    calls; traced ones under `recurrax.runtime_checks()`)."""
+    gates = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
+    check_call_values(gates, query, cu_seqlens, allow_positive_gates)

@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._eager import cached_when_eager
-from ._matmul_precision import resolve
-from .problem import Problem, _fail, _floating, canonicalize, check_values
-from .registry import Request, kernel_registry
+from .._core.eager import cached_when_eager
+from .._core.matmul_precision import resolve
+from .._core.problem import Problem, _fail, _floating, canonicalize
+from .._core.registry import Request, kernel_registry
+from ._api import check_gate_values
 
 _STEP_HINT = (
     " (recurrent_step adds a seq_len axis of 1 to one-token arguments: query "
@@ -88,7 +89,7 @@ def recurrent_step(
     """
     output = _recurrent_step(query, key, value, state, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
                              softmax_scale=softmax_scale, allow_positive_gates=allow_positive_gates)
-    check_values({"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}, None, None, allow_positive_gates)  # eager values
+    check_gate_values(query, g, g_gamma, gk, gv, None, allow_positive_gates)
     return output
 
 

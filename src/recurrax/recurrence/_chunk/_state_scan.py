@@ -58,12 +58,12 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from .._finite import clean_gate, clean_tokens
-from .._matmul_precision import matmul_precision
-from ..kernels._driver import vary_over, varying_axes
-from ..problem import Gate
-from ..varlen import ChunkOwners
-from ._intra import ChunkDecay, chunk_cumsum, dot
+from ..._core.finite import clean_gate, clean_tokens
+from ..._core.intra import ChunkDecay, chunk_cumsum, dot
+from ..._core.matmul_precision import matmul_precision
+from ..._core.problem import Gate
+from ..._core.varlen import ChunkOwners
+from ...kernels._driver import vary_over, varying_axes
 
 
 class ChunkCall(NamedTuple):

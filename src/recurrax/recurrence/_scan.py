@@ -47,10 +47,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._matmul_precision import matmul_precision, traced_precision
-from .problem import Problem
-from .registry import ALL_GATES, FLOAT_DTYPES, Support
-from .varlen import segments
+from .._core.matmul_precision import matmul_precision, traced_precision
+from .._core.problem import Problem
+from .._core.registry import ALL_GATES, FLOAT_DTYPES, Support
+from .._core.varlen import segments
 
 SUPPORT = Support(dtypes=FLOAT_DTYPES, gates=ALL_GATES, varlen=True)
 DEFAULT_CHECKPOINT_EVERY = 64
@@ -231,8 +231,7 @@ def _is_empty(boundaries: Boundaries, num_seqs: int) -> Bool[Array, " S"]:
 def _recurrence(scale: float, precision: str | None, tokens: Tokens, init, boundaries: Boundaries | None):
     """(o [N, C, B, H, V] in the query dtype, final state [R, H, K, V] in the state dtype);
     `precision` is the forward's matmul precision, which the backward re-enters."""
-    o, finals, _ = _forward(scale, tokens, init, boundaries)
-    return o, finals
+    return _recurrence_fwd(scale, precision, tokens, init, boundaries)[0]
 
 
 def _recurrence_fwd(scale, precision, tokens, init, boundaries):

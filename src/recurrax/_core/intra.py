@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..problem import Gate
+from .problem import Gate
 
 CHANNEL_FORMS = (Gate.KEY, Gate.VALUE)
 """The forms of a side's decay that vary over its channels (the ladder is needed)."""

@@ -1,6 +1,6 @@
 """The one table of what `recurrax` registers: each implementation, where it runs, and its
 priority (with no name given, dispatch takes the highest-priority implementation whose
-`Support` covers the call; see `registry.py`).
+`Support` covers the call; see `recurrax/_core/registry.py`).
 
 A new algorithm or kernel is one more row here, with its function and the `Support` it
 declares beside its code. A row whose `unavailable()` gives a reason (a JAX without the
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import chunk, reference, scan
-from .kernels import mosaic_gpu, tpu, triton
-from .registry import Backend, Platform, kernel_registry
+from .._core.registry import Backend, Platform, kernel_registry
+from ..kernels import mosaic_gpu, tpu, triton
+from . import _chunk as chunk, _reference as reference, _scan as scan
 
 
 class Row(NamedTuple):

@@ -1,4 +1,7 @@
-"""Hard resets and non-finite inputs around the chunkwise algorithms (XLA `chunk`, the kernels).
+"""Hard resets and non-finite inputs around the chunkwise algorithms (XLA `chunk`, the kernels),
+for both operations: the cleaning, and `guarded`, which marks NaN what an operation's `Rule`
+says depends on a bad entry. The table below is `recurrent`'s (its `Rule`:
+`finite_recurrent.py`); the delta rule's is `finite_delta.py`'s.
 
 | symbol  | meaning                                                                       |
 |---------|-------------------------------------------------------------------------------|
@@ -55,14 +58,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from . import varlen
-from .problem import Problem
 
 RESET = -1e4
 """Gates at or below this log decay are hard resets (e^RESET underflows to 0)."""
-
-GATE_FIELDS = ("log_decay_head", "log_decay_key", "log_decay_value")
-
 
 def clean_tokens(x: Array | None) -> Array | None:
     """Non-finite entries read as 0 (an algorithm applies it where it loads a token tile)."""
@@ -85,16 +83,6 @@ def clean_cotangent(x: Array) -> Array:
 
 
 clean_cotangent.defvjp(lambda x: (x, None), lambda _, ct: (clean_tokens(ct),))
-
-
-class BadTokens(NamedTuple):
-    """Per token and value head [B, T, H]: which inputs of the token hold a non-finite entry
-    (a gate of −inf is a reset, not bad)."""
-
-    query: Bool[Array, "B T H"]
-    key: Bool[Array, "B T H"]
-    value: Bool[Array, "B T H"]
-    gate: Bool[Array, "B T H"]
 
 
 def _bad_entries(x: Array, heads: int) -> Bool[Array, "B T H"]:
@@ -128,70 +116,107 @@ def _to_heads(mask: Bool[Array, "B T Hx"], heads: int) -> Bool[Array, "B T heads
     return mask if have == heads else mask.reshape(*mask.shape[:2], heads, have // heads).any(-1)
 
 
-def bad_tokens(problem: Problem) -> BadTokens:
-    """The non-finite entries of a canonical problem, per token and value head."""
+def bad_tokens(problem, fields: tuple[str, ...], gate_fields: tuple[str, ...]) -> dict[str, Array]:
+    """Per token and value head [B, T, H]: which of the token `fields` of a canonical problem
+    hold a non-finite entry, and under "gate" which of its `gate_fields` do (a gate of −inf is
+    a hard reset, not bad)."""
     H = problem.value.shape[2]
-    gate = jnp.zeros(problem.value.shape[:3], bool)
-    for name in GATE_FIELDS:
+    bad = {name: _bad_entries(getattr(problem, name), H) for name in fields}
+    bad["gate"] = jnp.zeros(problem.value.shape[:3], bool)
+    for name in gate_fields:
         g = getattr(problem, name)
         if g is not None:
-            gate = gate | _bad_entries(jnp.where(g == -jnp.inf, 0, g), H)
-    return BadTokens(_bad_entries(problem.query, H), _bad_entries(problem.key, H), _bad_entries(problem.value, H), gate)
-
-
-class _Segments(NamedTuple):
-    """Where every token sits: its segment and its processing position."""
-
-    ids: Int[Array, "T"] | None  # packed: the sequence of every token; dense: None (the row)
-    count: int  # segments: B rows, or S sequences
-    position: Int[Array, "1 T 1"]  # p of every token
-
-
-def _segments(cu_seqlens: Array | None, num_tokens: int, rows: int, reverse: bool) -> _Segments:
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    position = (num_tokens - 1 - tokens if reverse else tokens)[None, :, None]
-    if cu_seqlens is None:
-        return _Segments(None, rows, position)
-    return _Segments(varlen.segments(cu_seqlens, num_tokens).seq_id, cu_seqlens.shape[0] - 1, position)
+            bad["gate"] = bad["gate"] | _bad_entries(jnp.where(g == -jnp.inf, 0, g), H)
+    return bad
 
 
 _NONE = 2**30  # a position beyond every token ("no such token")
 
 
-def _per_segment(marks: Array, seg: _Segments, pick: str) -> tuple[Array, Array]:
-    """(per segment [R, H], per token [B, T, H]) of `pick` ("min" or "max") over each segment's
-    tokens of `marks` [B, T, H]."""
-    if seg.ids is None:
-        reduced = (jnp.min if pick == "min" else jnp.max)(marks, axis=1)  # [B, H]
-        return reduced, reduced[:, None]
-    reduce = jax.ops.segment_min if pick == "min" else jax.ops.segment_max
-    reduced = reduce(marks[0], seg.ids, num_segments=seg.count)  # [S, H]
-    return reduced, reduced[seg.ids][None]
+class Span(NamedTuple):
+    """Where the tokens a device holds sit in their rows.
+
+    **Arguments:**
+    - `ids`: packed input: the sequence of every token [T]; dense: None (the row).
+    - `count`: segments (B rows, or S sequences).
+    - `position`: p of every token in processing order, [1, T, 1].
+    - `axis`: the mesh axis a row's tokens are split over (`parallel.delta_rule`), or None.
+    """
+
+    ids: Int[Array, " T"] | None
+    count: int
+    position: Int[Array, "1 T 1"]
+    axis: str | None
+
+    @classmethod
+    def of(cls, cu_seqlens: Array | None, num_tokens: int, rows: int, reverse: bool, axis: str | None) -> Span:
+        """The span of `num_tokens` tokens: a row's (or, packed, all tokens') tokens, or on a
+        mesh the block of `axis`'s index (`cu_seqlens` the whole row's boundaries); `reverse`
+        (one device only) numbers them from the last."""
+        offset = 0 if axis is None else jax.lax.axis_index(axis) * num_tokens
+        tokens = offset + jnp.arange(num_tokens, dtype=jnp.int32)
+        position = (num_tokens - 1 - tokens if reverse else tokens)[None, :, None]
+        if cu_seqlens is None:
+            return cls(None, rows, position, axis)
+        ids = jnp.searchsorted(cu_seqlens[1:], tokens, side="right").astype(jnp.int32)
+        return cls(jnp.minimum(ids, cu_seqlens.shape[0] - 2), cu_seqlens.shape[0] - 1, position, axis)
+
+    def reduce(self, marks: Array, pick: str) -> tuple[Array, Array]:
+        """(per segment [R, H], per token [B, T, H]) of `pick` ("min" or "max") over each
+        segment's tokens of `marks` [B, T, H] (over every device's tokens on a mesh)."""
+        if self.ids is None:
+            reduced = (jnp.min if pick == "min" else jnp.max)(marks, axis=1)  # [B, H]
+        else:
+            segment = jax.ops.segment_min if pick == "min" else jax.ops.segment_max
+            reduced = segment(marks[0], self.ids, num_segments=self.count)  # [S, H]
+        if self.axis is not None:
+            reduced = (jax.lax.pmin if pick == "min" else jax.lax.pmax)(reduced, self.axis)
+        return reduced, self.per_token(reduced)
+
+    def per_token(self, per_segment: Array) -> Array:
+        return per_segment[:, None] if self.ids is None else per_segment[self.ids][None]
 
 
-def _first_tainted(bad: BadTokens, seg: _Segments):
+class Rule(NamedTuple):
+    """An operation's table (its module docstring): where a bad entry reaches the results.
+
+    **Arguments:**
+    - `fields`, `gate_fields`: the canonical problem's token inputs (`query` among them) and
+      gates, whose non-finite entries are flagged per token and head (`bad_tokens`).
+    - `writes`: flags (by name) → [B, T, H]: token p writes a bad value into the state (F = the first p).
+    - `read_before`: flags (by name) → [B, T, H]: the state's adjoint at p − 1 reads a bad value of
+      token p (with the bad queries and output cotangents at p, Cb = the last such position).
+    - `gradients`: (flags, bad output cotangent, p, F per token, p ≤ Cb) → {field of the
+      canonical problem: its gradient's NaN mask [B, T, H]}.
+    """
+
+    fields: tuple[str, ...]
+    gate_fields: tuple[str, ...]
+    writes: Callable
+    read_before: Callable
+    gradients: Callable
+
+
+def _first_tainted(rule: Rule, bad, span: Span):
     """F: the first position whose state holds a bad value, per segment and per token."""
-    writes = bad.key | bad.value | bad.gate
-    return _per_segment(jnp.where(writes, seg.position, _NONE), seg, "min")
+    return span.reduce(jnp.where(rule.writes(bad), span.position, _NONE), "min")
 
 
-def _output_marks(bad: BadTokens, seg: _Segments):
+def _output_marks(rule: Rule, bad, span: Span):
     """(output [B, T, H], final state [R, H]) masks: NaN where they depend on a bad entry."""
-    first_segment, first = _first_tainted(bad, seg)
-    return (seg.position >= first) | bad.query, first_segment < _NONE
+    first_segment, first = _first_tainted(rule, bad, span)
+    return (span.position >= first) | bad["query"], first_segment < _NONE
 
 
-def _gradient_marks(bad: BadTokens, bad_output: Array, bad_final: Array, seg: _Segments):
-    """Masks of (dq, dk, dv, d gate) [B, T, H] and d initial state [R, H] (module table)."""
-    _, first = _first_tainted(bad, seg)
-    p = seg.position
-    reads = jnp.maximum(jnp.where(bad.query | bad_output, p, -_NONE), jnp.where(bad.gate, p - 1, -_NONE))
-    last_segment, _ = _per_segment(reads, seg, "max")
+def _gradient_marks(rule: Rule, bad, bad_output: Array, bad_final: Array, span: Span):
+    """Masks of the token fields' gradients ({field: [B, T, H]}) and d initial state [R, H]."""
+    _, first = _first_tainted(rule, bad, span)
+    p = span.position
+    reads = jnp.maximum(jnp.where(bad["query"] | bad_output, p, -_NONE), jnp.where(rule.read_before(bad), p - 1, -_NONE))
+    last_segment, _ = span.reduce(reads, "max")
     last_segment = jnp.where(bad_final, _NONE, last_segment)  # [R, H]
-    last = last_segment[:, None] if seg.ids is None else last_segment[seg.ids][None]
-    adjoint = p <= last
-    marks = ((p >= first) | bad_output, adjoint | bad.value, adjoint | bad.key, adjoint | (p > first) | bad.gate)
-    return marks, last_segment >= -1
+    adjoint = p <= span.per_token(last_segment)
+    return rule.gradients(bad, bad_output, p, first, adjoint), last_segment >= -1
 
 
 def _nan_where(x: Array | None, mask: Bool[Array, "B T H"]) -> Array | None:
@@ -202,25 +227,24 @@ def _nan_where(x: Array | None, mask: Bool[Array, "B T H"]) -> Array | None:
     return jnp.where(mask if x.ndim == 3 else mask[..., None], jnp.nan, x).astype(x.dtype)
 
 
-def guarded(fn: Callable, reverse: bool, problem: Problem):
+def guarded(fn: Callable, rule: Rule, problem, *, reverse: bool = False, axis: str | None = None):
     """`fn(problem)` = (output [B, T, H, V], final state [R, H, K, V]) with the results that
-    depend on a non-finite input set to NaN (module docstring).
+    depend on a non-finite input set to NaN, as `rule` tables it (module docstring).
 
     **Arguments:** `fn` the algorithm on a canonical problem, cleaning at load as the module
-    docstring says (it must close over static configuration only); `reverse` whether it runs
-    from the last token to the first; `problem` the canonical problem (its `cu_seqlens`, concrete
-    or traced, reaches `fn` as given).
+    docstring says (it must close over static configuration only); `rule` the operation's
+    table; `problem` the canonical problem (its `cu_seqlens`, concrete or traced, reaches `fn`
+    as given); `reverse` whether `fn` runs from the last token to the first; `axis`: None on
+    one device, or, inside a `shard_map`, the sequence axis: `problem` is then this device's
+    block of tokens (block `axis_index(axis)` of every row, `cu_seqlens` the whole row's
+    boundaries) and `fn` may hold collectives.
     """
-    return _guarded(fn, bool(reverse), problem)
+    return _guarded(fn, rule, bool(reverse), axis, problem)
 
 
-def _segments_of(problem: Problem, reverse: bool) -> _Segments:
-    return _segments(problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0], reverse)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _guarded(fn, reverse, problem: Problem):
-    return _guarded_fwd(fn, reverse, problem)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _guarded(fn, rule, reverse, axis, problem):
+    return _guarded_fwd(fn, rule, reverse, axis, problem)[0]
 
 
 def _if_any(flags, mark: Callable, results):
@@ -230,37 +254,40 @@ def _if_any(flags, mark: Callable, results):
     return jax.lax.cond(any_bad, mark, lambda x: x, results)
 
 
-def _guarded_fwd(fn, reverse, problem: Problem):
+def _marked(flags, axis: str | None, mark: Callable, results):
+    """`mark(results)`: skipped by a `lax.cond` when no flag is set, on one device (on a mesh
+    the branch would hold collectives: always run, as `where`s)."""
+    return mark(results) if axis is not None else _if_any(flags, mark, results)
+
+
+def _guarded_fwd(fn, rule, reverse, axis, problem):
     results, pullback = jax.vjp(fn, problem)
-    bad = bad_tokens(problem)
+    bad = bad_tokens(problem, rule.fields, rule.gate_fields)
+    shape = (problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0])
 
     def mark(results):
-        (output, final), (output_mask, final_mask) = results, _output_marks(bad, _segments_of(problem, reverse))
+        (output, final) = results
+        output_mask, final_mask = _output_marks(rule, bad, Span.of(*shape, reverse, axis))
         return _nan_where(output, output_mask), jnp.where(final_mask[..., None, None], jnp.nan, final).astype(final.dtype)
 
-    results = _if_any(bad, mark, results)
-    return results, (pullback, bad, problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0])
+    return _marked(bad.values(), axis, mark, results), (pullback, bad, shape)
 
 
-def _guarded_bwd(fn, reverse, residuals, cotangents):
-    pullback, bad, cu_seqlens, num_tokens, rows = residuals
+def _guarded_bwd(fn, rule, reverse, axis, residuals, cotangents):
+    pullback, bad, shape = residuals
     d_output, d_final = cotangents
     bad_final = ~jnp.isfinite(d_final).all((-2, -1))  # [R, H]
-    bad_output = _bad_cotangent(d_output, bad.query.shape[2])
+    bad_output = _bad_cotangent(d_output, bad["query"].shape[2])
     (grads,) = pullback((d_output, clean_tokens(d_final)))  # fn cleans d_output at load
-    seg = _segments(cu_seqlens, num_tokens, rows, reverse)
 
     def mark(grads):
-        (dq, dk, dv, d_gate), d_init = _gradient_marks(bad, bad_output, bad_final, seg)
-        fields = {"query": _nan_where(grads.query, dq), "key": _nan_where(grads.key, dk),
-                  "value": _nan_where(grads.value, dv)}
-        for name in GATE_FIELDS:
-            fields[name] = _nan_where(getattr(grads, name), d_gate)
+        masks, d_init = _gradient_marks(rule, bad, bad_output, bad_final, Span.of(*shape, reverse, axis))
+        fields = {name: _nan_where(getattr(grads, name), mask) for name, mask in masks.items()}
         init = grads.initial_state
         fields["initial_state"] = jnp.where(d_init[..., None, None], jnp.nan, init).astype(init.dtype)
         return grads._replace(**fields)
 
-    return (_if_any((*bad, bad_output, bad_final), mark, grads._replace(cu_seqlens=None)),)
+    return (_marked((*bad.values(), bad_output, bad_final), axis, mark, grads._replace(cu_seqlens=None)),)
 
 
 _guarded.defvjp(_guarded_fwd, _guarded_bwd)

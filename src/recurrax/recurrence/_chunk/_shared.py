@@ -48,9 +48,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from .._finite import clean_cotangent
-from ..varlen import ChunkOwners
-from ._intra import dot, head_decay
+from ..._core.finite import clean_cotangent
+from ..._core.intra import dot, head_decay
+from ..._core.varlen import ChunkOwners
 from ._state_scan import ChunkCall, _chunk_starts, _step, _step_meta
 
 

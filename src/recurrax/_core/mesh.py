@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 from jaxtyping import Array, Bool, Int
 
-from ._matmul_precision import matmul_precision, resolve
+from .matmul_precision import matmul_precision, resolve
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,11 +39,11 @@ import functools
 
 from jaxtyping import Array, Float
 
-from .. import varlen
-from .._finite import guarded
-from .._matmul_precision import traced_precision
-from ..problem import Problem
-from ..registry import ALL_GATES, FLOAT_DTYPES, Support
+from ..._core import varlen
+from ..._core.finite_recurrent import guarded
+from ..._core.matmul_precision import traced_precision
+from ..._core.problem import Problem
+from ..._core.registry import ALL_GATES, FLOAT_DTYPES, Support
 from ._shared import shared_chunked
 from ._state_scan import ChunkCall, LogDecays, chunked
 from ._tiling import Tiling, default_tiling

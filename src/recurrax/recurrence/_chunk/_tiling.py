@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..registry import current_backend
+from ..._core.registry import current_backend
 
 
 @dataclasses.dataclass(frozen=True)
