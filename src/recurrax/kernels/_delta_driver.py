@@ -27,7 +27,7 @@ before the problem reaches the kernel) is JAX's autodiff around it.
 
 **Non-finite inputs** (`recurrax.delta._finite`): inside the custom VJP the operands are read
 with their non-finite entries (β's and the output cotangent's included) as 0 and a NaN or +inf
-gate as 0; `_finite.guarded` around the whole marks NaN what depends on them.
+gate as 0; `_core.finite_delta.guarded` around the whole marks NaN what depends on them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core.finite import clean_tokens
+from .._core.finite_delta import guarded
 from .._core.problem import Gate
 from ._driver import (STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, floored_gate, in_chunks, keep_empty,
                       vary_over, varying_axes)
@@ -151,8 +152,6 @@ def delta_kernel(problem, *, scale: float, forward: Callable, backward: Callable
       (`DeltaKernelCall`); `tiles`: its tiles.
     - `interpret`: run the kernels in the backend's interpret mode.
     """
-    from .._core.finite_delta import guarded
-
     gate = Gate.KEY if problem.log_decay_key is not None else Gate.HEAD if problem.log_decay_head is not None else None
     call = DeltaKernelCall(forward, backward, KernelConfig(float(scale), gate, bool(interpret), tiles))
     return guarded(functools.partial(_delta_kernel, call), problem)

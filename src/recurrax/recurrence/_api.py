@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from .._core.arguments import ConstantGates, CuSeqlens, Gates, KeyGates, Keys, Precision, Queries, Results
 from .._core.arguments import States, ValueGates, Values
 from .._core.eager import cached_when_eager
