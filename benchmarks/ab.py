@@ -167,7 +167,10 @@ def _decode_child(repeats: int, quick: bool) -> dict:
     import numpy as np
     from flax import nnx
 
-    from recurrax.generation import generate
+    try:
+        from recurrax.generation import generate
+    except ImportError:  # a revision from before recurrax.generation: the name's old path
+        from recurrax.nn.pretrained import generate
     from recurrax.nn.pretrained import CausalLM
 
     model = CausalLM(QUICK_DECODE_MODEL if quick else DECODE_MODEL, rngs=nnx.Rngs(0))
