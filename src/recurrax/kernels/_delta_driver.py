@@ -25,7 +25,7 @@ every gradient, the per-token log decay's included (`kernels/tpu/_delta_backward
 rest (repeated heads, the decay's floor and sum, padding, the packed layout, `qk_l2norm`
 before the problem reaches the kernel) is JAX's autodiff around it.
 
-**Non-finite inputs** (`recurrax.delta._finite`): inside the custom VJP the operands are read
+**Non-finite inputs** (`recurrax._core.finite_delta`): inside the custom VJP the operands are read
 with their non-finite entries (β's and the output cotangent's included) as 0 and a NaN or +inf
 gate as 0; `_core.finite_delta.guarded` around the whole marks NaN what depends on them.
 """
