@@ -53,14 +53,10 @@ measured) and `tpu_train.png` at the end. `--smoke`: tiny shapes of the same fou
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import inspect
 import json
-import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -72,6 +68,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import timed  # noqa: E402
+from _trace import kind_of_op, self_times, traced_ops  # noqa: E402,F401  (the tests read them here too)
 
 from recurrax.nn import PEAK_FLOPS, chunked_cross_entropy, parameter_count
 from recurrax.nn.pretrained import CausalLM, size_config
@@ -252,56 +249,6 @@ def profile(model: CausalLM, params, opt_state, optimizer, B: int, T: int, step_
     seconds["optimizer"] = statistics.median(timed(run_update, repeats))
     seconds["other"] = step_seconds - sum(seconds.values())
     return {"seconds": seconds, "share": {k: v / step_seconds for k, v in seconds.items()}}
-
-
-def traced_ops(run, step_seconds: float, most: int = 12) -> dict:
-    """One step under `jax.profiler.trace`, read back with `jax.profiler.ProfileData`: the device's
-    self time (an op's time less the ops nested in it, e.g. a scanned layer's `while` less its body)
-    per kind of op (`kind_of_op`) and of the `most` longest ops, each as a share of the timed step."""
-    directory = tempfile.mkdtemp()
-    with jax.profiler.trace(directory):
-        jax.block_until_ready(run())
-    (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
-    by_kind, by_op = collections.Counter(), collections.Counter()
-    for plane in jax.profiler.ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in (line for line in plane.lines if line.name == "XLA Ops"):
-            for text, seconds in self_times(line.events):
-                name = text.split(" = ")[0].strip()
-                by_kind[kind_of_op(text)] += seconds
-                by_op[f"{name} ({kind_of_op(text)})"] += seconds
-    return {"device_s": sum(by_kind.values()),
-            "kind_share": {k: v / step_seconds for k, v in by_kind.most_common()},
-            "op_share": {k: v / step_seconds for k, v in by_op.most_common(most)}}
-
-
-def self_times(events) -> list[tuple[str, float]]:
-    """(name, seconds) of each event less the events nested inside it (same line, within its span)."""
-    ordered = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
-    own = [e.duration_ns for e in ordered]
-    open_spans: list[int] = []  # indices of the events that enclose the current one
-    for i, event in enumerate(ordered):
-        while open_spans and ordered[open_spans[-1]].end_ns <= event.start_ns:
-            open_spans.pop()
-        if open_spans:
-            own[open_spans[-1]] -= event.duration_ns
-        open_spans.append(i)
-    return [(e.name, max(t, 0) * 1e-9) for e, t in zip(ordered, own)]
-
-
-def kind_of_op(text: str) -> str:
-    """An XLA op's kind from its HLO text: a Pallas kernel's name, `matmul` for a convolution (fusion),
-    else its opcode (a fusion with its fusion kind)."""
-    if "custom_call_target=" in text:
-        name = text.split(" = ")[0].lstrip("%").rsplit(".", 1)[0]
-        return f"kernel {name}" if "tpu_custom_call" in text else f"custom-call {name}"
-    if "convolution" in text.split(" = ")[0] or " convolution(" in text:
-        return "matmul"
-    opcode = re.search(r"\s([a-z][\w-]*)\(", text.split(" = ", 1)[-1])
-    opcode = opcode.group(1) if opcode else "?"
-    kind = re.search(r"kind=(k\w+)", text)
-    return f"{opcode} {kind.group(1)}" if opcode == "fusion" and kind else opcode
 
 
 def measure(row: dict, smoke: bool, repeats: int, peak: float | None) -> dict:
