@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kimi_linear import KIMI_LINEAR_48B_A3B, TINY as KIMI_TINY, config as kimi_config  # noqa: E402
 from pretrained_340m import GLA_340M, TINY as GLA_TINY  # noqa: E402
 from qwen3_5 import QWEN3_5_0_8B, TINY as QWEN_TINY, layer_types  # noqa: E402
+from _trace import traced_ops  # noqa: E402
 
 from recurrax.generation import DecodePool, Sampling, cache_capacity, generate_tokens  # noqa: E402
 from recurrax.nn.pretrained import model_from_config  # noqa: E402
@@ -186,8 +187,9 @@ def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict) -> dict:
-    """Median step time of a pool of `batch` rows after prompts of `context` tokens, and its floor."""
+def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace: bool = False) -> dict:
+    """Median step time of a pool of `batch` rows after prompts of `context` tokens, and its floor;
+    with `trace`, one more step under the profiler (`_trace.traced_ops`: self time by kind of op)."""
     warm = WARM_STEPS
     capacity = cache_capacity(model, s["context"] + warm + s["steps"] + 1)
     pool = DecodePool(model, batch, capacity, prefill_chunk=s["piece"])
@@ -204,7 +206,8 @@ def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict) -> di
     cache = cache_bytes(model, batch, filled)
     floor = (weight + cache) / (chip["hbm_gbs"] * 1e9)
     step = statistics.median(seconds)
-    return dict(step_s=step, floor_s=floor, over_floor=step / floor, weight_bytes=weight, cache_bytes=cache,
+    traced = {"trace": traced_ops(pool.step, step)} if trace else {}
+    return dict(**traced, step_s=step, floor_s=floor, over_floor=step / floor, weight_bytes=weight, cache_bytes=cache,
                 capacity=capacity, context=filled, tokens_per_s=batch / step)
 
 
@@ -272,10 +275,10 @@ def measure_generate(model, s: dict) -> dict:
                 ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))], tokens_per_s=count / wall, wall_s=wall)
 
 
-def measure(row: dict, model, counts: Counts, s: dict, chip: dict, kept: dict) -> dict:
+def measure(row: dict, model, counts: Counts, s: dict, chip: dict, kept: dict, trace: bool = False) -> dict:
     try:
         if row["kind"] == "decode":
-            return measure_decode(model, counts, row["batch"], s, chip)
+            return measure_decode(model, counts, row["batch"], s, chip, trace)
         if row["kind"] == "prefill":
             return measure_prefill(model, counts, row["tokens"], s, chip, kept)
         return measure_generate(model, s)
@@ -319,6 +322,13 @@ def report(results: list[dict], skipped: list[str], chip: dict, models: dict) ->
                          f"{r['tokens_per_s']:,.0f} |")
         else:
             lines.append(f"| {r['model']} | {r.get('failed', '')} | | | | | | |")
+    for r in (r for r in results if "trace" in r):
+        lines += ["", f"## One decode step under the profiler: {r['label']}", "",
+                  f"Device self time {1e3 * r['trace']['device_s']:.2f} ms of a {1e3 * r['step_s']:.2f} ms step.", "",
+                  "| kind of op | share of the step |", "|---|---:|"]
+        lines += [f"| {kind} | {100 * share:.1f}% |" for kind, share in list(r["trace"]["kind_share"].items())[:12]]
+        lines += ["", "| op | share of the step |", "|---|---:|"]
+        lines += [f"| `{op}` | {100 * share:.1f}% |" for op, share in r["trace"]["op_share"].items()]
     if skipped:
         lines += ["", "Not run (the budget was spent): " + "; ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
@@ -360,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=197.0)
     parser.add_argument("--hbm-gbs", type=float, default=819.0)
     parser.add_argument("--smoke", action="store_true", help="tiny models and prompts (any machine)")
+    parser.add_argument("--rows", help="comma-separated beginnings of row labels to run (e.g. 'qwen3.5-0.8b "
+                        "prefill,gla-340m decode'); default: every row, in priority order")
+    parser.add_argument("--trace", action="store_true", help="trace one decode step of each decode row")
     args = parser.parse_args(argv)
     chip = {"peak_tflops": args.peak_tflops, "hbm_gbs": args.hbm_gbs}
     out = Path(args.out)
@@ -368,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; budget {args.budget:g} s")
     start, results, skipped, models = time.perf_counter(), [], [], {}
     table = rows(args.smoke)
+    if args.rows:
+        wanted = [w.strip() for w in args.rows.split(",")]
+        table = [row for row in table if any(label(row).startswith(w) for w in wanted)]
     last = {row["model"]: i for i, row in enumerate(table)}
     loaded = {}  # name → (model, config, counts, kept pools), freed after the model's last row
     for i, row in enumerate(table):
@@ -379,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             loaded[name] = (*build(name, args.smoke), {})
             models[name] = dict(parameters=loaded[name][2].total, active=loaded[name][2].active())
         model, _, counts, kept = loaded[name]
-        result = {**row, "label": label(row), **measure(row, model, counts, s, chip, kept)}
+        result = {**row, "label": label(row), **measure(row, model, counts, s, chip, kept, args.trace)}
         if last[name] == i:
             del loaded[name], model, kept
             gc.collect()

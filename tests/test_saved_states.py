@@ -254,3 +254,30 @@ def test_the_step_and_prefill_update_the_caches_in_place_and_return_only_tokens(
     admitted = _generate._admit.lower(pool._params, pool._pool, packed, cu_seqlens, target, jnp.zeros(2, bool),
                                       pool._settings.arrays(), None, None, **pool._static)
     assert admitted.as_text().count("tf.aliasing_output") == leaves
+
+
+def test_a_decode_step_sends_no_model_structure_or_settings_again(monkeypatch):
+    """The host's share of a decode step: the compiled step's static argument (the model's graph)
+    is hashed once per pool, not in every step (hashing an nnx GraphDef walks the whole model:
+    most of a TPU decode step's time before), the parameters go as a flat list, and the
+    slots' sampling settings are sent to the device once per change. Tokens stay those of a
+    pool that sends everything every step (a fresh pool per step's settings)."""
+    model = CausalLM(HYBRID, dtype=jnp.float32, rngs=nnx.Rngs(2))
+    graph_type = type(nnx.split(model)[0])
+    hashes = []
+    original = graph_type.__hash__
+    monkeypatch.setattr(graph_type, "__hash__", lambda self: hashes.append(1) or original(self))
+    pool = DecodePool(model, 2, 32)
+    pool.admit([[1, 2, 3], [4, 5]], [Sampling(), Sampling(temperature=0.8, seed=3)])
+    before, sent = len(hashes), pool._settings.arrays()
+    steps = [pool.step() for _ in range(4)]
+    assert len(hashes) == before  # no graph hashed by the steps
+    assert pool._settings.arrays() is sent  # nor the settings sent again
+    assert all(isinstance(leaf, jax.Array) for leaf in pool._params)
+    pool.release(0)
+    pool.admit([[6]], [Sampling(temperature=0.5, seed=1)])
+    assert pool._settings.arrays() is not sent  # a change is sent
+    monkeypatch.setattr(graph_type, "__hash__", original)
+    fresh = DecodePool(model, 2, 32)
+    fresh.admit([[1, 2, 3], [4, 5]], [Sampling(), Sampling(temperature=0.8, seed=3)])
+    assert [fresh.step() for _ in range(4)] == steps

@@ -408,8 +408,10 @@ class DecodePool:
                  saved_states: int = 0, prefill_chunk: int = PREFILL_CHUNK):
         if prefill_chunk < 64 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two ≥ 64, got {prefill_chunk}")
-        graphdef, self._params = nnx.split(model)
-        self._static = dict(graphdef=graphdef, slots=slots, capacity=capacity)
+        graphdef, params = nnx.split(model)
+        structure = ModelStructure(graphdef, params)
+        self._params = jax.tree.leaves(params)  # a flat list: no nnx pytree to walk in every call
+        self._static = dict(structure=structure, slots=slots, capacity=capacity)
         self._admit, self._step = _compiled()
         self._pool = _empty_pool(model, slots, capacity)
         self._penalty = None
@@ -584,6 +586,7 @@ class SlotSettings:
 
     def __init__(self, temperature, top_k, top_p, seed, index):
         self.temperature, self.top_k, self.top_p, self.seed, self.index = temperature, top_k, top_p, seed, index
+        self._arrays = None
 
     @classmethod
     def empty(cls, slots: int, vocab_size: int) -> SlotSettings:
@@ -595,12 +598,38 @@ class SlotSettings:
         self.temperature[slot], self.top_p[slot] = sampling.temperature, sampling.top_p
         self.top_k[slot] = min(sampling.top_k, vocab_size)
         self.seed[slot], self.index[slot] = sampling.seed, sampling.index
+        self._arrays = None
 
     def arrays(self) -> tuple:
-        return tuple(jnp.asarray(x) for x in (self.temperature, self.top_k, self.top_p, self.seed, self.index))
+        """The settings on the device, sent once after each change (not in every step)."""
+        if self._arrays is None:
+            self._arrays = tuple(jnp.array(x, copy=True) for x in (self.temperature, self.top_k, self.top_p,
+                                                                   self.seed, self.index))
+        return self._arrays
 
 
-STATIC = ("graphdef", "slots", "capacity")
+class ModelStructure:
+    """A model's graph and its parameters' tree structure, the compiled calls' static argument:
+    `model(leaves)` is the model with those parameters. Hashed once: an nnx `GraphDef`'s hash
+    walks the whole model (2–3 ms for a 24-layer model on a CPU core, in every decode step
+    when it was hashed per call), and a pool's own structure compares equal by identity."""
+
+    def __init__(self, graphdef, params):
+        self.graphdef, self.treedef = graphdef, jax.tree.structure(params)
+        self._hash = hash((graphdef, self.treedef))
+
+    def model(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, ModelStructure) and self._hash == other._hash
+                                 and self.treedef == other.treedef and self.graphdef == other.graphdef)
+
+
+STATIC = ("structure", "slots", "capacity")
 """Both compiled functions (`_admit`, `_step`; inside `recurrax.runtime_checks()` their
 checkified versions) donate the pool (the caller rebinds it to the result): the new
 caches reuse its buffers instead of fresh allocations each step (2.7× less CPU time per step
@@ -608,12 +637,12 @@ for mamba2-130m at 64 slots)."""
 
 
 def _admit_body(params, pool, tokens, cu_seqlens, targets, continues, settings, penalty=None, seen=None, *,
-                graphdef, slots, capacity):
+                structure, slots, capacity):
     """Prefill the packed prompts, each from its target slot's cache where `continues`, else
     from an empty one; put their caches into their target slots, sample their first tokens with
     their target slots' settings. With a `penalty` (factor, seen), the slots' seen tokens
     become `seen` (their whole prompts') and their first tokens."""
-    net = nnx.merge(graphdef, params)
+    net = structure.model(params)
     empty = net.generation_cache(slots + 1, capacity)
     start = jax.tree.map(lambda e, p: e.at[:slots].set(jnp.where(
         continues.reshape(-1, *(1,) * (e.ndim - 1)), jnp.take(p, targets, axis=0, mode="clip"), e[:slots])),
@@ -630,9 +659,9 @@ def _admit_body(params, pool, tokens, cu_seqlens, targets, continues, settings, 
     return first, constrain_cache(pool), (factor, slot_seen)
 
 
-def _step_body(params, tokens, pool, settings, counts, penalty=None, *, graphdef, slots, capacity):
+def _step_body(params, tokens, pool, settings, counts, penalty=None, *, structure, slots, capacity):
     """Advance every slot by its pending token; sample the next ones (marking them seen)."""
-    logits, pool = nnx.merge(graphdef, params).decode_step(tokens, pool)
+    logits, pool = structure.model(params).decode_step(tokens, pool)
     if penalty is None:
         return _sample(logits, settings, counts), constrain_cache(pool), None
     factor, seen = penalty
@@ -647,8 +676,8 @@ _step = jax.jit(_step_body, static_argnames=STATIC, donate_argnames=("pool", "pe
 def _checkified(body, pool_position: int):
     """`body` compiled with its `checkify.check`s functionalised: returns `(error, outputs)`."""
 
-    def run(*args, graphdef, slots, capacity):
-        return checkify.checkify(partial(body, graphdef=graphdef, slots=slots, capacity=capacity))(*args)
+    def run(*args, structure, slots, capacity):
+        return checkify.checkify(partial(body, structure=structure, slots=slots, capacity=capacity))(*args)
 
     return jax.jit(run, static_argnames=STATIC, donate_argnums=(pool_position,))
 
@@ -678,12 +707,13 @@ def _empty_pool(model, slots: int, capacity: int):
     """`model.generation_cache(slots, capacity)`, laid out by `constrain_cache` (compiled once
     per model structure, slots and capacity, as `_admit` and `_step`)."""
     graphdef, params = nnx.split(model)
-    return _empty_pool_compiled(params, graphdef=graphdef, slots=slots, capacity=capacity)
+    return _empty_pool_compiled(jax.tree.leaves(params), structure=ModelStructure(graphdef, params), slots=slots,
+                                capacity=capacity)
 
 
 @partial(jax.jit, static_argnames=STATIC)
-def _empty_pool_compiled(params, *, graphdef, slots, capacity):
-    return constrain_cache(nnx.merge(graphdef, params).generation_cache(slots, capacity))
+def _empty_pool_compiled(params, *, structure, slots, capacity):
+    return constrain_cache(structure.model(params).generation_cache(slots, capacity))
 
 
 CACHE_AXES = {
