@@ -178,13 +178,9 @@ class LanguageModel(CausalDecoder, DecoderBody):
         return {"model_type": CONFIG_MODEL_TYPE, "architectures": ["recurrax.nn.LanguageModel"],
                 **json.loads(self.arguments_json)}
 
-    def __call__(
-        self,
-        tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
-        cache: ModelCache | None = None,
-        *,
-        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    ) -> Float[Array, "... vocab"] | tuple[Float[Array, "... vocab"], ModelCache]:
+    def __call__(self, tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"], cache: ModelCache | None = None,
+                 *, cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+                 ) -> Float[Array, "... vocab"] | tuple[Float[Array, "... vocab"], ModelCache]:
         """Next-token logits for every position; with `cache`, continue from it.
 
         **Arguments:**
