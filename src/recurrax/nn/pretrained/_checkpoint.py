@@ -173,7 +173,8 @@ def _host_value(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def load_weights(model: CausalLM | LanguageModel, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
+def load_weights(model: CausalLM | LanguageModel, weights: dict[str, np.ndarray], *,
+                 allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
     """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`);
     a family module's checkpoint names are read as its `loaded_names` reads them (Qwen3-Next:
     each expert's matrices, or the fused ones), Nemotron-H's experts as `_hf_checkpoint`'s.
