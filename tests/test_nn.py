@@ -8,6 +8,7 @@ from _cases import max_rel_error
 from flax import nnx
 
 from recurrax import nn as rnn
+from recurrax.nn.pretrained import ModelCache
 
 F64 = dict(dtype=jnp.float64, param_dtype=jnp.float64)
 D, H, HKV, K, V = 16, 4, 2, 6, 4
@@ -230,7 +231,8 @@ def test_language_model_decodes_like_its_parallel_forward(mixer):
         step_logits, cache = model(tokens[:, t : t + 1], cache=cache)
         outputs.append(step_logits)
     assert max_rel_error(jnp.concatenate(outputs, axis=1), logits) < TOL
-    assert len(cache) == 2 and all(isinstance(c, rnn.MixerCache) for c in cache)
+    assert type(cache) is ModelCache and np.array_equal(cache.positions, [6, 6])  # the families' cache type
+    assert len(cache.layers) == 2 and all(isinstance(c, rnn.MixerCache) for c in cache.layers)
 
 
 def test_language_model_packed_and_gradients():
@@ -243,8 +245,11 @@ def test_language_model_packed_and_gradients():
     weights = inputs(7, 32, seed=10)
     reached = nonzero_gradients(model, lambda model: jnp.sum(model(tokens, cu_seqlens=cu_seqlens) * weights))
     assert len(reached) > 8 and all(reached.values()), reached
-    with pytest.raises(ValueError, match="^cache "):
-        model(tokens[None], cache=model.init_cache(1) * 2)
+    cache = model.init_cache(1)
+    with pytest.raises(ValueError, match="^cache must hold one cache per layer"):
+        model(tokens[None], cache=cache._replace(layers=cache.layers * 2))
+    with pytest.raises(TypeError, match="^cache must be a ModelCache"):
+        model(tokens[None], cache=cache.layers)  # a tuple of per-block states (its cache until now)
 
 
 def test_head_counts_must_divide_the_width():

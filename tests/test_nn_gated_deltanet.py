@@ -308,7 +308,7 @@ def test_language_model_forward_decode_packed_and_gradients():
     # generate's protocol: one-token steps from an empty cache, a packed prefill of ragged prompts
     step = nnx.jit(lambda model, *args: model.decode_step(*args))
     cache, outputs = model.generation_cache(2), []
-    assert cache[0].state.dtype == jnp.float64
+    assert cache.layers[0].state.dtype == jnp.float64
     for t in range(6):
         step_logits, cache = step(model, tokens[:, t], cache)
         outputs.append(step_logits)

@@ -8,22 +8,38 @@ each family of `recurrax.nn.pretrained.CausalLM`): its blocks, its body and its 
 
 The stack runs through `call_blocks` (remat, scan over layers, the residual sharding), the
 loss through `chunked_cross_entropy` on the head's input (never the full logits), and the
-generation protocol (`prefill`, `decode_step`) is the model's call with a cache. A model
-names its body (`body`: `embedding`, `embed`, `layers`, `layer_context`, `head_input`), its
-untied head (`lm_head`, None when tied) and its cache; the rest is here, once.
+generation protocol (`prefill`, `decode_step`) is the model's call with a cache. Every model's
+cache is a `ModelCache`: one cache per layer and the tokens each row has seen. A model names
+its body (`body`: `embedding`, `embed`, `layers`, `layer_context`, `head_input`), its untied
+head (`lm_head`, None when tied) and how it makes an empty cache; the rest is here, once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from .._core.varlen import segments
 from ._cross_entropy import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
 from ._layer_scan import call_blocks
 from ._sharding import RESIDUAL, constrain
 from ._tied import tied_logits, untied_logits
 from ._tokens import check_token_ids
+
+
+class ModelCache(NamedTuple):
+    """A model's decode cache: one cache per layer and the positions `[R]` (tokens seen per row)."""
+
+    layers: tuple
+    positions: Int[Array, " R"]
+
+    @classmethod
+    def empty(cls, layers, rows: int) -> ModelCache:
+        """`layers` (each layer's empty cache for `rows` sequences) at position 0."""
+        return cls(tuple(layers), jnp.zeros((rows,), jnp.int32))
 
 
 def pre_norm_residual(h, mixer_norm, mixer, mlp_norm, mlp, cache=None, **context):
@@ -114,6 +130,30 @@ class CausalDecoder(nnx.Module):
                                      logits_scale=self.logits_multiplier, chunk_size=chunk_size,
                                      with_predictions=with_predictions)
 
+    def _forward(self, tokens, cache, cu_seqlens, logits_to_keep: int | None = None):
+        """The model's call: next-token logits for every token (float32 or wider; packed `[N]`
+        tokens: `[N, vocab]`), or with `cache` (a `ModelCache`) `(logits, new_cache)`, its
+        positions advanced by the tokens each row saw; `logits_to_keep`: the head on the last
+        positions only. Past a cache's attention capacity (`_capacity`) the logits are NaN."""
+        model = self._computing()
+        h, layer_caches = model._decode(tokens, cache, cu_seqlens)
+        capacity = None if cache is None else self._capacity(cache)
+        positions = None if capacity is None else self._positions(h, cache, cu_seqlens)
+        if logits_to_keep is not None:
+            if cu_seqlens is not None or not 1 <= logits_to_keep <= tokens.shape[1]:
+                raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, got "
+                                 f"{logits_to_keep}" + (" with cu_seqlens" if cu_seqlens is not None else ""))
+            h = h[:, -logits_to_keep:]
+            positions = None if positions is None else positions[:, -logits_to_keep:]
+        logits = constrain(model._head(h), "batch", "length", "vocab")
+        if capacity is not None:  # traced positions: the tokens past it get NaN logits
+            logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
+        logits = logits[0] if _packed(tokens, cu_seqlens) else logits
+        if cache is None:
+            return logits
+        seen = tokens.shape[1] if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
+        return logits, ModelCache(layer_caches, cache.positions + seen)
+
     def prefill(self, tokens: Int[Array, " total_tokens"], cu_seqlens: Int[Array, " num_seqs_plus_one"], cache):
         """Continue `num_seqs` packed sequences (empty ones allowed) from the rows of `cache`:
         `model(tokens, cache, cu_seqlens=cu_seqlens)`, logits `[total_tokens, vocab]` and the new
@@ -145,9 +185,30 @@ class CausalDecoder(nnx.Module):
                                     cu_seqlens=cu_seqlens, **shared)
         return h, None if caches is None else tuple(new_caches)
 
-    def _layer_caches(self, cache) -> tuple:
-        """The per-layer caches of the model's `cache` (here: the cache itself)."""
-        return cache
+    @staticmethod
+    def _layer_caches(cache: ModelCache) -> tuple:
+        """The per-layer caches of `cache` (a `TypeError` for anything but a `ModelCache`)."""
+        if not isinstance(cache, ModelCache):
+            raise TypeError(f"cache must be a ModelCache (from model.init_cache), got {type(cache).__name__}; "
+                            "per-layer caches are ModelCache(layers, positions), positions the tokens each row "
+                            "has seen")
+        return cache.layers
+
+    def _capacity(self, cache: ModelCache) -> int | None:
+        """Positions per row the cache's layers hold (here: None, no limit)."""
+        return None
+
+    @staticmethod
+    def _positions(h, cache, cu_seqlens) -> Int[Array, "B T"]:
+        """Every token's position in its sequence `[B, T]`, counting the cached tokens."""
+        B, T = h.shape[:2]
+        offsets = jnp.zeros((B if cu_seqlens is None else cu_seqlens.shape[0] - 1,), jnp.int32)
+        if cache is not None:
+            offsets = cache.positions
+        if cu_seqlens is None:
+            return offsets[:, None] + jnp.arange(T)[None]
+        seq = segments(cu_seqlens, T).seq_id  # [N]
+        return (offsets[seq] + jnp.arange(T) - cu_seqlens[seq])[None]
 
     def _block_inputs(self, tokens, h, cache, cu_seqlens) -> dict:
         """Keyword arguments every block gets besides `cu_seqlens` (here: none)."""

@@ -4,10 +4,15 @@
     for each block:  h = h + mixer(RMSNorm(h));  h = h + MLP(RMSNorm(h))
     logits = RMSNorm(h) Eᵀ
 
-Its decode cache is a tuple with one mixer state per block; `model(tokens, cache=cache)`
-continues every sequence from its cache and returns `(logits, new_cache)`. It implements
-`recurrax.nn.pretrained.generate`'s protocol (`generation_cache`, `prefill`, `decode_step`),
-so `generate(model, prompts, max_new_tokens)` continues ragged prompts with it.
+It is the shared decoder (`_decoder.py`) with these blocks, and a family of
+`recurrax.nn.pretrained` (`model_type` `"recurrax_language_model"`, its row in the family table
+`nn/pretrained/_config.FAMILIES`, module `families/_language_model.py`): `from_pretrained`,
+`save_pretrained` and `model_from_config` build, load and save it as they do every family.
+Its decode cache is the families' `ModelCache` (one mixer state per block, the tokens each row
+has seen); `model(tokens, cache=cache)` continues every sequence from its cache and returns
+`(logits, new_cache)`. It implements `recurrax.generation.generate`'s protocol
+(`generation_cache`, `prefill`, `decode_step`), so `generate(model, prompts, max_new_tokens)`
+continues ragged prompts with it.
 """
 
 from __future__ import annotations
@@ -19,12 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ._decoder import CausalDecoder, DecoderBody, pre_norm_residual
+from ._decoder import CausalDecoder, DecoderBody, ModelCache, pre_norm_residual
 from ._gated_deltanet import GatedDeltaNet
 from ._mixers import GatedLinearAttention, LightningAttention, LinearAttention, MixerCache, MultiScaleRetention
 from ._mixers import default_kernel_init, ones
 from ._remat import check_remat
-from ._sharding import constrain, partitioned
+from ._sharding import partitioned
 
 MIXERS = {
     "gla": GatedLinearAttention,
@@ -123,10 +128,13 @@ class LanguageModel(CausalDecoder, DecoderBody):
     - `rngs`: `flax.nnx.Rngs` for the initialisation.
 
     `recurrax.nn.pretrained.save_pretrained` writes it (config.json from `config`, the
-    parameters by module path) and `from_pretrained` builds it back.
+    parameters by module path) and `from_pretrained` builds it back: it is the family
+    `"recurrax_language_model"` of `recurrax.nn.pretrained`, whose model class is this one.
     """
 
     embedding_name, lm_head = "embed", None  # its own body; the head is tied
+    model_type = CONFIG_MODEL_TYPE
+    eos_token_ids: tuple[int, ...] = ()  # no stop token of its own (`generate`'s default)
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, *, mixer: str = "gla",
                  mlp_ratio: int = 4, mixer_options: dict | None = None, implementation: str | None = None,
@@ -170,39 +178,34 @@ class LanguageModel(CausalDecoder, DecoderBody):
         return {"model_type": CONFIG_MODEL_TYPE, "architectures": ["recurrax.nn.LanguageModel"],
                 **json.loads(self.arguments_json)}
 
-    def __call__(
-        self,
-        tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"],
-        cache: tuple[MixerCache, ...] | None = None,
-        *,
-        cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
-    ) -> Float[Array, "... vocab"] | tuple[Float[Array, "... vocab"], tuple[MixerCache, ...]]:
+    def __call__(self, tokens: Int[Array, "batch seq_len"] | Int[Array, " total_tokens"], cache: ModelCache | None = None,
+                 *, cu_seqlens: Int[Array, " num_seqs_plus_one"] | None = None,
+                 ) -> Float[Array, "... vocab"] | tuple[Float[Array, "... vocab"], ModelCache]:
         """Next-token logits for every position; with `cache`, continue from it.
 
         **Arguments:**
         - `tokens`: `[batch, seq_len]` ids in `[0, vocab_size)` (others are a `ValueError`;
           traced ones are checked inside `recurrax.runtime_checks()`), or packed
           `[total_tokens]` with `cu_seqlens`.
-        - `cache`: per-block states after the previous tokens (`init_cache(batch)` for none).
+        - `cache`: a `ModelCache`, the per-block states after the previous tokens
+          (`init_cache(batch)` for none).
         - `cu_seqlens`: `[num_seqs + 1]` boundaries of packed sequences.
 
         **Returns:** `logits` `[..., vocab_size]`, float32 (accumulated so for a bfloat16 model;
         float64 for a float64 one), or `(logits, new_cache)` with `cache`.
         """
-        h, new_caches = self._decode(tokens, cache, cu_seqlens)
-        logits = constrain(self._head(h), "batch", "length", "vocab")
-        logits = logits[0] if tokens.ndim == 1 else logits
-        return logits if cache is None else (logits, new_caches)
+        return self._forward(tokens, cache, cu_seqlens)
 
-    def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple[MixerCache, ...]:
-        """An empty decode cache: one zero state per block for `batch_size` sequences.
+    def init_cache(self, batch_size: int, dtype=jnp.float32) -> ModelCache:
+        """An empty decode cache: a `ModelCache` with one zero state (`MixerCache`) per block for
+        `batch_size` sequences, at position 0.
 
         **Arguments:**
         - `batch_size`: sequences to decode; `dtype`: the state dtype (float64 for float64 models).
         """
-        return tuple(block.mixer.init_cache(batch_size, dtype) for block in self.blocks)
+        return ModelCache.empty((block.mixer.init_cache(batch_size, dtype) for block in self.blocks), batch_size)
 
-    def generation_cache(self, slots: int, capacity: int | None = None) -> tuple[MixerCache, ...]:
+    def generation_cache(self, slots: int, capacity: int | None = None) -> ModelCache:
         """An empty cache for `slots` sequences in the parameters' precision (float32, or
         float64 for float64 models); `capacity` is ignored (the states do not grow). Part of
         `recurrax.nn.pretrained.generate`'s protocol, with `prefill` and `decode_step`."""

@@ -11,6 +11,9 @@ parameter name; only the layout of some parameters differs:
 | CausalConv1d    | kernel [W, C], bias | `weight [C, 1, W]`, `bias` | transpose, add axis  |
 | Backbone        | lower_bounds   | `lower_bounds`                | none                  |
 
+A family whose checkpoints hold its parameters as they are (`recurrax.nn.LanguageModel`'s)
+names them by its module's `stored_params` instead; the rest (checks, saving) is the same.
+
 `nnx.Sequential` children are numbered like PyTorch's (`gk_proj.0`, `gk_proj.1`). A
 LinearAttention whose q and k share one feature map (`tie_feature_map_qk`) holds it as
 `feature_map_q`; PyTorch names the shared tensors under `feature_map_k` too, so those names
@@ -43,7 +46,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from .._conv import CausalConv1d
-from .._model import CONFIG_MODEL_TYPE as LANGUAGE_MODEL_TYPE
+from .._decoder import CausalDecoder
 from .._model import LanguageModel
 from ._config import FAMILY_MODULES, text_model_config
 from ._config_checks import ConfigError, eos_token_ids, read_json
@@ -136,18 +139,25 @@ def _later_places_as_aliases(found: dict[str, Tensor]) -> dict[str, Tensor]:
     return found
 
 
+def checkpoint_tensors(model: CausalLM | LanguageModel) -> dict[str, Tensor]:
+    """Every checkpoint tensor of `model`: its family module's `stored_params` (stored as they
+    are), else `tensors`' (fla's names and layouts)."""
+    family_module = FAMILY_MODULES.get(model.model_type)
+    stored = getattr(family_module, "stored_params", None)
+    if stored is None:
+        return tensors(model)
+    return {name: Tensor(variable, _same, _same) for name, variable in stored(model).items()}
+
+
 def state_dict(model: CausalLM | LanguageModel) -> dict[str, np.ndarray]:
     """fla's state dict of `model`: fla's names, PyTorch layouts, the parameters' dtypes (a
     `recurrax.nn.LanguageModel`: its parameters as they are, by module path). A parameter
     sharded over several processes is gathered (every process must call this)."""
-    if isinstance(model, LanguageModel):
-        return {name: np.ascontiguousarray(_host_value(variable.get_value()))
-                for name, variable in _language_model_params(model).items()}
-    if not isinstance(model, CausalLM):
+    if not isinstance(model, CausalDecoder):
         raise TypeError(f"save_pretrained and state_dict take a recurrax.nn.pretrained.CausalLM or a "
                         f"recurrax.nn.LanguageModel, got {type(model).__name__}")
     weights = {name: np.ascontiguousarray(t.to_fla(_host_value(t.variable.get_value())))
-               for name, t in tensors(model).items() if t.saved}
+               for name, t in checkpoint_tensors(model).items() if t.saved}
     family_module = FAMILY_MODULES.get(model.model_type)
     if family_module is None:
         return hf_saved_names(model.model_type, weights)
@@ -163,7 +173,8 @@ def _host_value(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfinite: bool = False) -> CausalLM:
+def load_weights(model: CausalLM | LanguageModel, weights: dict[str, np.ndarray], *,
+                 allow_nonfinite: bool = False) -> CausalLM | LanguageModel:
     """Fill `model`'s parameters from fla's state dict `weights` (in place; returns `model`);
     a family module's checkpoint names are read as its `loaded_names` reads them (Qwen3-Next:
     each expert's matrices, or the fused ones), Nemotron-H's experts as `_hf_checkpoint`'s.
@@ -174,11 +185,11 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
     are cast to each parameter's dtype. `model` may be abstract (`nnx.eval_shape`): every
     parameter is set.
     """
-    expected = tensors(model)
-    family_module = FAMILY_MODULES.get(getattr(model, "model_type", None))
-    given = (hf_loaded_names(getattr(model, "model_type", None), dict(weights)) if family_module is None
+    expected = checkpoint_tensors(model)
+    family_module = FAMILY_MODULES.get(model.model_type)
+    given = (hf_loaded_names(model.model_type, dict(weights)) if family_module is None
              else family_module.loaded_names(weights))
-    if model.tie_word_embeddings:
+    if model.lm_head is None:  # tied: the head is the embedding
         given.pop(TIED_HEAD, None)
     for name, tensor in expected.items():  # a shared tensor may come under its alias only
         primary = next(n for n, t in expected.items() if t.variable is tensor.variable and not t.alias)
@@ -194,7 +205,7 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
         if unexpected:
             lines.append(f"unexpected weights ({len(unexpected)}): {', '.join(unexpected)}")
         raise ValueError("checkpoint does not match the model built from its config:\n" + "\n".join(lines))
-    for name, tensor in tensors(model).items():
+    for name, tensor in checkpoint_tensors(model).items():
         if name not in given:
             continue
         want = tuple(tensor.to_fla(np.zeros(tensor.variable.get_value().shape, np.int8)).shape)
@@ -207,35 +218,6 @@ def load_weights(model: CausalLM, weights: dict[str, np.ndarray], *, allow_nonfi
     for name, tensor in expected.items():
         value = tensor.from_fla(np.asarray(given[name]))
         tensor.variable.set_value(jnp.asarray(value, dtype=tensor.variable.get_value().dtype))
-    return model
-
-
-def _language_model_params(model: LanguageModel) -> dict[str, nnx.Variable]:
-    """A `LanguageModel`'s parameters by their dotted module path (`blocks.0.mlp.up.kernel`)."""
-    return {".".join(map(str, path)): variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def _build_language_model(config: dict, dtype, remat: str | None = None, param_dtype=None
-                          ) -> tuple[LanguageModel, dict[str, nnx.Variable]]:
-    """An abstract `LanguageModel` built from its config.json (`LanguageModel.config`), and its parameters."""
-    model = nnx.eval_shape(lambda: model_from_config(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                                     rngs=nnx.Rngs(0)))
-    return model, _language_model_params(model)
-
-
-def _fill_language_model(model: LanguageModel, params: dict, weights: dict, allow_nonfinite: bool):
-    """Set every parameter of `model` from `weights` by name, after checking names, shapes, values."""
-    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the LanguageModel built from its config: missing {missing}, "
-                         f"unexpected {unexpected}")
-    for name, variable in params.items():
-        if tuple(np.shape(weights[name])) != tuple(variable.get_value().shape):
-            raise ValueError(f"shape mismatch for {name}: the model expects {list(variable.get_value().shape)}, "
-                             f"the checkpoint has {list(np.shape(weights[name]))}")
-        _check_values(name, np.asarray(weights[name]), allow_nonfinite)
-    for name, variable in params.items():
-        variable.set_value(jnp.asarray(weights[name], dtype=variable.get_value().dtype))
     return model
 
 
@@ -254,9 +236,9 @@ def _check_values(name: str, value: np.ndarray, allow_nonfinite: bool) -> None:
 def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, allow_nonfinite: bool = False,
                     remat: str | None = None) -> CausalLM | LanguageModel:
     """Load a checkpoint directory (Hugging Face layout) of a supported family (`SUPPORTED`)
-    into a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text model); one
-    `save_pretrained` wrote from a `recurrax.nn.LanguageModel` (its `model_type` is
-    `recurrax_language_model`) loads back into a `LanguageModel`. Nothing is downloaded.
+    into its family's model class: a `CausalLM` (of a multimodal Qwen3.5 checkpoint, its text
+    model), or a `recurrax.nn.LanguageModel` for one `save_pretrained` wrote from a
+    `LanguageModel` (its `model_type` is `recurrax_language_model`). Nothing is downloaded.
 
     **Arguments:**
     - `path`: a local directory with `config.json` and `model.safetensors`, or sharded
@@ -288,16 +270,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         weights = _load_shards(path, index, load_file)
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
-    if config.get("model_type") == LANGUAGE_MODEL_TYPE:
-        try:
-            model, params = _build_language_model(config, dtype, remat, param_dtype)
-        except (ValueError, TypeError) as error:
-            raise type(error)(f"{config_path}: {error}") from error
-        return _fill_language_model(model, params, weights, allow_nonfinite)
     try:
         hf_config = is_hf_config(config)
-        model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                                rngs=nnx.Rngs(0)))  # shapes only, no init
+        model = nnx.eval_shape(lambda: model_from_config(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                                         rngs=nnx.Rngs(0)))  # shapes only, no init
     except (ValueError, TypeError, NotImplementedError) as error:
         raise type(error)(f"{config_path}: {error}") from error
     if hf_config:

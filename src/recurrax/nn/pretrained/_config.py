@@ -10,7 +10,8 @@ too). `attn` (a dict or a list of dicts) puts fla's softmax `Attention` at the l
 from __future__ import annotations
 
 from ._config_checks import check_config
-from .families import _bailing_hybrid, _gated_deltanet, _kimi_linear, _minimax, _olmo_hybrid, _qwen3_next
+from .families import _bailing_hybrid, _gated_deltanet, _kimi_linear, _language_model, _minimax, _olmo_hybrid
+from .families import _qwen3_next
 from .families._gla import GatedLinearAttention
 from .families._hgrn2 import HGRN2Attention
 from .families._lightnet import LightNetAttention
@@ -52,6 +53,7 @@ FAMILIES = (
     _minimax,
     _kimi_linear,
     _bailing_hybrid,
+    _language_model,
 )
 """The family modules of `families/`: adding a family is one module there and one row here."""
 FAMILY_MODULES = {model_type: module for module in FAMILIES for model_type in module.MODEL_TYPES}
@@ -61,13 +63,19 @@ FAMILY_MODULES = {model_type: module for module in FAMILIES for model_type in mo
 layers and final norm, held as `BODY_NAME`), and `loaded_names(weights)` / `saved_names(weights)`
 (a checkpoint's tensor names to the module tree's and back, as `transformers` writes them),
 optionally `saved_buffers(config, weights)` (tensors `transformers` saves that are functions of the
-config, such as MiniMax's Lightning decays); `MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`."""
+config, such as MiniMax's Lightning decays); `MULTIMODAL` (multimodal `model_type`s whose text model it reads) and `text_model_config`.
+A family whose model is its own class (`recurrax.nn.LanguageModel`'s, `families/_language_model.py`)
+names it `MODEL` instead of `Body` (`resolve` then gives `MODEL`'s constructor arguments) and
+`stored_params(model)` (its checkpoint's tensors, stored as they are) instead of the module walk's."""
 MULTIMODAL = {model_type: module for module in FAMILIES for model_type in module.MULTIMODAL}
 """Multimodal `model_type`s whose text model a family module reads (`text_model_config`)."""
-SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(FAMILY_MODULES)
+SUPPORTED = tuple(FAMILY_DEFAULTS) + HF_FAMILIES + tuple(t for t, m in FAMILY_MODULES.items() if not hasattr(m, "MODEL"))
 """Every `model_type` `CausalLM` and `from_pretrained` accept: fla's families (gated_deltanet among them), then `transformers`' Mamba-2
 family (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2), then the family modules
-(qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid, minimax, kimi_linear, bailing_hybrid)."""
+(qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid, minimax, kimi_linear, bailing_hybrid).
+`from_pretrained` and `model_from_config` accept `recurrax_language_model` too (`OWN_MODELS`)."""
+OWN_MODELS = {t: m.MODEL for t, m in FAMILY_MODULES.items() if hasattr(m, "MODEL")}
+"""The families whose model class is their own, not `CausalLM`, by `model_type`: `recurrax.nn.LanguageModel`'s."""
 
 
 def resolve(config: dict) -> dict:

@@ -28,8 +28,6 @@ layers keep `capacity` tokens per row: a call that would write a position ≥ ca
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +35,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..._core.problem import runtime_checks_enabled
-from ..._core.varlen import segments
-from .._decoder import CausalDecoder, DecoderBody, pre_norm_residual
+from .._decoder import CausalDecoder, DecoderBody, ModelCache, pre_norm_residual
 from .._precision import compute_view, store_params
 from .._remat import check_remat
 from .._sharding import constrain, param, partitioned
@@ -49,13 +46,6 @@ from .families._mamba2 import NAMES as HF_NAMES
 from .layers._attention import Attention, KVCache
 from .layers._mixer import linear
 from .layers._norm import RMSNorm
-
-
-class ModelCache(NamedTuple):
-    """A model's decode cache: one cache per layer and the positions `[R]` (tokens seen per row)."""
-
-    layers: tuple
-    positions: Int[Array, " R"]
 
 
 class GatedMLP(nnx.Module):
@@ -168,6 +158,9 @@ class CausalLM(CausalDecoder):
         self.remat, self.scan_layers = check_remat(remat), bool(scan_layers)
         model_type = config.get("model_type") if isinstance(config, dict) else None
         family_module = FAMILY_MODULES.get(model_type) if isinstance(model_type, str) else None
+        if hasattr(family_module, "MODEL"):
+            raise ValueError(f"a {model_type!r} config builds a {family_module.MODEL.__qualname__}, not a CausalLM: "
+                             "build it with recurrax.nn.pretrained.model_from_config(config) (or from_pretrained)")
         if family_module is not None:
             spec = family_module.resolve(config)
             family, hidden_size = config["model_type"], spec["hidden_size"]
@@ -233,24 +226,7 @@ class CausalLM(CausalDecoder):
         **Returns:** `logits` `[B, T, vocab]` (packed: `[N, vocab]`), float32, or
         `(logits, new_cache)`.
         """
-        packed = cu_seqlens is not None
-        model = self._computing()
-        h, new_caches = model._decode(tokens, cache, cu_seqlens)
-        positions = self._positions(h, cache, cu_seqlens)
-        if logits_to_keep is not None and (packed or not 1 <= logits_to_keep <= tokens.shape[1]):
-            raise ValueError(f"logits_to_keep must be in [1, seq_len = {tokens.shape[-1]}] and unpacked, "
-                             f"got {logits_to_keep}" + (" with cu_seqlens" if packed else ""))
-        if logits_to_keep is not None:
-            h, positions = h[:, -logits_to_keep:], positions[:, -logits_to_keep:]
-        logits = constrain(model._head(h), "batch", "length", "vocab")
-        capacity = None if cache is None else _capacity(cache)
-        if capacity is not None:  # traced positions: the tokens past it get NaN logits
-            logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
-        logits = logits[0] if packed else logits
-        if cache is None:
-            return logits
-        seen = tokens.shape[1] if not packed else cu_seqlens[1:] - cu_seqlens[:-1]
-        return logits, ModelCache(new_caches, cache.positions + seen)
+        return self._forward(tokens, cache, cu_seqlens, logits_to_keep)
 
     def _computing(self) -> CausalLM:
         """The model to run the forward with: itself, or (parameters stored in another dtype
@@ -261,15 +237,12 @@ class CausalLM(CausalDecoder):
         view.param_dtype = self.dtype
         return view
 
-    def _layer_caches(self, cache: ModelCache) -> tuple:
-        return cache.layers
-
     def _block_inputs(self, tokens, h, cache, cu_seqlens) -> dict:
         """Every token's position (refused past the cache's attention capacity)."""
         if cu_seqlens is not None and tokens.ndim != 1:
             raise ValueError(f"packed tokens must be [total_tokens], got shape {tokens.shape}")
         positions = self._positions(h, cache, cu_seqlens)
-        _refuse_past_capacity(positions, None if cache is None else _capacity(cache))
+        _refuse_past_capacity(positions, None if cache is None else self._capacity(cache))
         return dict(positions=positions)
 
     def init_cache(self, rows: int, capacity: int | None = None) -> ModelCache:
@@ -277,30 +250,17 @@ class CausalLM(CausalDecoder):
         per row (default `max_position_embeddings`): size it to the longest sequence you will
         feed (prompt + new tokens). Layers without softmax attention ignore it."""
         capacity = self.max_position_embeddings if capacity is None else capacity
-        return ModelCache(self.body.init_caches(rows, capacity), jnp.zeros((rows,), jnp.int32))
+        return ModelCache.empty(self.body.init_caches(rows, capacity), rows)
 
     def generation_cache(self, slots: int, capacity: int) -> ModelCache:
         """`init_cache(slots, capacity)`: `generate`'s protocol (`CachedLanguageModel`)."""
         return self.init_cache(slots, capacity)
 
-    @staticmethod
-    def _positions(h, cache, cu_seqlens) -> Int[Array, "B T"]:
-        """Every token's position in its sequence `[B, T]`, counting the cached tokens."""
-        B, T = h.shape[:2]
-        offsets = jnp.zeros((B if cu_seqlens is None else cu_seqlens.shape[0] - 1,), jnp.int32)
-        if cache is not None:
-            offsets = cache.positions
-        if cu_seqlens is None:
-            return offsets[:, None] + jnp.arange(T)[None]
-        seq = segments(cu_seqlens, T).seq_id  # [N]
-        return (offsets[seq] + jnp.arange(T) - cu_seqlens[seq])[None]
-
-
-def _capacity(cache: ModelCache) -> int | None:
-    """Positions per row the cache's softmax-attention layers hold (None: no such layer)."""
-    kv = [layer if isinstance(layer, KVCache) else getattr(layer, "attention", None) for layer in cache.layers]
-    sizes = [layer.keys.shape[1] for layer in kv if isinstance(layer, KVCache)]  # a hybrid's LayerCache too
-    return min(sizes) if sizes else None
+    def _capacity(self, cache: ModelCache) -> int | None:
+        """Positions per row the cache's softmax-attention layers hold (None: no such layer)."""
+        kv = [layer if isinstance(layer, KVCache) else getattr(layer, "attention", None) for layer in cache.layers]
+        sizes = [layer.keys.shape[1] for layer in kv if isinstance(layer, KVCache)]  # a hybrid's LayerCache too
+        return min(sizes) if sizes else None
 
 
 def _refuse_past_capacity(positions, capacity: int | None) -> None:

@@ -22,12 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._model import CONFIG_MODEL_TYPE, MIXERS, LanguageModel
-from ._config_checks import _check_fields, _refuse
+from ._config import FAMILY_MODULES
 from ._model import CausalLM
-
-LANGUAGE_MODEL_ARGUMENTS = ("vocab_size", "d_model", "num_layers", "num_heads", "mixer", "mlp_ratio", "mixer_options",
-                            "implementation")
-"""The fields of a `recurrax.nn.LanguageModel`'s config.json: its constructor's arguments."""
+from .families._language_model import ARGUMENTS as LANGUAGE_MODEL_ARGUMENTS
 
 
 def _language_model(d_model: int, num_layers: int, num_heads: int) -> dict:
@@ -73,32 +70,17 @@ def size_config(name: str, **overrides) -> dict:
 
 def model_from_config(config: dict, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,
                       rngs: nnx.Rngs | None = None) -> LanguageModel | CausalLM:
-    """A freshly initialised model of a config.json dict: a `recurrax.nn.LanguageModel` for
-    `model_type` `"recurrax_language_model"` (its fields are the constructor's arguments; a
-    missing one is a `ValueError` naming it), else a `CausalLM`; `param_dtype` (default
-    `dtype`) and `remat` as theirs."""
+    """A freshly initialised model of a config.json dict, of its family's model class: a
+    `CausalLM`, or the family's own (`recurrax.nn.LanguageModel` for `model_type`
+    `"recurrax_language_model"`, whose fields are the constructor's arguments; a missing one
+    is a `ValueError` naming it); `param_dtype` (default `dtype`) and `remat` as theirs."""
     rngs = nnx.Rngs(0) if rngs is None else rngs
-    if config.get("model_type") != CONFIG_MODEL_TYPE:
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    family = FAMILY_MODULES.get(model_type) if isinstance(model_type, str) else None
+    if not hasattr(family, "MODEL"):
         return CausalLM(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
-    missing = [k for k in LANGUAGE_MODEL_ARGUMENTS if k not in config]
-    if missing:
-        raise ValueError(f"a {CONFIG_MODEL_TYPE} config needs the fields {', '.join(missing)}")
-    _check_language_model_fields(config)
-    arguments = {k: config[k] for k in LANGUAGE_MODEL_ARGUMENTS}
-    return LanguageModel(**arguments, dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
-                         remat=remat, rngs=rngs)
-
-
-def _check_language_model_fields(config: dict) -> None:
-    """The kinds of a LanguageModel config's fields (a `ConfigError` naming the field); the
-    constructor checks the values."""
-    _check_fields(config, ints=("vocab_size", "d_model", "num_layers", "num_heads", "mlp_ratio"))
-    if not isinstance(config["mixer"], str):
-        _refuse("mixer", "a mixer's name (a string)", config["mixer"])
-    if not isinstance(config["mixer_options"], dict):
-        _refuse("mixer_options", "an object of the mixer's keyword arguments", config["mixer_options"])
-    if config["implementation"] is not None and not isinstance(config["implementation"], str):
-        _refuse("implementation", "null or an implementation's name (a string)", config["implementation"])
+    return family.MODEL(**family.resolve(config), dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
+                        remat=remat, rngs=rngs)
 
 
 def from_size(name: str, *, dtype=jnp.float32, param_dtype=None, remat: str | None = None,

@@ -7,6 +7,8 @@
     _zamba2                         Zamba2's shared blocks and hybrid layers (used by `_mamba2`)
     _qwen3_next                     Qwen3-Next and Qwen3.5 (dense and MoE text models)
     _olmo_hybrid                    OLMo-Hybrid
+    _language_model                 recurrax.nn.LanguageModel (`recurrax_language_model`): its config,
+                                    its own class as the model class (`MODEL`), checkpoints by module path
 
 A `transformers` family is one module here (its `MODEL_TYPES`, `resolve`, `Body`,
 `loaded_names`, `saved_names`; the contract is `.._config.FAMILY_MODULES`'s) and one entry of
