@@ -1,0 +1,71 @@
+"""`recurrent`'s token-major TPU forward (`TpuTiles(layout="tokens")`, `_token_forward`): TPU
+interpret mode vs the float64 reference, gradients through the head-major backward it feeds.
+
+Tolerances and the error measures are `test_kernels_tpu`'s (measured rounding floors: the
+token-major forward does the same arithmetic as the head-major one, on lane slices of its
+blocks). Heads of K = 64 so that a step's blocks are the chip's: two heads are one 128-lane
+block, a head starts at a 64-lane offset; chunk 16 (interpret mode takes it) keeps T small.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _cases import Case, make_inputs, split_args
+from test_kernels_tpu import (BF16_G_GAMMA_TOL, BF16_GATE_TOL, BF16_TOL, F32_TOL, G_GAMMA_F32_TOL, _assert_within,
+                              _pallas_operand_shapes, errors)
+
+from recurrax.kernels.tpu import TpuTiles, tpu_interpret
+from recurrax.kernels.tpu._tiles import Shapes
+from recurrax.kernels.tpu._token_forward import token_problems
+from recurrax.tools.cases import call
+
+
+def tokens(heads: int | None):
+    return functools.partial(tpu_interpret, tiles=TpuTiles(chunk=16, sub=8, block_v=64, heads=heads, layout="tokens"))
+
+
+CASES = [  # (case, heads per grid step)
+    # no decay, K = V = 64, two heads a step (one 128-lane block), an initial state
+    (Case(B=2, T=33, H=4, Hkv=4, K=64, V=64, dtype="float32"), 2),
+    # per-head g and g_gamma, V = 128, query/key heads shared by pairs, every head in one step, reverse
+    (Case(B=1, T=33, Hqk=2, H=4, K=64, V=128, gates=("g_head", "g_gamma"), reverse=True, dtype="float32"), 4),
+    # packed sequences (an empty one, boundaries inside chunks), one query/key head for four value
+    # heads read by two steps of two
+    (Case(T=40, Hqk=1, H=4, K=64, V=64, gates=("g_head",), cu_seqlens=(0, 3, 3, 20, 40), dtype="float32"), 2),
+]
+
+
+@pytest.mark.parametrize(("case", "heads"), CASES, ids=[f"{c}-Hb{h}" for c, h in CASES])
+def test_token_major_forward_matches_reference(case, heads):
+    """Outputs, final states and every gradient (q, k, v, g, g_gamma, h0) within the float32
+    bounds of the head-major kernels."""
+    _assert_within(errors(case, tokens(heads)), F32_TOL, g_gamma_tol=G_GAMMA_F32_TOL)
+
+
+def test_token_major_forward_bfloat16():
+    case = Case(B=1, T=20, H=2, Hkv=2, K=64, V=64, gates=("g_gamma",), dtype="bfloat16")
+    _assert_within(errors(case, tokens(2)), BF16_TOL, BF16_GATE_TOL, BF16_G_GAMMA_TOL)
+
+
+def test_token_major_forward_reads_the_drivers_arrays():
+    """The forward kernels' operands are the token-major arrays reshaped ([B, Tp, G·K], [B, Tp, H·V],
+    the decay [B, Tp, H]): no head-major copy; the backward's stay head-major."""
+    case = Case(B=1, T=40, Hqk=2, H=4, K=64, V=64, gates=("g_head",), dtype="float32")
+    diff, rest = split_args(make_inputs(case))
+    loss = lambda d: sum(jnp.sum(x) for x in call(tokens(2), **d, **rest))  # noqa: E731
+    forward = _pallas_operand_shapes(jax.make_jaxpr(loss)(diff).jaxpr)
+    assert forward == [(1, 48, 128), (1, 48, 128), (1, 48, 256), (1, 48, 4), (1, 4, 64, 64)], forward
+    backward = _pallas_operand_shapes(jax.make_jaxpr(jax.grad(loss))(diff).jaxpr)
+    assert (1, 48, 128) in backward and (1, 2, 48, 64) in backward  # states kernel token-major, backward head-major
+
+
+def test_token_blocks_mosaic_refuses_are_named():
+    """A step's blocks must be 128 lanes wide or whole: one head of K = V = 64 of 16 is refused."""
+    s = Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=16, Hb=1)
+    assert len(token_problems(s)) == 2
+    assert token_problems(Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=16, Hb=2)) == []
+    assert token_problems(Shapes(B=1, H=1, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=1, Hb=1)) == []
+    with pytest.raises(ValueError, match="layout is one of"):
+        TpuTiles(layout="rows")
