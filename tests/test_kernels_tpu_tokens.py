@@ -2,9 +2,10 @@
 interpret mode vs the float64 reference, gradients through the head-major backward it feeds.
 
 Tolerances and the error measures are `test_kernels_tpu`'s (measured rounding floors: the
-token-major forward does the same arithmetic as the head-major one, on lane slices of its
-blocks). Heads of K = 64 so that a step's blocks are the chip's: two heads are one 128-lane
-block, a head starts at a 64-lane offset; chunk 16 (interpret mode takes it) keeps T small.
+token-major forward does the same arithmetic as the head-major one, on per-head slices of
+its blocks). Heads of K = 64 so that a step's heads are the chip's; two or all four heads a
+grid step (interpret mode takes blocks of two heads, which Mosaic refuses: `token_problems`);
+chunk 16 (interpret mode takes it) keeps T small.
 """
 
 import functools
@@ -27,7 +28,7 @@ def tokens(heads: int | None):
 
 
 CASES = [  # (case, heads per grid step)
-    # no decay, K = V = 64, two heads a step (one 128-lane block), an initial state
+    # no decay, K = V = 64, two heads a step, an initial state
     (Case(B=2, T=33, H=4, Hkv=4, K=64, V=64, dtype="float32"), 2),
     # per-head g and g_gamma, V = 128, query/key heads shared by pairs, every head in one step, reverse
     (Case(B=1, T=33, Hqk=2, H=4, K=64, V=128, gates=("g_head", "g_gamma"), reverse=True, dtype="float32"), 4),
@@ -50,22 +51,26 @@ def test_token_major_forward_bfloat16():
 
 
 def test_token_major_forward_reads_the_drivers_arrays():
-    """The forward kernels' operands are the token-major arrays reshaped ([B, Tp, G·K], [B, Tp, H·V],
-    the decay [B, Tp, H]): no head-major copy; the backward's stay head-major."""
+    """The forward kernels' operands are the driver's token-major arrays ([B, Tp, G, K],
+    [B, Tp, H, V], the decay [B, Tp, H]): no head-major copy; the backward's stay head-major."""
     case = Case(B=1, T=40, Hqk=2, H=4, K=64, V=64, gates=("g_head",), dtype="float32")
     diff, rest = split_args(make_inputs(case))
     loss = lambda d: sum(jnp.sum(x) for x in call(tokens(2), **d, **rest))  # noqa: E731
     forward = _pallas_operand_shapes(jax.make_jaxpr(loss)(diff).jaxpr)
-    assert forward == [(1, 48, 128), (1, 48, 128), (1, 48, 256), (1, 48, 4), (1, 4, 64, 64)], forward
+    assert forward == [(1, 48, 2, 64), (1, 48, 2, 64), (1, 48, 4, 64), (1, 48, 4), (1, 4, 64, 64)], forward
     backward = _pallas_operand_shapes(jax.make_jaxpr(jax.grad(loss))(diff).jaxpr)
-    assert (1, 48, 128) in backward and (1, 2, 48, 64) in backward  # states kernel token-major, backward head-major
+    states, head_major = backward[5:9], backward[9:]  # after the forward: the states kernel reads k, v, A, h0
+    assert states == [(1, 48, 2, 64), (1, 48, 4, 64), (1, 48, 4), (1, 4, 64, 64)], backward
+    assert (1, 2, 48, 64) in head_major and (1, 48, 2, 64) not in head_major, backward
 
 
 def test_token_blocks_mosaic_refuses_are_named():
-    """A step's blocks must be 128 lanes wide or whole: one head of K = V = 64 of 16 is refused."""
-    s = Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=16, Hb=1)
+    """A step's heads are its blocks' second-minor dim: a multiple of 8 or all of them."""
+    s = Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=16, Hb=2)
     assert len(token_problems(s)) == 2
-    assert token_problems(Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=16, Hb=2)) == []
+    assert token_problems(Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=16, Hb=8)) == []
+    assert "query/key heads" in token_problems(Shapes(B=1, H=16, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=2,
+                                                      Hb=8))[0]
     assert token_problems(Shapes(B=1, H=1, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=1, Hb=1)) == []
     with pytest.raises(ValueError, match="layout is one of"):
         TpuTiles(layout="rows")

@@ -10,25 +10,25 @@
 The head-major forward (`_recurrent_forward`, `_launch.forward`) reads copies of q, k, v made
 in XLA ([B, H, Tp, D], kᵀ [B, H, K, Tp], the decay as rows [B, H, 1, Tp]) and transposes its
 output back; on a TPU those copies of 64-wide heads take most of the call's time. This one
-reads the driver's arrays as they are, through free reshapes:
+reads the driver's arrays as they are:
 
-    q, k [B, Tp, G·K] -> blocks [C, Gb·K];  v, o [B, Tp, H·V] -> blocks [C, Hb·V];  A -> [C, H]
+    q, k [B, Tp, G, K] -> blocks [C, Gb, K];  v, o [B, Tp, H, V] -> blocks [C, Hb, V];  A [B, Tp, H] -> [C, H]
 
-(Mosaic's rule: a block's minor dim a multiple of 128 or the whole dim, so Hb·V and Gb·K are
-multiples of 128 or all of H·V, G·K; A's whole H is always legal). Inside a grid step head i's
-tiles are lane slices of the blocks, q_j = q[:, j·K:(j+1)·K] and v_i = v[:, i·V:(i+1)·V]; kᵀ,
-the state update's operand (a contraction over tokens), is the k block transposed once in VMEM,
-[Gb·K, C], whose head j is the aligned sublane slice [j·K, (j+1)·K). Head i's decay column is
-column h·Hb + i of the A block (`pick_col`, the step's head block h), its row that column
-transposed (`row_of`). The chunk maths is `_recurrent_forward.head_chunk`'s:
+A TPU tiles an array's two minor dims, here (heads, D): a block is legal when its heads are a
+multiple of 8 or all of them and D is whole (`token_problems`), and A's whole H always is.
+(Flattening to [B, Tp, H·D] is no free reshape on a TPU: it re-tiles, two copies per array.)
+Inside a grid step head i's tiles are sublane-strided loads, v_i = v[:, i, :] [C, V] and q_j,
+k_j likewise; kᵀ, the state update's operand (a contraction over tokens), is k_j transposed in
+VMEM. Head i's decay column is column h·Hb + i of the A block (`pick_col`, the step's head
+block h), its row that column transposed (`row_of`). The chunk maths is
+`_recurrent_forward.head_chunk`'s:
 
     o_i = scale · [ (q ⊙ e^{A})ᵀ S + (q kᵀ ⊙ D) v ],  S' = e^{A_L} S + (kᵀ ⊙ e^{A_L − A}) v,  D_ts = e^{A_t − A_s} (s ≤ t)
 
 The grid, the state scratch, its start and end (`_launch.start_carries`, `finish_carry`,
 `_tiles.chunk_flags`: packed sequences, h0), the outputs h_T and the chunk-entry states are
 the head-major kernel's, so its backward (`_recurrent_backward`) reads them unchanged. The
-value block is all of V (one program per head block), since a value block of several heads is
-not a contiguous lane range.
+value block is all of V (one program per head block).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .._driver import KernelConfig, output_type
 from . import _recurrent_forward as recurrent_forward  # head_chunk (it imports this module: a module, not a name)
 from . import _tiles as tiles
 from ._launch import finish_carry, start_carries
-from ._tiles import F32, LANES, _block_spec
+from ._tiles import F32, SUBLANES, _block_spec
 
 
 def token_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
@@ -58,14 +58,14 @@ def token_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
 
 
 def token_problems(s: tiles.Shapes) -> list[str]:
-    """Why the token-major blocks [C, Gb·K], [C, Hb·V] are not legal Mosaic blocks."""
+    """Why the token-major blocks [C, Gb, K], [C, Hb, V] are not legal Mosaic blocks: their
+    heads are the second-minor dim, a multiple of 8 or all of them."""
     G = s.G or s.H
     problems = []
-    if (s.Hb * s.V) % LANES and s.Hb != s.H:
-        problems.append(f"heads={s.Hb} times V={s.V} must be a multiple of {LANES} (or all {s.H} heads)")
-    if (s.Gb * s.K) % LANES and s.Gb != G:
-        problems.append(f"the {s.Gb} query/key heads of a grid step times K={s.K} must be a multiple of {LANES} "
-                        f"(or all {G} query/key heads)")
+    if s.Hb % SUBLANES and s.Hb != s.H:
+        problems.append(f"heads={s.Hb} must be a multiple of {SUBLANES} or all {s.H} heads")
+    if s.Gb % SUBLANES and s.Gb != G:
+        problems.append(f"the {s.Gb} query/key heads of a grid step must be a multiple of {SUBLANES} or all {G}")
     return problems
 
 
@@ -76,13 +76,13 @@ class TokenSpecs:
 
     specs: tiles.Specs
 
-    def qk(self):  # [B, Tp, G·K] -> [C, Gb·K] of the step's query/key heads
+    def qk(self):  # [B, Tp, G, K] -> [C, Gb, K] of the step's query/key heads
         sp, s = self.specs, self.specs.s
-        return _block_spec((None, s.C, s.Gb * s.K), lambda b, h, j, n, *m: (b, sp.chunk(n), sp.qk_block(h)))
+        return _block_spec((None, s.C, s.Gb, s.K), lambda b, h, j, n, *m: (b, sp.chunk(n), sp.qk_block(h), 0))
 
-    def values(self):  # [B, Tp, H·V] -> [C, Hb·V]
+    def values(self):  # [B, Tp, H, V] -> [C, Hb, V]
         sp, s = self.specs, self.specs.s
-        return _block_spec((None, s.C, s.Hb * s.V), lambda b, h, j, n, *m: (b, sp.chunk(n), h))
+        return _block_spec((None, s.C, s.Hb, s.V), lambda b, h, j, n, *m: (b, sp.chunk(n), h, 0))
 
     def decay(self):  # [B, Tp, H] -> [C, H], every head
         sp, s = self.specs, self.specs.s
@@ -105,15 +105,15 @@ def _grid_step(*refs, specs: tiles.Specs, static: KernelConfig, emit_output: boo
     s = specs.s
     first, last, step0 = tiles.chunk_flags(specs, meta_ref)
     dtype = tiles.matmul_dtype(k_ref.dtype)
-    q_all = None if q_ref is None else tiles.f32(q_ref)  # [C, Gb·K]
-    k_all = tiles.f32(k_ref)
-    kT_all = k_all.T  # [Gb·K, C]: kᵀ of every query/key head of the step, transposed once
-    v_all = tiles.f32(v_ref)  # [C, Hb·V]
     a_all = None if a_ref is None else a_ref[...]  # [C, H]
     head_block = pl.program_id(1)
+    keys = {}  # query/key head j of the step -> (k_j [C, K], k_jᵀ [K, C]), loaded once per group
     for i in range(s.Hb):
         j = s.qk_local(i)
-        keys, values = slice(j * s.K, (j + 1) * s.K), slice(i * s.V, (i + 1) * s.V)
+        if j not in keys:
+            k = k_ref[:, j, :].astype(F32)
+            keys[j] = (k, k.T)
+        k, kT = keys[j]
         a_col = a_row = None
         if a_all is not None:
             a_col = tiles.pick_col(a_all, head_block * s.Hb + i)  # [C, 1]
@@ -122,11 +122,11 @@ def _grid_step(*refs, specs: tiles.Specs, static: KernelConfig, emit_output: boo
         S = S_ref[i]
         if emit_states:
             states_ref[i] = S
-        q = None if q_all is None else q_all[:, keys]
-        o, S_next = recurrent_forward.head_chunk(q, k_all[:, keys], kT_all[keys, :], v_all[:, values], a_col, a_row,
-                                                 S, scale=static.scale, dtype=dtype, emit_output=emit_output)
+        q = None if q_ref is None else q_ref[:, j, :].astype(F32)
+        o, S_next = recurrent_forward.head_chunk(q, k, kT, v_ref[:, i, :].astype(F32), a_col, a_row, S,
+                                                 scale=static.scale, dtype=dtype, emit_output=emit_output)
         if emit_output:
-            o_ref[:, values] = o.astype(o_ref.dtype)
+            o_ref[:, i, :] = o.astype(o_ref.dtype)
         S_ref[i] = S_next
         finish_carry(last, hT_ref.at[i], S_next)
 
@@ -142,10 +142,8 @@ def token_forward(q, k, v, a, h0, meta, *, static: KernelConfig, emit_output: bo
     s = token_shapes(q, v, static)
     specs = tiles.Specs(s, backward=False, varlen=meta is not None)
     tokens = TokenSpecs(specs)
-    flat = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731  [B, Tp, heads, D] -> [B, Tp, heads·D], free
-
-    inputs, in_specs = ([flat(q)], [tokens.qk()]) if emit_output else ([], [])
-    inputs += [flat(k), flat(v)]
+    inputs, in_specs = ([q], [tokens.qk()]) if emit_output else ([], [])
+    inputs += [k, v]
     in_specs += [tokens.qk(), tokens.values()]
     if static.gate is not None:
         inputs.append(a)
@@ -156,7 +154,7 @@ def token_forward(q, k, v, a, h0, meta, *, static: KernelConfig, emit_output: bo
     out_specs, out_shape = [], []
     if emit_output:
         out_specs.append(tokens.values())
-        out_shape.append(output_type((s.B, s.Tp, s.H * s.V), kdt, k))
+        out_shape.append(output_type((s.B, s.Tp, s.H, s.V), kdt, k))
     out_specs.append(specs.state())
     out_shape.append(output_type((h0.shape[0], s.H, s.K, s.V), F32, k))
     if emit_states:
@@ -174,5 +172,5 @@ def token_forward(q, k, v, a, h0, meta, *, static: KernelConfig, emit_output: bo
         name="recurrax_tpu_tokens_fwd" if emit_output else "recurrax_tpu_tokens_states",
     )(*(([meta] if meta is not None else []) + inputs)))
     if emit_output:
-        outs[0] = outs[0].reshape(s.B, s.Tp, s.H, s.V).astype(out_dtype)
+        outs[0] = outs[0].astype(out_dtype)
     return outs
