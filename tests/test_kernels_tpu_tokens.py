@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _cases import Case, make_inputs, split_args
-from test_kernels_tpu import (BF16_G_GAMMA_TOL, BF16_GATE_TOL, BF16_TOL, F32_TOL, G_GAMMA_F32_TOL, _assert_within,
-                              _pallas_operand_shapes, errors)
+from test_kernels_tpu import (BF16_G_GAMMA_TOL, BF16_GATE_TOL, BF16_TOL, F32_TOL, G_GAMMA_F32_TOL, _assert_lowered,
+                              _assert_within, _pallas_operand_shapes, errors, export_tpu)
 
 from recurrax.kernels.tpu import TpuTiles, tpu_interpret
 from recurrax.kernels.tpu._tiles import Shapes
@@ -74,3 +74,11 @@ def test_token_blocks_mosaic_refuses_are_named():
     assert token_problems(Shapes(B=1, H=1, Tp=256, K=64, V=64, BV=64, C=128, c=16, G=1, Hb=1)) == []
     with pytest.raises(ValueError, match="layout is one of"):
         TpuTiles(layout="rows")
+
+
+@pytest.mark.parametrize("gate_set", ["none", "head"])
+def test_token_major_forward_lowers_to_mosaic(gate_set):
+    """value_and_grad through the token-major forward (packed, reverse, a query/key head shared by
+    both value heads) lowers for platforms=["tpu"]: forward, chunk states, backward."""
+    tiles = TpuTiles(layout="tokens")
+    _assert_lowered(export_tpu(gate_set, "bfloat16", 64, 64, varlen=True, reverse=True, tiles=tiles, Hqk=1))

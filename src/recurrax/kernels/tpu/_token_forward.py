@@ -23,7 +23,8 @@ VMEM. Head i's decay column is column h·Hb + i of the A block (`pick_col`, the 
 block h), its row that column transposed (`row_of`). The chunk maths is
 `_recurrent_forward.head_chunk`'s:
 
-    o_i = scale · [ (q ⊙ e^{A})ᵀ S + (q kᵀ ⊙ D) v ],  S' = e^{A_L} S + (kᵀ ⊙ e^{A_L − A}) v,  D_ts = e^{A_t − A_s} (s ≤ t)
+    o_i = scale · [ (q ⊙ e^{A}) S + (q kᵀ ⊙ D) v ],   D_ts = e^{A_t − A_s} (s ≤ t), else 0
+    S'  = e^{A_L} S + (kᵀ ⊙ e^{A_L − A}) v
 
 The grid, the state scratch, its start and end (`_launch.start_carries`, `finish_carry`,
 `_tiles.chunk_flags`: packed sequences, h0), the outputs h_T and the chunk-entry states are
@@ -48,7 +49,6 @@ from ._tiles import F32, SUBLANES, _block_spec
 def token_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
     """The call's sizes (`_tiles.shapes_of`) with the value block all of V, checked: in compiled
     mode, refuses blocks Mosaic would refuse (`token_problems`) and tiles over the scoped VMEM."""
-    B, Tp, G, K = q.shape
     s = tiles.shapes_of(q, v, static)
     s = dataclasses.replace(s, BV=s.V)
     tiles.check_tiles(s, static, q.dtype)
