@@ -76,6 +76,20 @@ def test_token_blocks_mosaic_refuses_are_named():
         TpuTiles(layout="rows")
 
 
+def test_default_heads_of_the_token_major_forward_are_legal_blocks():
+    """`heads=None`: the head-major default (the most up to 8 that divide H) where it is a legal
+    token-major block, else all heads (12 heads: 6 is not a multiple of 8; a query/key head shared
+    by 8 of 16 value heads: a step of 8 would read one of the 2 query/key heads)."""
+    from recurrax.kernels._driver import KernelConfig
+    from recurrax.kernels.tpu._token_forward import token_shapes
+    from recurrax.problem import Gate
+
+    static = KernelConfig(1.0, Gate.HEAD, interpret=False, tiles=TpuTiles(layout="tokens"))
+    heads = lambda G, H: token_shapes(jax.ShapeDtypeStruct((1, 256, G, 64), jnp.bfloat16),  # noqa: E731
+                                      jax.ShapeDtypeStruct((1, 256, H, 64), jnp.bfloat16), static).Hb
+    assert (heads(16, 16), heads(32, 32), heads(12, 12), heads(2, 16), heads(4, 4)) == (8, 8, 12, 16, 4)
+
+
 @pytest.mark.parametrize("gate_set", ["none", "head"])
 def test_token_major_forward_lowers_to_mosaic(gate_set):
     """value_and_grad through the token-major forward (packed, reverse, a query/key head shared by

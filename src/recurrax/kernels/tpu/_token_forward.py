@@ -48,9 +48,12 @@ from ._tiles import F32, SUBLANES, _block_spec
 
 def token_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
     """The call's sizes (`_tiles.shapes_of`) with the value block all of V, checked: in compiled
-    mode, refuses blocks Mosaic would refuse (`token_problems`) and tiles over the scoped VMEM."""
+    mode, refuses blocks Mosaic would refuse (`token_problems`) and tiles over the scoped VMEM.
+    `heads=None` takes `shapes_of`'s default where its blocks are legal, else all H heads."""
     s = tiles.shapes_of(q, v, static)
     s = dataclasses.replace(s, BV=s.V)
+    if static.tiles.heads is None and not static.interpret and token_problems(s):
+        s = dataclasses.replace(s, Hb=s.H)
     tiles.check_tiles(s, static, q.dtype)
     if not static.interpret and (problems := token_problems(s)):
         raise ValueError("TPU token-major forward: " + "; ".join(problems))
