@@ -96,3 +96,19 @@ def test_token_major_forward_lowers_to_mosaic(gate_set):
     both value heads) lowers for platforms=["tpu"]: forward, chunk states, backward."""
     tiles = TpuTiles(layout="tokens")
     _assert_lowered(export_tpu(gate_set, "bfloat16", 64, 64, varlen=True, reverse=True, tiles=tiles, Hqk=1))
+
+
+@pytest.mark.parametrize(("G", "layout"), [(16, "tokens"), (8, "tokens"), (1, "tokens"), (2, "heads"), (4, "heads")])
+def test_shared_query_key_heads_libtpu_cannot_compile_read_the_head_major_forward(G, layout):
+    """Compiled, 2 or 4 query/key heads shared by 16 value heads crash libtpu's XLA (JAX 0.10.2)
+    around the token-major forward: those run the head-major one (`token_major_takes`)."""
+    from recurrax.kernels._driver import KernelConfig
+    from recurrax.kernels.tpu._recurrent_forward import chunk_forward
+    from recurrax.problem import Gate
+
+    static = KernelConfig(1.0, Gate.HEAD, interpret=False, tiles=TpuTiles(layout="tokens"))
+    qk, v = jax.ShapeDtypeStruct((1, 256, G, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, 16, 64), jnp.bfloat16)
+    a, h0 = jax.ShapeDtypeStruct((1, 256, 16), jnp.float32), jax.ShapeDtypeStruct((1, 16, 64, 64), jnp.float32)
+    text = str(jax.make_jaxpr(lambda *x: chunk_forward(*x, static=static))(qk, qk, v, a, h0))
+    name = {"tokens": "recurrax_tpu_tokens_fwd", "heads": "recurrax_tpu_chunk_fwd"}
+    assert name[layout] in text and name[{"tokens": "heads", "heads": "tokens"}[layout]] not in text

@@ -39,6 +39,7 @@ import functools
 
 from jax.experimental import pallas as pl
 
+from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _recurrent_forward as recurrent_forward  # head_chunk (it imports this module: a module, not a name)
 from . import _tiles as tiles
@@ -58,6 +59,18 @@ def token_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
     if not static.interpret and (problems := token_problems(s)):
         raise ValueError("TPU token-major forward: " + "; ".join(problems))
     return s
+
+
+def token_major_takes(q, v, static: KernelConfig) -> bool:
+    """Whether `chunk_forward` runs this forward: `TpuTiles(layout="tokens")`, no or a per-head
+    decay, and, compiled, query/key heads not shared (G = H), all shared (G = 1), or G a multiple
+    of 8. libtpu with JAX 0.10.2 crashes compiling the program around it (SIGFPE in XLA's
+    TpuLoopFusionEnhancer) for 2 or 4 query/key heads shared by 16 value heads, so shared
+    query/key heads in between read the head-major forward until that is understood."""
+    if static.tiles.layout != "tokens" or static.gate is Gate.KEY:
+        return False
+    G, H = q.shape[2], v.shape[2]
+    return static.interpret or G in (1, H) or G % SUBLANES == 0
 
 
 def token_problems(s: tiles.Shapes) -> list[str]:
