@@ -6,6 +6,7 @@
 | `_launch`             | both operations' grid step, carried state, `pallas_call`, forward launch |
 | `_channel`            | both operations' per-channel decay: anchors, the diagonal block's groups |
 | `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
+| `_token_forward`      | its forward of no or a per-head decay, token-major (`TpuTiles(layout="tokens")`) |
 | `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
 | `_delta_forward`      | the delta rule's forward kernel: outputs, final states, chunk-entry states |
 | `_delta_backward`     | the delta rule's backward kernel: every gradient, the log decay's included |
@@ -13,7 +14,8 @@
 | `_measured`           | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
 
 The array contract at the boundary is the drivers' (`kernels/_recurrent_driver.py`,
-`_delta_driver.py`, token-major); the wrappers transpose to `[B, H, Tp, D]`, and the grid is
+`_delta_driver.py`, token-major); the wrappers transpose to `[B, H, Tp, D]` (but for
+`TpuTiles(layout="tokens")`, `recurrent`'s forward of no or a per-head decay), and the grid is
 (b, head block, value block, chunk) with the chunk axis sequential ("arbitrary") and the state
 in VMEM scratch, so VMEM use does not grow with T (`_launch`, `_tiles`). A grid step takes
 `TpuTiles.heads` heads, one after another in the kernel body (v5e's one TensorCore runs the

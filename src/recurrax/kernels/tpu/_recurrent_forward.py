@@ -43,6 +43,7 @@ from .._driver import KernelConfig
 from . import _tiles as tiles
 from ._channel import sub_block_scores
 from ._launch import forward
+from ._token_forward import token_forward, token_major_takes
 from ._tiles import exp_where, iota, mm, mm_nt, pick_col
 
 
@@ -113,7 +114,11 @@ def recurrent_shapes(q, v, static: KernelConfig, backward: bool = False) -> tile
 def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_output: bool = True,
                   emit_states: bool = False):
     """Launch the forward kernel: the driver's `PallasBackend.forward` contract (`kernels/_recurrent_driver.py`);
-    inputs go head-major (float16 upcast to float32), the output comes back token-major."""
+    inputs go head-major (float16 upcast to float32), the output comes back token-major; with
+    `TpuTiles(layout="tokens")`, no or a per-head decay reads them token-major (`_token_forward`,
+    `token_major_takes`)."""
+    if token_major_takes(q, v, static):
+        return token_forward(q, k, v, a, h0, meta, static=static, emit_output=emit_output, emit_states=emit_states)
     return forward(functools.partial(_chunk, static=static), q, k, v, [], a, h0, meta,
                    shapes=functools.partial(recurrent_shapes, static=static), static=static, name="recurrax_tpu_chunk",
                    emit_output=emit_output, emit_states=emit_states)

@@ -75,13 +75,24 @@ class TpuTiles:
     a divisor of g). `heads=None`: the `recurrent` kernels take the most heads, up to
     `MOST_HEADS`, whose blocks fit the target's scoped VMEM (`_vmem.py`); the delta rule's, one.
     `group`: rows of the diagonal sub-block's groups in the `recurrent` kernels (a power of two;
-    `_channel.diagonal_scores`; the delta rule's are 4)."""
+    `_channel.diagonal_scores`; the delta rule's are 4). `layout`: how `recurrent`'s forward
+    reads a per-head or no decay, `"heads"` (head-major copies made in XLA) or `"tokens"` (the
+    driver's token-major arrays as they are, `_token_forward`; the value block is then all of
+    V); the per-channel and delta-rule kernels and every backward are head-major whatever it says."""
 
     chunk: int = 128
     sub: int = 16
     block_v: int = 128
     heads: int | None = None
     group: int = 4
+    layout: str = "heads"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"TpuTiles(layout={self.layout!r}): the layout is one of {LAYOUTS}")
+
+
+LAYOUTS = ("heads", "tokens")
 
 
 MOST_HEADS = 8
