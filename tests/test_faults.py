@@ -137,8 +137,9 @@ def test_prefill_memory_plan_close_to_a_forward():
     capacity = _generate.cache_capacity(model, n + 8)
     settings = _generate.SlotSettings.empty(1, VOCAB).arrays()
     continues = jnp.zeros(1, bool)  # a fresh prompt, not a continuation of the slot's state
-    admit = _generate._admit.lower(params, model.init_cache(1, capacity), tokens, cu_seqlens, targets, continues,
-                                   settings, graphdef=graphdef, slots=1, capacity=capacity)
+    structure = _generate.ModelStructure(graphdef, params)
+    admit = _generate._admit.lower(jax.tree.leaves(params), model.init_cache(1, capacity), tokens, cu_seqlens,
+                                   targets, continues, settings, structure=structure, slots=1, capacity=capacity)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, jnp.asarray([prompt], jnp.int32))
     temp = [c.compile().memory_analysis().temp_size_in_bytes for c in (admit, forward)]
     assert temp[0] <= 2 * temp[1], temp

@@ -7,6 +7,7 @@
 | `_channel`            | both operations' per-channel decay: anchors, the diagonal block's groups |
 | `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
 | `_token_forward`      | its forward of no or a per-head decay, token-major (`TpuTiles(layout="tokens")`) |
+| `_head_chunk`         | one head's chunk of that forward (no or a per-head decay), shared by both layouts |
 | `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
 | `_delta_forward`      | the delta rule's forward kernel: outputs, final states, chunk-entry states |
 | `_delta_backward`     | the delta rule's backward kernel: every gradient, the log decay's included |

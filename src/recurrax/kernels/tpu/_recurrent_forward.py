@@ -42,30 +42,10 @@ from ..._core.problem import Gate
 from .._driver import KernelConfig
 from . import _tiles as tiles
 from ._channel import sub_block_scores
+from ._head_chunk import head_chunk
 from ._launch import forward
 from ._token_forward import token_forward, token_major_takes
-from ._tiles import exp_where, iota, mm, mm_nt, pick_col
-
-
-def head_chunk(q, k, kT, v, a_col, a_row, S, *, scale, dtype, emit_output: bool = True):
-    """No or per-head decay: `(o [C, BV] or None, S' [K, BV])`, float32; `a_col` [C, 1],
-    `a_row` [1, C] (None without decay)."""
-    C = k.shape[0]
-    causal = iota((C, C), 0) >= iota((C, C), 1)
-    if a_col is None:
-        o = None
-        if emit_output:
-            scores = jnp.where(causal, mm_nt(q, k, dtype), 0.0)  # [C, C]
-            o = scale * (mm(q, S, dtype) + mm(scores, v, dtype))
-        return o, S + mm(kT, v, dtype)
-    a_last = pick_col(a_row, C - 1)  # [1, 1]
-    o = None
-    if emit_output:
-        decay = exp_where(causal, a_col - a_row)  # [C, C] e^{A_i − A_j}, j ≤ i
-        scores = mm_nt(q, k, dtype) * decay
-        o = scale * (mm(q * jnp.exp(a_col), S, dtype) + mm(scores, v, dtype))
-    kT_to_end = kT * jnp.exp(a_last - a_row)  # [K, C] k_j ⊙ e^{A_L − A_j}
-    return o, jnp.exp(a_last) * S + mm(kT_to_end, v, dtype)
+from ._tiles import mm, pick_col
 
 
 def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype, group: int):

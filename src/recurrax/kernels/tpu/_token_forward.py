@@ -21,7 +21,7 @@ Inside a grid step head i's tiles are sublane-strided loads, v_i = v[:, i, :] [C
 k_j likewise; kᵀ, the state update's operand (a contraction over tokens), is k_j transposed in
 VMEM. Head i's decay column is column h·Hb + i of the A block (`pick_col`, the step's head
 block h), its row that column transposed (`row_of`). The chunk maths is
-`_recurrent_forward.head_chunk`'s:
+`_head_chunk.head_chunk`'s:
 
     o_i = scale · [ (q ⊙ e^{A}) S + (q kᵀ ⊙ D) v ],   D_ts = e^{A_t − A_s} (s ≤ t), else 0
     S'  = e^{A_L} S + (kᵀ ⊙ e^{A_L − A}) v
@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 
 from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
-from . import _recurrent_forward as recurrent_forward  # head_chunk (it imports this module: a module, not a name)
 from . import _tiles as tiles
+from ._head_chunk import head_chunk
 from ._launch import finish_carry, start_carries
 from ._tiles import F32, SUBLANES, _block_spec
 
@@ -139,8 +139,8 @@ def _grid_step(*refs, specs: tiles.Specs, static: KernelConfig, emit_output: boo
         if emit_states:
             states_ref[i] = S
         q = None if q_ref is None else q_ref[:, j, :].astype(F32)
-        o, S_next = recurrent_forward.head_chunk(q, k, kT, v_ref[:, i, :].astype(F32), a_col, a_row, S,
-                                                 scale=static.scale, dtype=dtype, emit_output=emit_output)
+        o, S_next = head_chunk(q, k, kT, v_ref[:, i, :].astype(F32), a_col, a_row, S, scale=static.scale,
+                               dtype=dtype, emit_output=emit_output)
         if emit_output:
             o_ref[:, i, :] = o.astype(o_ref.dtype)
         S_ref[i] = S_next
