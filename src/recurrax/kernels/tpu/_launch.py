@@ -103,6 +103,20 @@ def _forward_head(refs: list, flags, *, chunk, tokens: int, decays: int, emit_ou
     finish_carry(last, hT_ref, S_next)
 
 
+def forward_outputs(specs: tiles.Specs, o, rows: int, like, emit_states: bool) -> tuple[list, list]:
+    """A forward's out specs and shapes: o (`o`, its (spec, shape), or None), h_T [rows, H, K, V]
+    float32 and, with `emit_states`, the states entering every chunk [B, H, N, K, V] float32
+    (`like`: an input whose sharding the outputs take, `output_type`)."""
+    s = specs.s
+    out_specs, out_shape = ([o[0]], [o[1]]) if o is not None else ([], [])
+    out_specs.append(specs.state())
+    out_shape.append(output_type((rows, s.H, s.K, s.V), F32, like))
+    if emit_states:
+        out_specs.append(specs.chunk_states())
+        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, like))
+    return out_specs, out_shape
+
+
 def forward(chunk, q, k, v, columns: list, a, h0, meta, *, shapes, static: KernelConfig, name: str,
             emit_output: bool, emit_states: bool) -> list:
     """Launch an operation's forward kernel: a list of o [B, Tp, H, V] in q's dtype (if
@@ -131,15 +145,8 @@ def forward(chunk, q, k, v, columns: list, a, h0, meta, *, shapes, static: Kerne
     inputs.append(h0.astype(F32))
     in_specs.append(specs.state())
 
-    out_specs, out_shape = [], []
-    if emit_output:
-        out_specs.append(specs.rows_v())
-        out_shape.append(output_type((s.B, s.H, s.Tp, s.V), kdt, k))
-    out_specs.append(specs.state())
-    out_shape.append(output_type((R, s.H, s.K, s.V), F32, k))
-    if emit_states:
-        out_specs.append(specs.chunk_states())
-        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, k))
+    o = (specs.rows_v(), output_type((s.B, s.H, s.Tp, s.V), kdt, k)) if emit_output else None
+    out_specs, out_shape = forward_outputs(specs, o, R, k, emit_states)
 
     head = functools.partial(_forward_head, chunk=chunk, tokens=3 + len(columns), decays=len(decay),
                              emit_output=emit_output, emit_states=emit_states)

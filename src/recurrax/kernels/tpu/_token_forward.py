@@ -43,7 +43,7 @@ from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._head_chunk import head_chunk
-from ._launch import finish_carry, start_carries
+from ._launch import finish_carry, forward_outputs, start_carries
 from ._tiles import F32, SUBLANES, _block_spec
 
 
@@ -167,15 +167,8 @@ def token_forward(q, k, v, a, h0, meta, *, static: KernelConfig, emit_output: bo
     inputs.append(h0.astype(F32))
     in_specs.append(specs.state())
 
-    out_specs, out_shape = [], []
-    if emit_output:
-        out_specs.append(tokens.values())
-        out_shape.append(output_type((s.B, s.Tp, s.H, s.V), kdt, k))
-    out_specs.append(specs.state())
-    out_shape.append(output_type((h0.shape[0], s.H, s.K, s.V), F32, k))
-    if emit_states:
-        out_specs.append(specs.chunk_states())
-        out_shape.append(output_type((s.B, s.H, s.N, s.K, s.V), F32, k))
+    o = (tokens.values(), output_type((s.B, s.Tp, s.H, s.V), kdt, k)) if emit_output else None
+    out_specs, out_shape = forward_outputs(specs, o, h0.shape[0], k, emit_states)
 
     kernel = functools.partial(_grid_step, specs=specs, static=static, emit_output=emit_output,
                                emit_states=emit_states)
