@@ -5,6 +5,7 @@ with `recurrax.tools.bench`: `benchmarks/run.py` adds them to the committed resu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm

@@ -10,7 +10,8 @@ in under a minute on a CPU.
 Rows: the issue's shapes (issue 45, bf16): `recurrent` per-head `g` and per-key-channel `gk` at
 B4 T4096 H16 K=V=64, the delta rule's GDN (`g`) and KDA (`gk`) at B1 T4096, 32 value heads and
 16 query/key heads, K=V=128. For each row this times, forward and forward+backward (as
-`tpu_paths.py`: `jax.value_and_grad` of ⟨output, d_output⟩ + ⟨final_state, d_final⟩), the XLA
+`tpu_paths.py`: `jax.value_and_grad` of ⟨output, d_output⟩ + ⟨final_state, d_final⟩; one call's
+share of calls dispatched back to back, `_timing.back_to_back`), the XLA
 `chunk` path and then the kernel at each tile of `--heads` × `--chunks` (`TpuTiles(chunk=C,
 heads=Hb)`; the sub-block stays 16 and the value block 128; `recurrent` `gk` also at each
 `--groups`, the rows of the diagonal sub-block's groups; `recurrent` `g` in each of `--layouts`,
@@ -30,20 +31,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import timed  # noqa: E402
+from _timing import back_to_back  # noqa: E402
 from tpu_paths import call_of, floors, label, make_arrays, programs  # noqa: E402
 
-import recurrax  # noqa: E402
 from recurrax.delta import canonicalize_delta  # noqa: E402
 from recurrax.kernels.tpu import TpuTiles, tpu_delta, tpu_delta_interpret, tpu_interpret, tpu_recurrent  # noqa: E402
 from recurrax.tools.cases import call  # noqa: E402
@@ -103,8 +101,8 @@ def relative_error(x, y) -> float:
 def time_path(call_fn, inputs: dict, cotangents: dict, repeats: int) -> dict:
     forward, gradient = programs(call_fn)
     output = forward(inputs)
-    return {"forward": statistics.median(timed(lambda: forward(inputs), repeats)),
-            "fwd+bwd": statistics.median(timed(lambda: gradient(inputs, cotangents), repeats)),
+    return {"forward": back_to_back(lambda: forward(inputs), calls=4 * repeats),
+            "fwd+bwd": back_to_back(lambda: gradient(inputs, cotangents), calls=2 * repeats),
             "_output": output}
 
 
@@ -160,8 +158,8 @@ def describe(entry: dict) -> str:
 def report(results: list[dict], chip: dict, budget: float) -> str:
     lines = [f"# The TPU kernels' tiles on {jax.devices()[0].device_kind}", "",
              f"JAX {jax.__version__}; roofline {chip['peak_tflops']:g} TFLOP/s, {chip['hbm_gbs']:g} GB/s; budget "
-             f"{budget:g} s. Written by `benchmarks/tpu_kernel_sweep.py` (its docstring defines every column). Medians "
-             "in ms; `× chunk` is the `chunk` path's time over the tile's (above 1: the kernel is faster); "
+             f"{budget:g} s. Written by `benchmarks/tpu_kernel_sweep.py` (its docstring defines every column). Times "
+             "in ms, one call of calls run back to back; `× chunk` is the `chunk` path's time over the tile's (above 1: the kernel is faster); "
              "`error` is max |kernel − chunk| / max |chunk| over the output and the final state.", "",
              "| row | path | heads | chunk | group | forward ms | fwd+bwd ms | × chunk fwd / fwd+bwd "
              "| % roof fwd / fwd+bwd | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -38,7 +38,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -49,7 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 import recurrax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import timed  # noqa: E402
+from _timing import back_to_back, timed  # noqa: E402
 from tpu_kernel_probe import F32, chunk_local, chunk_maths, error, head_major, inputs, iota, probe  # noqa: E402
 
 
@@ -106,17 +105,6 @@ def lanes(q, k, v, a, *, form, heads, chunk, K, vmem_mib, interpret=False):
         compiler_params=params,
         interpret=pltpu.InterpretParams() if interpret else False,
     )(q, k, v, a)
-
-
-def back_to_back(fn, calls: int) -> float:
-    """Seconds per call with `calls` calls dispatched before waiting (best of three rounds)."""
-    jax.block_until_ready(fn())
-    rounds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready([fn() for _ in range(calls)])
-        rounds.append((time.perf_counter() - start) / calls)
-    return min(rounds)
 
 
 def plan(smoke: bool, H: int) -> list[dict]:
