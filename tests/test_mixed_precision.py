@@ -128,3 +128,24 @@ def test_causal_lm_computes_as_the_model_built_in_bfloat16():
     nnx.update(half, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(mixed, nnx.Param)))
     tokens = jax.random.randint(jax.random.key(2), (2, SEQ_LEN), 0, vocab)
     np.testing.assert_array_equal(forward(mixed, tokens), forward(half, tokens))
+
+
+def test_mamba2_bfloat16_model_runs_its_recurrence_on_bfloat16_operands(monkeypatch):
+    """The mixed Mamba-2 hands `recurrent` q, k, v in bfloat16 (a float32 recurrence there runs
+    the float32-exact product on a TPU, several MXU passes), and its float32 model float32."""
+    from recurrax.nn.pretrained.layers import _mixer
+
+    seen = []
+    original = _mixer.recurrent_on_mesh
+
+    def recording(q, k, v, **rest):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return original(q, k, v, **rest)
+
+    monkeypatch.setattr(_mixer, "recurrent_on_mesh", recording)
+    full, mixed, vocab = models("mamba2")
+    tokens = jax.random.randint(jax.random.key(1), (2, SEQ_LEN), 0, vocab)
+    for model, dtype in ((mixed, jnp.bfloat16), (full, jnp.float32)):
+        seen.clear()
+        model(tokens)
+        assert seen and set(seen) == {(jnp.dtype(dtype),) * 3}, seen

@@ -19,7 +19,10 @@
 
 The recurrence is `recurrax.recurrent` with `g = dt·A` per head, `q = C`, `k = B`,
 `v = x·dt` and `softmax_scale = 1`; C and B go in with their G heads, as query and key shared
-by groups of H / G heads (never repeated to H). The dt clamp applies in the parallel
+by groups of H / G heads (never repeated to H). q, k and v go in the convolution's dtype (a
+bfloat16 model's recurrence runs on bfloat16 operands, as `transformers`' fused kernels do;
+on a TPU float32 operands would take the float32-exact, several-pass product), dt, A, the
+state and the D skip in float32. The dt clamp applies in the parallel
 pass and in every decode step alike (`transformers`' one-token step skips it). `m_in` and
 `mup` are Falcon-H1's `ssm_in_multiplier` and `ssm_multipliers` (1 elsewhere).
 """
@@ -97,15 +100,17 @@ class Mamba2Mixer(FlaMixer):
         z, xbc, dt = jnp.split(projected, [self.width, self.width + self.conv_dim], axis=-1)
         convolved, buffers = self._convolve({"conv1d": xbc}, cache, cu_seqlens)
         GN = self.n_groups * self.head_k_dim
-        xs, b, c = jnp.split(convolved["conv1d"].astype(jnp.float32), [self.width, self.width + GN], axis=-1)
+        compute = convolved["conv1d"].dtype  # the recurrence's q, k, v: bfloat16 in a bfloat16 model
+        xs, b, c = jnp.split(convolved["conv1d"], [self.width, self.width + GN], axis=-1)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.clip(dt, *self.time_step_limit)  # [B, T, H]
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        xs = heads(xs, self.head_v_dim)  # [B, T, H, P]
+        xs = heads(xs, self.head_v_dim).astype(jnp.float32)  # [B, T, H, P]
         q, k = heads(c, self.head_k_dim), heads(b, self.head_k_dim)  # [B, T, G, N]: shared by H / G heads
-        o, state = self._recur(q, k, xs * dt[..., None], g=dt * a, state=None if cache is None else cache.state,
+        v = (xs * dt[..., None]).astype(compute)
+        o, state = self._recur(q, k, v, g=dt * a, state=None if cache is None else cache.state,
                                cu_seqlens=cu_seqlens, scale=1.0)
-        y = o + self.D[...].astype(jnp.float32)[:, None] * xs
+        y = o.astype(jnp.float32) + self.D[...].astype(jnp.float32)[:, None] * xs
         y = y.reshape(*y.shape[:-2], self.width)
         y = y * jax.nn.silu(z.astype(jnp.float32)) if self.norm is None else _materialised(self.norm(y, z))
         new_cache = None if cache is None else cache._replace(state=state, conv=buffers)
