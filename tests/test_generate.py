@@ -71,8 +71,8 @@ def test_stop_tokens_met_within_a_call_end_the_sequence_there(name, options):
 @pytest.mark.parametrize("name", ["gla", "hybrid"])
 @pytest.mark.parametrize("ending", ["stop", "budget"])
 def test_a_turn_after_one_that_ended_within_a_call_continues_from_the_right_state(name, ending):
-    """A session whose first turn ends within a call (a stop id after 3 tokens, or a budget of
-    6 with 4 per call): its kept state holds the conversation up to that turn's last token,
+    """A session whose first turn ends within a call (a stop id after 3 to 8 tokens, or a
+    budget of 6, with 8 per call): its kept state holds the conversation up to that turn's last token,
     nothing after it, so the next turn (prompt, reply, new tokens) prefills its new tokens only
     and its tokens equal one step per call's and a parallel forward's. A slot that kept
     advancing within the call would hold tokens after the stop: the next turn would continue
@@ -80,19 +80,26 @@ def test_a_turn_after_one_that_ended_within_a_call_continues_from_the_right_stat
     model = model_of(name)
     prompt = PROMPTS[0]
     free = greedy_reference(model, prompt, 11)
-    stops, n = ((free[2],), 11) if ending == "stop" else ((), 6)
+    stop = next(j for j in range(2, 11) if free[j] not in free[:j])  # the first call (tokens 1-8) ends there
+    assert stop < 8
+    # a stop: 27 tokens at most (room for a second turn of 7); a budget: 6 (room for 3 more)
+    stops, n, more = ((free[stop],), 27, 7) if ending == "stop" else ((), 6, 3)
     turns = {}
-    for k in (1, 4):
+    for k in (1, 8):
         session = GenerationSession(model, tokens_per_call=k)
         first = [t for _, t in session.generate_tokens(prompt, n, stop_tokens=stops)]
-        assert first == free[: free.index(free[2]) + 1 if stops else n]
+        assert first == free[: stop + 1 if stops else n]
+        if name == "hybrid":  # each kept state has consumed exactly its key's tokens
+            saved = session._pool._saved
+            assert {key: int(saved.store.positions[row]) for key, row in saved._keys.items()} == {
+                key: len(key) for key in saved._keys}
         follow = prompt + first + [6, 5]
         before = session.prefilled_tokens
-        second = [t for _, t in session.generate_tokens(follow, 3, stop_tokens=())]  # fits the pool
+        second = [t for _, t in session.generate_tokens(follow, more, stop_tokens=())]
         assert session.prefilled_tokens - before == 3  # the last reply token and the two new ones
-        assert second == greedy_reference(model, follow, 3)
+        assert second == greedy_reference(model, follow, more)
         turns[k] = first, second
-    assert turns[4] == turns[1]
+    assert turns[8] == turns[1]
 
 
 def test_a_pool_stops_each_slot_at_its_own_stop_ids_and_budget():
