@@ -743,9 +743,9 @@ def _step_body(params, pool, pending, counts, live, settings, stops, budgets, pe
             logits = penalize_repetitions(logits, penalty[1], penalty[0])
         sampled = _sample(logits, settings, counts)
         stepped = jax.tree.map(lambda new, old: new.astype(old.dtype), stepped, pool)  # as `_admit` keeps them
-        if freeze:
-            stepped = jax.tree.map(lambda new, old: jnp.where(live.reshape(-1, *(1,) * (new.ndim - 1)), new, old),
-                                   stepped, pool)
+        if freeze:  # every row live (most steps): nothing to select
+            stepped = jax.lax.cond(jnp.all(live), lambda: stepped, lambda: jax.tree.map(
+                lambda new, old: jnp.where(live.reshape(-1, *(1,) * (new.ndim - 1)), new, old), stepped, pool))
         if penalty is not None:
             marked = jnp.where(live, sampled, penalty[1].shape[1])  # out of range: dropped
             penalty = (penalty[0], penalty[1].at[jnp.arange(slots), marked].set(True, mode="drop"))
