@@ -11,7 +11,10 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
       admit: up to (free slots) queued prompts → packed prefills (cu_seqlens) of at most
              `prefill_chunk` tokens (a longer prompt continues from its slot in the next)
              → their caches go into free slots, their first new tokens are sampled
-      step:  all P slots advance one token (finished or empty slots compute and are ignored)
+      step:  every live slot advances `tokens_per_call` tokens in one compiled call (a scan of
+             decode steps, the sampled tokens fed back on the device); a slot that meets its
+             stop token or max_new_tokens within it stops there (its cache rows kept); empty
+             or finished slots compute and are ignored
       a sequence ends at a stop token or after max_new_tokens; its slot is free again
 
 Every compiled function has a fixed shape: the prefill takes P sequences (the unused ones
@@ -393,9 +396,13 @@ class DecodePool:
     `generate`, `GenerationSession` and `recurrax serve`.
 
     `admit` prefills new sequences as packed batches into free slots and returns their first
-    tokens; `step` advances every occupied slot by one token in one compiled call (free slots
-    compute and are ignored); `release` frees a slot (a finished or cancelled sequence).
-    Sequences join and leave between steps (continuous batching).
+    tokens; `step` advances every live slot by up to `tokens_per_call` tokens in one compiled
+    call (free slots compute and are ignored); `release` frees a slot (a finished or cancelled
+    sequence). Sequences join and leave between calls (continuous batching). A slot given stop
+    tokens or a budget at `admit` stops advancing on the device when it meets them, within a
+    call: its cache then holds exactly the tokens it consumed. The tokens do not depend on
+    `tokens_per_call`; the host's cost per token (dispatch, transfers, the read-back) falls
+    with it. One step program is compiled per `tokens_per_call`.
 
     Bounded compilation: a packed prefill holds at most `prefill_chunk` tokens (a power of
     two); more are prefilled in several calls, a prompt split between them continuing from its
@@ -419,6 +426,8 @@ class DecodePool:
     - `repetition_penalty`: one factor for every slot, or None (nothing compiled for it).
     - `saved_states`: rows of the store of released states (0: none kept).
     - `prefill_chunk`: most tokens of one packed prefill (a power of two ≥ 64).
+    - `tokens_per_call`: decode steps per `step` call (an integer ≥ 1; 1: one, no select of
+      frozen rows; `generate`'s default is `TOKENS_PER_CALL`).
     """
 
     def __init__(self, model, slots: int, capacity: int, *, repetition_penalty: float | None = None,
