@@ -733,19 +733,20 @@ def _admit_body(params, pool, tokens, cu_seqlens, targets, continues, settings, 
 
 def _step_body(params, pool, pending, counts, live, settings, stops, budgets, penalty=None, *, structure, slots,
                capacity, tokens_per_call):
-    """`tokens_per_call` decode steps of every slot (a `lax.scan`): each live slot feeds its
-    pending token, samples the next with key count `counts` (marking it seen), and stays live
-    while that token is not one of its `stops` (`[P, S]`, padded with -1) and `counts` <
-    `budgets`. A slot not live computes and is kept: its cache rows, pending token, count
-    and seen tokens stay as they were (one step per call needs no such select: the host
-    calls it for live slots only, and the other rows' results are ignored).
+    """Up to `tokens_per_call` decode steps of every slot (a `lax.while_loop` that ends early
+    once no slot is live): each live slot feeds its pending token, samples the next with key
+    count `counts` (marking it seen), and stays live while that token is not one of its
+    `stops` (`[P, S]`, padded with -1) and `counts` < `budgets`. A slot not live computes and
+    is kept: its cache rows, pending token, count and seen tokens stay as they were (one step
+    per call needs no such select: the host calls it for live slots only, and the other rows'
+    results are ignored).
 
     Returns `(tokens [tokens_per_call, P]` (-1 where a slot was not live), pool, pending,
     counts, live, penalty)`."""
     net = structure.model(params)
     freeze = tokens_per_call > 1
 
-    def one(carry, _):
+    def one(carry):
         pool, pending, counts, live, penalty = carry
         logits, stepped = net.decode_step(pending, pool)
         if penalty is not None:
@@ -764,9 +765,20 @@ def _step_body(params, pool, pending, counts, live, settings, stops, budgets, pe
         carry = (constrain_cache(stepped), jnp.where(live, sampled, pending), counts, live & ~stopped, penalty)
         return carry, token
 
-    (pool, pending, counts, live, penalty), tokens = jax.lax.scan(
-        one, (pool, pending, counts, live, penalty), length=tokens_per_call)
-    return tokens, pool, pending, counts, live, penalty
+    carry = (pool, pending, counts, live, penalty)
+    if not freeze:
+        carry, token = one(carry)
+        return token[None], *carry
+
+    def next_step(loop):
+        j, tokens, carry = loop
+        carry, token = one(carry)
+        return j + 1, tokens.at[j].set(token), carry
+
+    tokens = jnp.full((tokens_per_call, slots), -1, jnp.int32)
+    _, tokens, carry = jax.lax.while_loop(lambda loop: (loop[0] < tokens_per_call) & jnp.any(loop[2][3]),
+                                          next_step, (0, tokens, carry))
+    return tokens, *carry
 
 
 STEP_STATIC = (*STATIC, "tokens_per_call")

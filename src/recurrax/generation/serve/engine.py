@@ -91,7 +91,7 @@ class Engine:
         """Compile the decode step and every packed prefill length up to `prefill_tokens`
         (before serving: no request waits for a compilation unless its prompt is longer)."""
         for length in packed_lengths(self.prefill_tokens):
-            (slot, _), = self._pool.admit([[0]], [Sampling()], packed_length=length)
+            (slot, _), = self._pool.admit([[0]], [Sampling()], stop_tokens=[self.stop_tokens], packed_length=length)
             self._pool.step()
             self._pool.release(slot)
 
