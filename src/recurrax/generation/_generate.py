@@ -11,7 +11,7 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
       admit: up to (free slots) queued prompts → packed prefills (cu_seqlens) of at most
              `prefill_chunk` tokens (a longer prompt continues from its slot in the next)
              → their caches go into free slots, their first new tokens are sampled
-      step:  every live slot advances `tokens_per_call` tokens in one compiled call (a scan of
+      step:  every live slot advances `tokens_per_call` tokens in one compiled call (a loop of
              decode steps, the sampled tokens fed back on the device); a slot that meets its
              stop token or max_new_tokens within it stops there (its cache rows kept); empty
              or finished slots compute and are ignored
