@@ -519,7 +519,8 @@ class DecodePool:
         if not self._live.any():
             return []
         if self._device is None:
-            self._device = tuple(jnp.asarray(x) for x in (self._pending, self._counts, self._live))
+            # copies: on a CPU an array made from NumPy may share its memory, which the host mirrors change
+            self._device = tuple(jnp.array(x, copy=True) for x in (self._pending, self._counts, self._live))
         tokens, self._pool, *device, self._penalty = self._step(
             self._params, self._pool, *self._device, self._settings.arrays(), *self._limit_arrays(),
             self._penalty, **self._static, tokens_per_call=self.tokens_per_call)
@@ -561,7 +562,7 @@ class DecodePool:
             stops = np.full((self.slots, width), -1, np.int32)
             for slot, ids in enumerate(self._stops):
                 stops[slot, : len(ids)] = sorted(ids)
-            self._limits = jnp.asarray(stops), jnp.asarray(self._budgets)
+            self._limits = jnp.asarray(stops), jnp.array(self._budgets, copy=True)
         return self._limits
 
     def _load_saved(self, prompts: list[list[int]], targets: list[int]) -> list[int]:
