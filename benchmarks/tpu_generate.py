@@ -14,9 +14,13 @@ start-up). Models, random weights in bfloat16 (parameters and computation):
 
 Rows, in priority order (`rows`: what the issue's targets name first; the results are written
 after every row, so a run stopped by its budget keeps what it measured):
-- decode at batch 1, 8 and 64: `DecodePool.step` (the engine of `generate` and `recurrax serve`;
-  each step's tokens come back to the host) after each row's prompt of 1,024 tokens; the median
-  step time beside its floor: the bytes a step must read over 819 GB/s (`--hbm-gbs`): every
+- decode at batch 1, 8 and 64: `DecodePool.step` (the engine of `generate` and `recurrax serve`)
+  after each row's prompt of 1,024 tokens. One call of `step` runs `tokens_per_call` = k decode
+  steps in one compiled program and produces k tokens per row (their tokens come back to the host
+  once per call); the step time is the median call's time / k, at the k `generate` and `recurrax
+  serve` use by default (`TOKENS_PER_CALL`, 8) and, beside it, at k = 1 (one step per call: the
+  host's dispatch, transfers and read-back in every token). The step time at the default k beside
+  its floor: the bytes a step must read over 819 GB/s (`--hbm-gbs`): every
   active weight once (the input embedding, a lookup, left out unless tied to the head; of the
   routed experts the expected share a batch of B rows touches, 1 − (1 − k/E)^B with uniform
   routing) plus each row's cache (recurrent states, convolution buffers, the attention keys
@@ -29,7 +33,7 @@ after every row, so a run stopped by its budget keeps what it measured):
   target of a time to first token is twice it). A size whose caches and one piece's logits
   would not fit the device's free memory is skipped, saying so;
 - `generate` end to end: `generate_tokens` (a `DecodePool` of 8 slots) on 32 requests of mixed
-  prompt lengths (log-uniform in [64, 932]) and 128 new tokens each, all submitted at once:
+  prompt lengths (log-uniform in [64, 1,177]) and 128 new tokens each, all submitted at once:
   time to first token per request (median, p90) and generated tokens/s; the same run first
   untimed, so that every shape it meets is compiled.
 
@@ -69,6 +73,7 @@ from _trace import traced_ops  # noqa: E402
 
 from recurrax import use_compilation_cache  # noqa: E402
 from recurrax.generation import DecodePool, Sampling, cache_capacity, generate_tokens  # noqa: E402
+from recurrax.generation._generate import TOKENS_PER_CALL  # noqa: E402
 from recurrax.nn.pretrained import model_from_config  # noqa: E402
 
 MODELS = ("qwen3.5-0.8b", "gla-340m", "kimi-linear-cut")
@@ -99,7 +104,7 @@ def model_config(name: str, smoke: bool) -> dict:
 
 
 WARM_STEPS = 3
-"""Decode steps run before the timed ones (the first compiles)."""
+"""Decode calls run before the timed ones (the first compiles)."""
 
 
 def shapes(smoke: bool) -> dict:
@@ -112,7 +117,12 @@ def shapes(smoke: bool) -> dict:
     else:
         s = dict(prefill=(1024, 8192, 32768), context=1024, steps=32, piece=2048, requests=32, shortest=64,
                  new_tokens=128)
-    return {**s, "slots": 8, "longest": s["context"] + WARM_STEPS + s["steps"] + 1 - s["new_tokens"]}
+    return {**s, "slots": 8, "longest": decoded_context(s) - s["new_tokens"]}
+
+
+def decoded_context(s: dict) -> int:
+    """Positions a decode row fills: its prompt, the warm-up and timed calls of `TOKENS_PER_CALL`."""
+    return s["context"] + (WARM_STEPS + s["steps"]) * TOKENS_PER_CALL + 1
 
 
 def rows(smoke: bool) -> list[dict]:
@@ -214,27 +224,40 @@ def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
 
 
 def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace: bool = False) -> dict:
-    """Median step time of a pool of `batch` rows after prompts of `context` tokens, and its floor;
-    with `trace`, one more step under the profiler (`_trace.traced_ops`: self time by kind of op)."""
-    warm = WARM_STEPS
-    capacity = cache_capacity(model, s["context"] + warm + s["steps"] + 1)
-    pool = DecodePool(model, batch, capacity, prefill_chunk=s["piece"])
-    pool.admit(prompts(model.vocab_size, [s["context"]] * batch), [Sampling()] * batch)
-    for _ in range(warm):  # the first compiles
-        pool.step()
-    seconds = []
-    for _ in range(s["steps"]):
-        start = time.perf_counter()
-        pool.step()
-        seconds.append(time.perf_counter() - start)
-    filled = s["context"] + warm + s["steps"] // 2
+    """Seconds per token (a call's / its tokens per row) of a pool of `batch` rows after prompts
+    of `context` tokens, at `TOKENS_PER_CALL` tokens per call and at 1, and the floor; with
+    `trace`, one more call at `TOKENS_PER_CALL` under the profiler (`_trace.traced_ops`: self
+    time by kind of op, as shares of the call)."""
+    capacity = cache_capacity(model, decoded_context(s))
+    step, traced = {}, {}
+    for k in (TOKENS_PER_CALL, 1):  # one pool at a time (batch 64's caches are GiBs)
+        pool = DecodePool(model, batch, capacity, prefill_chunk=s["piece"], tokens_per_call=k)
+        pool.admit(prompts(model.vocab_size, [s["context"]] * batch), [Sampling()] * batch)
+        step[k] = time_calls(pool, s["steps"]) / k
+        if trace and k == TOKENS_PER_CALL:
+            traced = {"trace": traced_ops(pool.step, step[k] * k)}
+        del pool
+    filled = s["context"] + (WARM_STEPS + s["steps"] // 2) * TOKENS_PER_CALL
     weight = counts.step_weight_bytes(batch)
     cache = cache_bytes(model, batch, filled)
     floor = (weight + cache) / (chip["hbm_gbs"] * 1e9)
-    step = statistics.median(seconds)
-    traced = {"trace": traced_ops(pool.step, step)} if trace else {}
-    return dict(**traced, step_s=step, floor_s=floor, over_floor=step / floor, weight_bytes=weight, cache_bytes=cache,
-                capacity=capacity, context=filled, tokens_per_s=batch / step)
+    seconds = step[TOKENS_PER_CALL]
+    return dict(**traced, tokens_per_call=TOKENS_PER_CALL, step_s=seconds, step_k1_s=step[1], floor_s=floor,
+                over_floor=seconds / floor, k1_over_floor=step[1] / floor, weight_bytes=weight, cache_bytes=cache,
+                capacity=capacity, context=filled, tokens_per_s=batch / seconds)
+
+
+def time_calls(pool: DecodePool, calls: int) -> float:
+    """The median seconds of one `pool.step()` over `calls` calls, after `WARM_STEPS` (the
+    first compiles)."""
+    for _ in range(WARM_STEPS):
+        pool.step()
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        pool.step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def fits_prefill(model, tokens: int, s: dict) -> str | None:
@@ -321,15 +344,18 @@ def report(results: list[dict], skipped: list[str], chip: dict, models: dict) ->
     for name, info in models.items():
         lines.append(f"- `{name}`: {info['parameters'] / 1e9:.3f} G parameters, N = {info['active'] / 1e9:.3f} G "
                      "active")
-    lines += ["", "## Decode step", "", "| model | batch | step ms | floor ms | × floor | tokens/s | weights MB | "
-              "caches MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "## Decode step", "", f"One `DecodePool.step` call runs k decode steps and produces k tokens per "
+              f"row; a step's time is the call's time / k, at k = {TOKENS_PER_CALL} (`generate`'s and `recurrax "
+              "serve`'s default) and at k = 1 (one step per call).", "",
+              f"| model | batch | step ms (k = {TOKENS_PER_CALL}) | floor ms | × floor | step ms (k = 1) | × floor "
+              "(k = 1) | tokens/s | weights MB | caches MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in (r for r in results if r["kind"] == "decode"):
         if "step_s" in r:
             lines.append(f"| {r['model']} | {r['batch']} | {1e3 * r['step_s']:.2f} | {1e3 * r['floor_s']:.2f} | "
-                         f"{r['over_floor']:.2f} | {r['tokens_per_s']:,.0f} | {r['weight_bytes'] / 1e6:,.0f} | "
-                         f"{r['cache_bytes'] / 1e6:,.1f} |")
+                         f"{r['over_floor']:.2f} | {1e3 * r['step_k1_s']:.2f} | {r['k1_over_floor']:.2f} | "
+                         f"{r['tokens_per_s']:,.0f} | {r['weight_bytes'] / 1e6:,.0f} | {r['cache_bytes'] / 1e6:,.1f} |")
         else:
-            lines.append(f"| {r['model']} | {r['batch']} | {r.get('failed', '')} | | | | | |")
+            lines.append(f"| {r['model']} | {r['batch']} | {r.get('failed', '')} | | | | | | | |")
     lines += ["", "## Prefill (one prompt; its time is the time to first token)", "",
               "| model | tokens | pieces | seconds | floor s | tokens/s | MFU |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in (r for r in results if r["kind"] == "prefill"):
@@ -349,11 +375,12 @@ def report(results: list[dict], skipped: list[str], chip: dict, models: dict) ->
         else:
             lines.append(f"| {r['model']} | {r.get('failed', '')} | | | | | | |")
     for r in (r for r in results if "trace" in r):
-        lines += ["", f"## One decode step under the profiler: {r['label']}", "",
-                  f"Device self time {1e3 * r['trace']['device_s']:.2f} ms of a {1e3 * r['step_s']:.2f} ms step.", "",
-                  "| kind of op | share of the step |", "|---|---:|"]
+        k = r["tokens_per_call"]
+        lines += ["", f"## One decode call ({k} steps) under the profiler: {r['label']}", "",
+                  f"Device self time {1e3 * r['trace']['device_s']:.2f} ms of a {1e3 * k * r['step_s']:.2f} ms call.",
+                  "", "| kind of op | share of the call |", "|---|---:|"]
         lines += [f"| {kind} | {100 * share:.1f}% |" for kind, share in list(r["trace"]["kind_share"].items())[:12]]
-        lines += ["", "| op | share of the step |", "|---|---:|"]
+        lines += ["", "| op | share of the call |", "|---|---:|"]
         lines += [f"| `{op}` | {100 * share:.1f}% |" for op, share in r["trace"]["op_share"].items()]
     if skipped:
         lines += ["", "Not run (the budget was spent): " + "; ".join(skipped) + "."]
@@ -375,7 +402,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.barh([f"{r['model']} B{r['batch']}" for r in decode], [r["over_floor"] for r in decode])
     left.axvline(1.0, color="k", lw=0.8)
-    left.set_xlabel("decode step time / HBM floor (lower is better)")
+    left.set_xlabel(f"decode step time (a call of {TOKENS_PER_CALL} / {TOKENS_PER_CALL}) / HBM floor (lower is better)")
     left.invert_yaxis()
     right.barh([f"{r['model']} {r['tokens']:,}" for r in prefill], [100 * r["mfu"] for r in prefill])
     right.set_xlabel("prefill MFU, % (2N per token)")

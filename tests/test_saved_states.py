@@ -233,23 +233,28 @@ def test_a_reused_slot_starts_from_a_zeroed_state(name):
     assert outputs[1] == greedy_reference(model, c, 18)
 
 
-def test_the_step_and_prefill_update_the_caches_in_place_and_return_only_tokens():
+@pytest.mark.parametrize("tokens_per_call", [1, 4])
+def test_the_step_and_prefill_update_the_caches_in_place_and_return_only_tokens(tokens_per_call):
     """The compiled step and admission donate the pool: every cache array of the hybrid
     (recurrent states, convolution buffers, attention keys, values and positions) is an input
     aliased to an output (XLA writes the new caches into the old buffers, on a TPU as on a
-    CPU); what a step sends back to the host is its `[P]` tokens (the pool stays on the device).
-    In bfloat16, as on a TPU (a float64 model's float32 recurrent state becomes float64 after
-    its first step: not aliased, and one more compilation)."""
+    CPU); what a step sends back to the host is its `[tokens_per_call, P]` tokens (the pool,
+    the pending tokens, counts and live flags stay on the device). In bfloat16, as on a TPU
+    (the step keeps every cache array's dtype: a float64 model's float32 recurrent state stays
+    float32, as the admission keeps it)."""
     model = CausalLM(HYBRID, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
-    pool = DecodePool(model, 2, 32)
+    pool = DecodePool(model, 2, 32, tokens_per_call=tokens_per_call)
     leaves = len(jax.tree.leaves(pool._pool))
-    step_args = (pool._params, jnp.asarray(pool._pending), pool._pool, pool._settings.arrays(),
-                 jnp.asarray(pool._counts), None)
-    lowered = _generate._step.lower(*step_args, **pool._static)
+    step_args = (pool._params, pool._pool, jnp.asarray(pool._pending), jnp.asarray(pool._counts),
+                 jnp.asarray(pool._live), pool._settings.arrays(), *pool._limit_arrays(), None)
+    static = dict(pool._static, tokens_per_call=tokens_per_call)
+    lowered = _generate._step.lower(*step_args, **static)
     assert lowered.as_text().count("tf.aliasing_output") == leaves
-    tokens, cache, penalty = jax.eval_shape(functools.partial(_generate._step_body, **pool._static), *step_args)
-    assert (tokens.shape, jnp.dtype(tokens.dtype).kind, penalty) == ((2,), "i", None)
+    tokens, cache, pending, counts, live, penalty = jax.eval_shape(
+        functools.partial(_generate._step_body, **static), *step_args)
+    assert (tokens.shape, jnp.dtype(tokens.dtype).kind, penalty) == ((tokens_per_call, 2), "i", None)
     assert jax.tree.structure(cache) == jax.tree.structure(pool._pool)
+    assert [x.dtype for x in jax.tree.leaves(cache)] == [x.dtype for x in jax.tree.leaves(pool._pool)]
     packed, cu_seqlens, target = _generate._pack([[1, 2, 3]], [0], 2)
     admitted = _generate._admit.lower(pool._params, pool._pool, packed, cu_seqlens, target, jnp.zeros(2, bool),
                                       pool._settings.arrays(), None, None, **pool._static)

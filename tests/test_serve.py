@@ -30,7 +30,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 from _tiny_checkpoint import CHATML, write_checkpoint, write_tokenizer  # noqa: E402
-from recurrax.nn.pretrained import from_pretrained, generate_text, load_tokenizer  # noqa: E402
+from recurrax.nn.pretrained import GenerationSession, from_pretrained, generate_text, load_tokenizer  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 SLOTS, MAX_QUEUE, MAX_MODEL_LEN = 8, 64, 1 << 17
@@ -134,10 +134,16 @@ def launched(directory):
 
 @pytest.fixture(scope="module")
 def offline(directory, launched):
-    """`offline(prompt, max_tokens, **options)`: the Python API's text for a prompt string or ids."""
+    """`offline(prompt, max_tokens, **options)`: the Python API's text for a prompt string or ids,
+    decoded one step per compiled call (the server decodes 8 per call: its texts must equal these)."""
     model, tokenizer = from_pretrained(directory), load_tokenizer(directory)
-    generate_text(model, tokenizer, "x", 2)  # compiled while the server starts
-    return lambda prompt, max_tokens, **options: generate_text(model, tokenizer, prompt, max_tokens, **options)
+
+    def offline(prompt, max_tokens, **options):
+        session = GenerationSession(model, tokens_per_call=1)
+        return generate_text(model, tokenizer, prompt, max_tokens, session=session, **options)
+
+    offline("x", 2)  # compiled while the server starts
+    return offline
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,10 @@ from a pool of cache slots, a finished slot taking the next queued prompt.
       admit: up to (free slots) queued prompts → packed prefills (cu_seqlens) of at most
              `prefill_chunk` tokens (a longer prompt continues from its slot in the next)
              → their caches go into free slots, their first new tokens are sampled
-      step:  all P slots advance one token (finished or empty slots compute and are ignored)
+      step:  every live slot advances `tokens_per_call` tokens in one compiled call (a loop of
+             decode steps, the sampled tokens fed back on the device); a slot that meets its
+             stop token or max_new_tokens within it stops there (its cache rows kept); empty
+             or finished slots compute and are ignored
       a sequence ends at a stop token or after max_new_tokens; its slot is free again
 
 Every compiled function has a fixed shape: the prefill takes P sequences (the unused ones
@@ -69,7 +72,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from functools import partial
-from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Collection, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import inspect
 import math
@@ -91,6 +94,11 @@ from ._sampling import penalize_repetitions, sample_tokens
 
 PREFILL_CHUNK = 2048
 """`DecodePool`'s default most tokens per packed prefill."""
+
+TOKENS_PER_CALL = 8
+"""Decode steps per compiled call of `generate`, `GenerationSession` and `recurrax serve`
+(`DecodePool`'s `tokens_per_call`): the host's cost of a call (dispatch, transfers, reading
+the tokens back) is shared by 8 tokens per sequence; the tokens are those of one step per call."""
 
 
 @runtime_checkable
@@ -153,6 +161,7 @@ def generate(
     stop_tokens: Sequence[int] | None = None,
     num_slots: int | None = None,
     max_cache_bytes: int | None = None,
+    tokens_per_call: int = TOKENS_PER_CALL,
 ) -> list[list[int]]:
     """Continue every prompt by up to `max_new_tokens` tokens.
 
@@ -177,6 +186,10 @@ def generate(
       8); more prompts wait in a queue and take slots as sequences finish.
     - `max_cache_bytes`: the most bytes the decode caches may take (default: the device's
       free memory; the host's available memory on CPU).
+    - `tokens_per_call`: decode steps per compiled call (an integer ≥ 1; default
+      `TOKENS_PER_CALL`, 8): the tokens do not depend on it, the host's cost per token does
+      (its dispatch and read-back are shared by that many tokens); a sequence that ends
+      within a call stops there, its row computing and ignored until the call ends.
 
     **Returns:** the new tokens of each prompt, in the order of `prompts`.
 
@@ -186,7 +199,8 @@ def generate(
     """
     prompts, events = _checked_events(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
-                                      stop_tokens=stop_tokens, num_slots=num_slots, max_cache_bytes=max_cache_bytes)
+                                      stop_tokens=stop_tokens, num_slots=num_slots, max_cache_bytes=max_cache_bytes,
+                                      tokens_per_call=tokens_per_call)
     outputs = [[] for _ in prompts]
     for i, token in events:
         outputs[i].append(token)
@@ -207,11 +221,12 @@ def generate_tokens(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
 
 
 def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p, repetition_penalty, seed,
-                    stop_tokens, num_slots, max_cache_bytes):
+                    stop_tokens, num_slots, max_cache_bytes, tokens_per_call):
     """The checked prompts and the iterator of `(prompt index, token)` that decodes them."""
     check_protocol(model)
     prompts = _checked_prompts(prompts, model.vocab_size)
     _check_int("num_slots", num_slots, 1, optional=True)
+    _check_int("tokens_per_call", tokens_per_call, 1)
     max_new_tokens, stops, sampling = _checked_options(
         model, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens, max_cache_bytes=max_cache_bytes)
@@ -220,7 +235,8 @@ def _checked_events(model, prompts, max_new_tokens, *, temperature, top_k, top_p
     P = num_slots or min(len(prompts), 8)
     longest = max(map(len, prompts))
     capacity = _checked_capacity(model, P, longest, max_new_tokens, max_cache_bytes)
-    return prompts, _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty)
+    return prompts, _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty,
+                            tokens_per_call)
 
 
 def _checked_options(model, max_new_tokens, *, temperature, top_k, top_p, repetition_penalty, seed, stop_tokens,
@@ -252,9 +268,9 @@ def _checked_capacity(model, slots: int, longest: int, max_new_tokens: int, max_
     return capacity
 
 
-def _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty):
+def _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repetition_penalty, tokens_per_call):
     """Decode the checked `prompts` in a `DecodePool` of `P` slots, yielding `(prompt index, token)`."""
-    pool = DecodePool(model, P, capacity, repetition_penalty=repetition_penalty)
+    pool = DecodePool(model, P, capacity, repetition_penalty=repetition_penalty, tokens_per_call=tokens_per_call)
     queue = deque(range(len(prompts)))
     owner: dict[int, int] = {}  # slot → prompt index
     counts = [0] * len(prompts)
@@ -271,7 +287,8 @@ def _events(model, prompts, max_new_tokens, stops, P, capacity, sampling, repeti
         free = pool.free_slots()
         if queue and free:
             admitted = [queue.popleft() for _ in free[: len(queue)]]
-            first = pool.admit([prompts[i] for i in admitted], [sampling._replace(index=i) for i in admitted])
+            first = pool.admit([prompts[i] for i in admitted], [sampling._replace(index=i) for i in admitted],
+                               stop_tokens=[stops] * len(admitted), max_new_tokens=[max_new_tokens] * len(admitted))
             for i, (slot, token) in zip(admitted, first):
                 owner[slot] = i
                 yield record(slot, token)
@@ -295,14 +312,18 @@ class GenerationSession:
     - `model`: a `CachedLanguageModel`.
     - `saved_states`: the most states kept (least recently used dropped first; default 2).
     - `prefill_chunk`: as `DecodePool`'s.
+    - `tokens_per_call`: as `generate`'s (default 8).
 
     `prefilled_tokens` counts the tokens fed to prefills, all calls together.
     """
 
-    def __init__(self, model, *, saved_states: int = 2, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model, *, saved_states: int = 2, prefill_chunk: int = PREFILL_CHUNK,
+                 tokens_per_call: int = TOKENS_PER_CALL):
         check_protocol(model)
         _check_int("saved_states", saved_states, 1)
+        _check_int("tokens_per_call", tokens_per_call, 1)
         self.model, self.saved_states, self.prefill_chunk = model, saved_states, prefill_chunk
+        self.tokens_per_call = tokens_per_call
         self._pool: DecodePool | None = None
         self._penalty: float | None = None
         self._prefilled_before = 0  # tokens prefilled by the pools replaced
@@ -341,20 +362,19 @@ class GenerationSession:
             capacity = max(capacity, 2 * pool.capacity) if capacity > 1 else capacity
             self._prefilled_before += pool.prefilled_tokens
         self._pool = DecodePool(self.model, 1, capacity, repetition_penalty=repetition_penalty,
-                                saved_states=self.saved_states, prefill_chunk=self.prefill_chunk)
+                                saved_states=self.saved_states, prefill_chunk=self.prefill_chunk,
+                                tokens_per_call=self.tokens_per_call)
         self._penalty = repetition_penalty
         return self._pool
 
     @staticmethod
     def _events(pool: DecodePool, prompt: list[int], max_new_tokens: int, stops: set[int], sampling: Sampling):
-        (slot, token), = pool.admit([prompt], [sampling])
-        count = 1
+        (slot, token), = pool.admit([prompt], [sampling], stop_tokens=[stops], max_new_tokens=[max_new_tokens])
         try:
             yield 0, token
-            while token not in stops and count < max_new_tokens:
-                (_, token), = pool.step()
-                count += 1
-                yield 0, token
+            for tokens in iter(pool.step, []):  # [] once the pool ended it: a stop token, its budget
+                for _, token in tokens:
+                    yield 0, token
         finally:
             pool.release(slot)
 
@@ -376,9 +396,13 @@ class DecodePool:
     `generate`, `GenerationSession` and `recurrax serve`.
 
     `admit` prefills new sequences as packed batches into free slots and returns their first
-    tokens; `step` advances every occupied slot by one token in one compiled call (free slots
-    compute and are ignored); `release` frees a slot (a finished or cancelled sequence).
-    Sequences join and leave between steps (continuous batching).
+    tokens; `step` advances every live slot by up to `tokens_per_call` tokens in one compiled
+    call (free slots compute and are ignored); `release` frees a slot (a finished or cancelled
+    sequence). Sequences join and leave between calls (continuous batching). A slot given stop
+    tokens or a budget at `admit` stops advancing on the device when it meets them, within a
+    call: its cache then holds exactly the tokens it consumed. The tokens do not depend on
+    `tokens_per_call`; the host's cost per token (dispatch, transfers, the read-back) falls
+    with it. One step program is compiled per `tokens_per_call`.
 
     Bounded compilation: a packed prefill holds at most `prefill_chunk` tokens (a power of
     two); more are prefilled in several calls, a prompt split between them continuing from its
@@ -402,16 +426,20 @@ class DecodePool:
     - `repetition_penalty`: one factor for every slot, or None (nothing compiled for it).
     - `saved_states`: rows of the store of released states (0: none kept).
     - `prefill_chunk`: most tokens of one packed prefill (a power of two ≥ 64).
+    - `tokens_per_call`: decode steps per `step` call (an integer ≥ 1; 1: one, no select of
+      frozen rows; `generate`'s default is `TOKENS_PER_CALL`).
     """
 
     def __init__(self, model, slots: int, capacity: int, *, repetition_penalty: float | None = None,
-                 saved_states: int = 0, prefill_chunk: int = PREFILL_CHUNK):
+                 saved_states: int = 0, prefill_chunk: int = PREFILL_CHUNK, tokens_per_call: int = 1):
         if prefill_chunk < 64 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two ≥ 64, got {prefill_chunk}")
+        _check_int("tokens_per_call", tokens_per_call, 1)
         graphdef, params = nnx.split(model)
         structure = ModelStructure(graphdef, params)
         self._params = jax.tree.leaves(params)  # a flat list: no nnx pytree to walk in every call
         self._static = dict(structure=structure, slots=slots, capacity=capacity)
+        self.tokens_per_call = tokens_per_call
         self._admit, self._step = _compiled()
         self._pool = _empty_pool(model, slots, capacity)
         self._penalty = None
@@ -422,6 +450,11 @@ class DecodePool:
         self.occupied = np.zeros(slots, bool)
         self._pending = np.zeros(slots, np.int32)  # each slot's last sampled token (the next step's input)
         self._counts = np.zeros(slots, np.int32)   # tokens each slot has sampled
+        self._live = np.zeros(slots, bool)         # occupied, not ended by a stop token or its budget
+        self._budgets = np.full(slots, np.iinfo(np.int32).max, np.int32)  # most tokens each slot samples
+        self._stops = [frozenset()] * slots        # each slot's stop tokens
+        self._device = None  # (pending, counts, live) on the device: the last step's, or None (sent anew)
+        self._limits = None  # (stops [P, S], budgets) on the device, or None (sent anew)
         self._settings = SlotSettings.empty(slots, model.vocab_size)
         self._saved = SavedStates(model, saved_states, capacity) if saved_states else None
         self._consumed: list[list[int]] = [[] for _ in range(slots)]  # tokens in each slot's cache
@@ -432,20 +465,29 @@ class DecodePool:
         return [int(s) for s in np.flatnonzero(~self.occupied)]
 
     def admit(self, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], *,
+              stop_tokens: Sequence[Collection[int]] | None = None, max_new_tokens: Sequence[int] | None = None,
               packed_length: int | None = None) -> list[tuple[int, int]]:
         """Prefill `prompts` (checked token ids, at most as many as free slots) into the lowest
         free slots; returns `(slot, first token)` for each, in order. A prompt that extends a
         saved state prefills only its tokens after it. Each packed prefill has `packed_length`
-        tokens (default: its tokens, at most `prefill_chunk`, rounded up to a power of two)."""
+        tokens (default: its tokens, at most `prefill_chunk`, rounded up to a power of two).
+
+        Each prompt's sequence ends (`step` gives it no more tokens and its cache stops
+        advancing) after one of its `stop_tokens` or `max_new_tokens` tokens (both per prompt;
+        default: none, unbounded); release its slot then."""
         targets = self.free_slots()[: len(prompts)]
         if len(targets) < len(prompts):
             raise ValueError(f"{len(prompts)} prompts for {len(targets)} free slots")
         prompts = [list(p) for p in prompts]
+        stop_tokens = [frozenset()] * len(prompts) if stop_tokens is None else [frozenset(s) for s in stop_tokens]
+        max_new_tokens = [np.iinfo(np.int32).max] * len(prompts) if max_new_tokens is None else max_new_tokens
         starts = self._load_saved(prompts, targets)
-        for slot, options, prompt in zip(targets, sampling, prompts):
+        for slot, options, prompt, stops, budget in zip(targets, sampling, prompts, stop_tokens, max_new_tokens):
             self._settings.set(slot, options, self.vocab_size)
             self.occupied[slot], self._counts[slot] = True, 1
+            self._stops[slot], self._budgets[slot] = stops, budget
             self._consumed[slot] = prompt
+        self._device = self._limits = None
         first = {}
         remaining = [prompt[start:] for prompt, start in zip(prompts, starts)]
         for rows in _chunks(remaining, [start > 0 for start in starts], packed_length or self.prefill_chunk):
@@ -463,34 +505,65 @@ class DecodePool:
             first.update((i, int(sampled[row])) for row, (i, _, _, last) in enumerate(rows) if last)
         for i, slot in enumerate(targets):
             self._pending[slot] = first[i]
+            self._live[slot] = not self._ended(slot, first[i])
             if self._saved is not None:
                 self._saved.save(self._pool, slot, prompts[i])
         return [(slot, first[i]) for i, slot in enumerate(targets)]
 
     def step(self) -> list[tuple[int, int]]:
-        """Advance every occupied slot by one token: `(slot, token)` for each, slots in order
-        (nothing runs when none is occupied)."""
-        occupied = self.occupied.copy()
-        if not occupied.any():
+        """Advance every live slot (occupied, not ended) by up to `tokens_per_call` tokens in
+        one compiled call: `(slot, token)` for each token, in the order k calls of one token
+        would give them (step by step, slots in order); nothing runs when no slot is live. A
+        slot stops advancing within the call after its stop token or its last token (its
+        cache then holds exactly the tokens it consumed)."""
+        if not self._live.any():
             return []
-        sampled, self._pool, self._penalty = self._step(self._params, jnp.asarray(self._pending), self._pool,
-                                                        self._settings.arrays(), jnp.asarray(self._counts),
-                                                        self._penalty, **self._static)
-        sampled = np.asarray(sampled)
-        slots = np.flatnonzero(occupied)
-        for slot in slots:
-            self._consumed[slot].append(int(self._pending[slot]))
-        self._pending[slots] = sampled[slots]
-        self._counts[slots] += 1
-        return [(int(s), int(sampled[s])) for s in slots]
+        if self._device is None:
+            # copies: on a CPU an array made from NumPy may share its memory, which the host mirrors change
+            self._device = tuple(jnp.array(x, copy=True) for x in (self._pending, self._counts, self._live))
+        tokens, self._pool, *device, self._penalty = self._step(
+            self._params, self._pool, *self._device, self._settings.arrays(), *self._limit_arrays(),
+            self._penalty, **self._static, tokens_per_call=self.tokens_per_call)
+        self._device = tuple(device)
+        tokens = np.asarray(tokens)  # [tokens_per_call, P], -1 where a slot was not live
+        if self.tokens_per_call == 1:  # no freeze: every occupied row consumed its pending token
+            for slot in np.flatnonzero(self.occupied & ~self._live):
+                self._consumed[slot].append(int(self._pending[slot]))
+        out = []
+        for row in tokens:
+            for slot in np.flatnonzero(row >= 0):
+                token = int(row[slot])
+                self._consumed[slot].append(int(self._pending[slot]))
+                self._pending[slot] = token
+                self._counts[slot] += 1
+                self._live[slot] = not self._ended(slot, token)
+                out.append((int(slot), token))
+        return out
 
     def release(self, slot: int) -> None:
         """Free `slot` (its cache is overwritten by the next sequence admitted there); with
         saved states, its cache is kept first, keyed by the tokens it consumed."""
         if self._saved is not None and self.occupied[slot]:
             self._saved.save(self._pool, slot, self._consumed[slot])
-        self.occupied[slot] = False
+        if self._live[slot]:
+            self._device = None
+        self.occupied[slot] = self._live[slot] = False
         self._consumed[slot] = []
+
+    def _ended(self, slot: int, token: int) -> bool:
+        """Whether `slot`'s sequence ends with its sampled `token`."""
+        return token in self._stops[slot] or self._counts[slot] >= self._budgets[slot]
+
+    def _limit_arrays(self) -> tuple:
+        """Each slot's stop tokens `[P, S]` (S a power of two, padded with -1) and budget `[P]`
+        on the device, sent after each admission."""
+        if self._limits is None:
+            width = 1 << max(max(map(len, self._stops)) - 1, 0).bit_length()
+            stops = np.full((self.slots, width), -1, np.int32)
+            for slot, ids in enumerate(self._stops):
+                stops[slot, : len(ids)] = sorted(ids)
+            self._limits = jnp.asarray(stops), jnp.array(self._budgets, copy=True)
+        return self._limits
 
     def _load_saved(self, prompts: list[list[int]], targets: list[int]) -> list[int]:
         """Copy the longest saved state each prompt extends into its target slot; returns the
@@ -659,31 +732,73 @@ def _admit_body(params, pool, tokens, cu_seqlens, targets, continues, settings, 
     return first, constrain_cache(pool), (factor, slot_seen)
 
 
-def _step_body(params, tokens, pool, settings, counts, penalty=None, *, structure, slots, capacity):
-    """Advance every slot by its pending token; sample the next ones (marking them seen)."""
-    logits, pool = structure.model(params).decode_step(tokens, pool)
-    if penalty is None:
-        return _sample(logits, settings, counts), constrain_cache(pool), None
-    factor, seen = penalty
-    sampled = _sample(penalize_repetitions(logits, seen, factor), settings, counts)
-    return sampled, constrain_cache(pool), (factor, seen.at[jnp.arange(slots), sampled].set(True))
+def _step_body(params, pool, pending, counts, live, settings, stops, budgets, penalty=None, *, structure, slots,
+               capacity, tokens_per_call):
+    """Up to `tokens_per_call` decode steps of every slot (a `lax.while_loop` that ends early
+    once no slot is live): each live slot feeds its pending token, samples the next with key
+    count `counts` (marking it seen), and stays live while that token is not one of its
+    `stops` (`[P, S]`, padded with -1) and `counts` < `budgets`. A slot not live computes and
+    is kept: its cache rows, pending token, count and seen tokens stay as they were (one step
+    per call needs no such select: the host calls it for live slots only, and the other rows'
+    results are ignored).
 
+    Returns `(tokens [tokens_per_call, P]` (-1 where a slot was not live), pool, pending,
+    counts, live, penalty)`."""
+    net = structure.model(params)
+    freeze = tokens_per_call > 1
+
+    def one(carry):
+        pool, pending, counts, live, penalty = carry
+        logits, stepped = net.decode_step(pending, pool)
+        if penalty is not None:
+            logits = penalize_repetitions(logits, penalty[1], penalty[0])
+        sampled = _sample(logits, settings, counts)
+        stepped = jax.tree.map(lambda new, old: new.astype(old.dtype), stepped, pool)  # as `_admit` keeps them
+        if freeze:  # every row live (most steps): nothing to select
+            stepped = jax.lax.cond(jnp.all(live), lambda: stepped, lambda: jax.tree.map(
+                lambda new, old: jnp.where(live.reshape(-1, *(1,) * (new.ndim - 1)), new, old), stepped, pool))
+        if penalty is not None:
+            marked = jnp.where(live, sampled, penalty[1].shape[1])  # out of range: dropped
+            penalty = (penalty[0], penalty[1].at[jnp.arange(slots), marked].set(True, mode="drop"))
+        counts = jnp.where(live, counts + 1, counts)
+        stopped = jnp.any(sampled[:, None] == stops, axis=1) | (counts >= budgets)
+        token = jnp.where(live, sampled, -1)
+        carry = (constrain_cache(stepped), jnp.where(live, sampled, pending), counts, live & ~stopped, penalty)
+        return carry, token
+
+    carry = (pool, pending, counts, live, penalty)
+    if not freeze:
+        carry, token = one(carry)
+        return token[None], *carry
+
+    def next_step(loop):
+        j, tokens, carry = loop
+        carry, token = one(carry)
+        return j + 1, tokens.at[j].set(token), carry
+
+    tokens = jnp.full((tokens_per_call, slots), -1, jnp.int32)
+    _, tokens, carry = jax.lax.while_loop(lambda loop: (loop[0] < tokens_per_call) & jnp.any(loop[2][3]),
+                                          next_step, (0, tokens, carry))
+    return tokens, *carry
+
+
+STEP_STATIC = (*STATIC, "tokens_per_call")
 
 _admit = jax.jit(_admit_body, static_argnames=STATIC, donate_argnames=("pool", "penalty"))
-_step = jax.jit(_step_body, static_argnames=STATIC, donate_argnames=("pool", "penalty"))
+_step = jax.jit(_step_body, static_argnames=STEP_STATIC, donate_argnames=("pool", "penalty"))
 
 
-def _checkified(body, pool_position: int):
+def _checkified(body, pool_position: int, static: tuple[str, ...]):
     """`body` compiled with its `checkify.check`s functionalised: returns `(error, outputs)`."""
 
-    def run(*args, structure, slots, capacity):
-        return checkify.checkify(partial(body, structure=structure, slots=slots, capacity=capacity))(*args)
+    def run(*args, **static_values):
+        return checkify.checkify(partial(body, **static_values))(*args)
 
-    return jax.jit(run, static_argnames=STATIC, donate_argnums=(pool_position,))
+    return jax.jit(run, static_argnames=static, donate_argnums=(pool_position,))
 
 
-_admit_checked = _checkified(_admit_body, 1)
-_step_checked = _checkified(_step_body, 2)
+_admit_checked = _checkified(_admit_body, 1, STATIC)
+_step_checked = _checkified(_step_body, 1, STEP_STATIC)
 
 
 def _compiled():

@@ -79,6 +79,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefill-tokens", type=positive_int, default=512,
                         help="prompt tokens prefilled together in one step, at most (a longer prompt goes in "
                              "pieces of that size); the packed lengths up to it compile at start-up (default 512)")
+    parser.add_argument("--tokens-per-call", type=positive_int,
+                        help="decode steps per compiled call: the host's cost of a call is shared by that many "
+                             "tokens per request, and a stream receives them together; the tokens do not depend "
+                             "on it (default: generate's, 8)")
     limits = parser.add_argument_group("limits", "what one client may take; a request beyond them is a 4xx in "
                                        "OpenAI's error JSON, a connection beyond them is closed")
     for flag, kind, default, text in LIMITS:

@@ -16,7 +16,8 @@ queue and join the pool between decode steps.
              that extends a kept state (the pool keeps 2 × P: each request's state after its
              prompt and after its output, least recently used dropped) prefills only the
              tokens after it: a chat's next turn costs its new tokens
-      step:  every running request advances one token in one compiled call
+      step:  every running request advances up to `--tokens-per-call` tokens in one compiled
+             call (a request that ends within it stops advancing there)
       each token → its request's text (stop ids, stop strings, max_tokens); a finished
              request frees its slot at once
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import DecodePool, Sampling, TextPieces, end_of_sequence_ids
+from .._generate import TOKENS_PER_CALL
 
 from .requests import Job
 
@@ -69,15 +71,16 @@ class Engine:
     `max_queue` waiting requests (see the module notes).
 
     **Arguments:** `model` (a `CachedLanguageModel`), `tokenizer`, `slots`, `capacity` (the
-    pool's attention capacity), `max_queue`.
+    pool's attention capacity), `max_queue`, `prefill_tokens`, `tokens_per_call` (the pool's).
     """
 
-    def __init__(self, model, tokenizer, *, slots: int, capacity: int, max_queue: int, prefill_tokens: int = 512):
+    def __init__(self, model, tokenizer, *, slots: int, capacity: int, max_queue: int, prefill_tokens: int = 512,
+                 tokens_per_call: int = TOKENS_PER_CALL):
         self.tokenizer, self.vocab_size = tokenizer, model.vocab_size
         self.slots, self.max_queue, self.prefill_tokens = slots, max_queue, prefill_tokens
         self.stop_tokens = end_of_sequence_ids(model, tokenizer)
         self._pool = DecodePool(model, slots, capacity, saved_states=2 * slots,
-                                prefill_chunk=packed_lengths(prefill_tokens)[-1])
+                                prefill_chunk=packed_lengths(prefill_tokens)[-1], tokens_per_call=tokens_per_call)
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}
         self._changed = threading.Condition()
@@ -88,7 +91,7 @@ class Engine:
         """Compile the decode step and every packed prefill length up to `prefill_tokens`
         (before serving: no request waits for a compilation unless its prompt is longer)."""
         for length in packed_lengths(self.prefill_tokens):
-            (slot, _), = self._pool.admit([[0]], [Sampling()], packed_length=length)
+            (slot, _), = self._pool.admit([[0]], [Sampling()], stop_tokens=[self.stop_tokens], packed_length=length)
             self._pool.step()
             self._pool.release(slot)
 
@@ -169,11 +172,14 @@ class Engine:
         return admitted
 
     def _advance(self, admitted: list[Request]) -> None:
-        """Admit `admitted`, then one decode step; every token reaches its request."""
+        """Admit `admitted`, then one decode call (up to `tokens_per_call` tokens per request);
+        every token reaches its request, in order (one that a stop string ended gets no more)."""
         if admitted:
             for request in admitted:
                 request.text = TextPieces(self.tokenizer, request.job.prompt_ids, self.stop_tokens, request.job.stop)
-            first = self._pool.admit([r.job.prompt_ids for r in admitted], [r.job.sampling for r in admitted])
+            first = self._pool.admit([r.job.prompt_ids for r in admitted], [r.job.sampling for r in admitted],
+                                     stop_tokens=[self.stop_tokens] * len(admitted),
+                                     max_new_tokens=[r.job.max_tokens for r in admitted])
             with self._changed:
                 for request, (slot, _) in zip(admitted, first):
                     request.slot = slot

@@ -47,6 +47,7 @@ def serve(args) -> int:
     import uvicorn
     from ...nn.pretrained import from_pretrained
     from .. import cache_capacity, load_tokenizer
+    from .._generate import TOKENS_PER_CALL
 
     from .app import create_app
     from .engine import Engine
@@ -65,7 +66,8 @@ def serve(args) -> int:
             threading.Thread(target=_quietly(renderer.start), daemon=True).start()
         model = _loaded(args.model, from_pretrained)
         engine = Engine(model, tokenizer, slots=args.slots, capacity=cache_capacity(model, args.max_model_len),
-                        max_queue=args.max_queue, prefill_tokens=args.prefill_tokens)
+                        max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
+                        tokens_per_call=args.tokens_per_call or TOKENS_PER_CALL)
         engine.warm_up()
         if renderer is not None:
             _started(renderer, args.model)
