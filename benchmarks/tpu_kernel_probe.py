@@ -21,8 +21,7 @@ with the chunk axis sequential and the state S [Hb, K, V] float32 in VMEM across
 
 Also timed: `xla`, the same operation in plain XLA with every chunk's intra-chunk work at once
 (state-independent terms batched over chunks, the state pass a `lax.scan` over chunks), and
-`recurrent`'s paths as a user calls them (`pallas_tpu`, `chunk`; with `g` also `pallas_tpu
-tokens`, the token-major forward `TpuTiles(layout="tokens")`), forward and forward+backward under
+`recurrent`'s paths as a user calls them (`pallas_tpu`, `chunk`), forward and forward+backward under
 the profiler. Each row: median ms of `--repeats` calls, the HBM floor (q, k, v, o once at 819 GB/s), and the error
 against `recurrent`'s float32 `reference` (max |x − y| / max |y|). `--vmem-mib` raises Mosaic's
 scoped-VMEM limit for the forms whose blocks need more than the 16 MiB default.
@@ -48,7 +47,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import recurrax
-from recurrax.kernels.tpu import TpuTiles, tpu_recurrent
 from recurrax.tools.cases import call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -260,11 +258,6 @@ def main(argv=None) -> int:
     return 0
 
 
-TOKENS = functools.partial(tpu_recurrent, tiles=TpuTiles(layout="tokens"))
-"""`recurrent`'s TPU kernels with the token-major forward (`TpuTiles(layout="tokens")`: no XLA
-copy of q, k, v or o around it), the declared tiles otherwise."""
-
-
 def recurrent_output(path, q, k, v, gates: dict):
     """`recurrent`'s output through a registered `implementation`, or an algorithm function."""
     if isinstance(path, str):
@@ -274,15 +267,12 @@ def recurrent_output(path, q, k, v, gates: dict):
 
 def profiles(q, k, v, g, repeats: int) -> dict:
     """`recurrent` as a user calls it, forward and forward+backward, under the profiler: the
-    device's self time by kind of op and the longest ops (`_trace.traced_ops`); `g` also with
-    the token-major forward (`pallas_tpu tokens`)."""
+    device's self time by kind of op and the longest ops (`_trace.traced_ops`)."""
     gk = jnp.broadcast_to(g[..., None], q.shape) / 4
     out = {}
-    paths = {"pallas_tpu": "pallas_tpu", "pallas_tpu tokens": TOKENS, "chunk": "chunk"}
+    paths = {"pallas_tpu": "pallas_tpu", "chunk": "chunk"}
     for gate, gates in (("g", dict(g=g)), ("gk", dict(gk=gk))):
         for name, path in paths.items():
-            if gate == "gk" and name == "pallas_tpu tokens":
-                continue  # the per-channel forward is head-major whatever the layout
             forward = jax.jit(functools.partial(recurrent_output, path))
             both = jax.jit(jax.grad(lambda q, k, v, gates, path=path: jnp.sum(
                 recurrent_output(path, q, k, v, gates).astype(F32) ** 2), argnums=(0, 1, 2, 3)))

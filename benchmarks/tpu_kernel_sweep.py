@@ -14,8 +14,8 @@ B4 T4096 H16 K=V=64, the delta rule's GDN (`g`) and KDA (`gk`) at B1 T4096, 32 v
 share of calls dispatched back to back, `_timing.back_to_back`), the XLA
 `chunk` path and then the kernel at each tile of `--heads` × `--chunks` (`TpuTiles(chunk=C,
 heads=Hb)`; the sub-block stays 16 and the value block 128; `recurrent` `gk` also at each
-`--groups`, the rows of the diagonal sub-block's groups; `recurrent` `g` in each of `--layouts`,
-the token-major forward, `tokens`, at the heads its blocks allow), in the order of `TILE_ORDER`, so the
+`--groups`, the rows of the diagonal sub-block's groups; `recurrent` rows only at the heads whose
+lane-dense blocks are legal, Hb · K a multiple of 128 or all heads), in the order of `TILE_ORDER`, so the
 most telling tiles come first. Each tile's output and final state are compared once with the
 `chunk` path's (max |x − y| / max |y|, printed and recorded). Each row's roofline is
 `tpu_paths.floors` (HBM and MXU floors); `% roof` is the larger floor over the time.
@@ -60,20 +60,17 @@ def rows(smoke: bool) -> list[dict]:
     return [{**recurrent, "gate": "g"}, {**recurrent, "gate": "gk"}, {**delta, "gate": "g"}, {**delta, "gate": "gk"}]
 
 
-def tiles_of(row: dict, heads: list[int], chunks: list[int], smoke: bool, groups: tuple[int, ...] = (4,),
-             layouts: tuple[str, ...] = ("heads",)) -> list[TpuTiles]:
+def tiles_of(row: dict, heads: list[int], chunks: list[int], smoke: bool, groups: tuple[int, ...] = (4,)) -> list[TpuTiles]:
     """The row's tiles in `TILE_ORDER` (those whose heads divide H), then any others asked for;
     `recurrent` `gk` rows at each diagonal `group` (`TpuTiles.group`), the others at 4;
-    `recurrent` `g` rows in each of `layouts` (`TpuTiles.layout`; the token-major forward only
-    where its blocks are legal: heads a multiple of 8 or all of them, or in interpret mode)."""
+    `recurrent` rows only where their lane-dense blocks are legal (Hb · K a multiple of 128 or
+    all H heads; any in interpret mode)."""
     asked = [(h, c) for h in heads for c in chunks if row["H"] % h == 0]
     ordered = [t for t in TILE_ORDER if t in asked] + [t for t in asked if t not in TILE_ORDER]
     sub = 8 if smoke else 16
     groups = groups if (row["op"], row["gate"]) == ("recurrent", "gk") else (4,)
-    layouts = layouts if (row["op"], row["gate"]) == ("recurrent", "g") else ("heads",)
-    legal = lambda h, layout: layout == "heads" or smoke or h % 8 == 0 or h == row["H"]  # noqa: E731
-    return [TpuTiles(chunk=c, sub=sub, block_v=128, heads=h, group=g, layout=layout)
-            for h, c in ordered for g in groups for layout in layouts if legal(h, layout)]
+    legal = lambda h: row["op"] != "recurrent" or smoke or (h * row["K"]) % 128 == 0 or h == row["H"]  # noqa: E731
+    return [TpuTiles(chunk=c, sub=sub, block_v=128, heads=h, group=g) for h, c in ordered for g in groups if legal(h)]
 
 
 def kernel_call(row: dict, tiles: TpuTiles, interpret: bool):
@@ -130,9 +127,9 @@ def sweep_row(result: dict, tiles: list[TpuTiles], args, chip: dict, deadline: f
         now = time.perf_counter()
         if now + 1.5 * last > deadline:  # a tile may compile slower than the last (more heads)
             result["tiles"].append({"heads": tile.heads, "chunk": tile.chunk, "group": tile.group,
-                                    "layout": tile.layout, "skipped": "budget"})
+                                    "skipped": "budget"})
             continue
-        entry = {"heads": tile.heads, "chunk": tile.chunk, "group": tile.group, "layout": tile.layout}
+        entry = {"heads": tile.heads, "chunk": tile.chunk, "group": tile.group}
         try:
             timing = time_path(kernel_call(row, tile, args.interpret), inputs, cotangents, args.repeats)
             got = timing.pop("_output")
@@ -148,7 +145,7 @@ def sweep_row(result: dict, tiles: list[TpuTiles], args, chip: dict, deadline: f
 
 
 def describe(entry: dict) -> str:
-    tile = f"heads {entry['heads']}, chunk {entry['chunk']}, group {entry['group']}, layout {entry['layout']}"
+    tile = f"heads {entry['heads']}, chunk {entry['chunk']}, group {entry['group']}"
     if "forward" in entry:
         return (f"{tile}: {1e3 * entry['forward']:.2f} / {1e3 * entry['fwd+bwd']:.2f} ms, "
                 f"error vs chunk {entry['error vs chunk']:.2e}")
@@ -171,7 +168,7 @@ def report(results: list[dict], chip: dict, budget: float) -> str:
         lines.append(f"| {result['label']} | `chunk` | | | | {1e3 * chunk['forward']:.2f} | {1e3 * chunk['fwd+bwd']:.2f} "
                      f"| 1 / 1 | {100 * roof[0]:.1f}% / {100 * roof[1]:.1f}% | |")
         for entry in result["tiles"]:
-            path = "`pallas_tpu`" + (" tokens" if entry.get("layout") == "tokens" else "")
+            path = "`pallas_tpu`"
             head = f"| {result['label']} | {path} | {entry['heads']} | {entry['chunk']} | {entry['group']} |"
             if "forward" not in entry:
                 lines.append(f"{head} {entry.get('failed') or 'skipped: ' + entry['skipped']} | | | | |")
@@ -185,8 +182,7 @@ def report(results: list[dict], chip: dict, budget: float) -> str:
         timed_tiles = [e for e in result["tiles"] if "fwd+bwd" in e]
         if timed_tiles:
             best = min(timed_tiles, key=lambda e: e["fwd+bwd"])
-            lines.append(f"- {result['label']}: heads {best['heads']}, chunk {best['chunk']}, group {best['group']}, "
-                         f"layout {best.get('layout', 'heads')}: "
+            lines.append(f"- {result['label']}: heads {best['heads']}, chunk {best['chunk']}, group {best['group']}: "
                          f"{1e3 * best['forward']:.2f} / {1e3 * best['fwd+bwd']:.2f} ms "
                          f"(`chunk` {1e3 * result['chunk']['forward']:.2f} / {1e3 * result['chunk']['fwd+bwd']:.2f})")
     return "\n".join(lines) + "\n"
@@ -201,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--groups", type=int, nargs="+", default=[4],
                         help="diagonal groups of the recurrent gk kernels (TpuTiles.group)")
-    parser.add_argument("--layouts", nargs="+", default=["heads", "tokens"], choices=["heads", "tokens"],
-                        help="layouts of the recurrent g forward (TpuTiles.layout)")
     parser.add_argument("--rows", type=int, nargs="+", help="indices of the rows to run (default: all)")
     parser.add_argument("--peak-tflops", type=float, default=197.0)
     parser.add_argument("--hbm-gbs", type=float, default=819.0)
@@ -229,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         share = (args.budget - elapsed) / (len(chosen) - index)
         results.append({"row": row, "label": label(row), "floors": None, "chunk": None, "tiles": []})
-        tiles = tiles_of(row, args.heads, args.chunks, args.smoke, tuple(args.groups), tuple(args.layouts))
+        tiles = tiles_of(row, args.heads, args.chunks, args.smoke, tuple(args.groups))
         sweep_row(results[-1], tiles, args, chip, time.perf_counter() + share, save)
     print(report(results, chip, args.budget))
     print(f"tpu_kernel_sweep: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -222,27 +222,61 @@ def _pallas_operand_shapes(jaxpr, results: bool = False) -> list[tuple]:
 def test_no_kernel_array_has_a_minor_dimension_of_one():
     """TPU layouts pad an array's minor dimension to 128 lanes, so a [B, H, Tp, 1] decay column
     or a [.., K, 1] boundary term would take 128 times its bytes in HBM: the kernels read the
-    per-head decay as a row and write the boundary terms as rows."""
+    per-head decay token-major [B, Tp, H] and write the boundary terms as rows."""
     case = Case(T=40, B=1, H=2, Hkv=2, K=16, V=32, gates=("g_head",), dtype="float32")
     diff, rest = split_args(make_inputs(case))
     loss = lambda d: sum(jnp.sum(x) for x in call(TPU_INTERPRET, **d, **rest))  # noqa: E731
     jaxpr = jax.make_jaxpr(jax.grad(loss))(diff).jaxpr
     shapes = _pallas_operand_shapes(jaxpr) + _pallas_operand_shapes(jaxpr, results=True)
-    assert (1, 2, 1, 48) in shapes  # the decay row
+    assert (1, 48, 2) in shapes  # the decay, token-major
     assert not [shape for shape in shapes if len(shape) > 2 and shape[-1] == 1], shapes
 
 
 def test_shared_query_key_reaches_the_kernels_unrepeated():
     """Forward and backward kernels take one query/key head shared by four value heads as it
-    is: no operand of theirs holds a per-value-head copy of q or k ([B, H, Tp, K] or
-    [B, H, K, Tp]); their index maps read head h // 4."""
+    is, lane-dense token-major [B, Tp, K]: no operand of theirs holds a per-value-head copy of
+    q or k ([B, Tp, H · K]) or a transposed one; a step's view of it is lanes [0, K)."""
     case = Case(T=40, Hqk=1, H=4, K=16, V=32, gates=("g_head",), dtype="float32")
     diff, rest = split_args(make_inputs(case))
     loss = lambda d: sum(jnp.sum(x) for x in call(TPU_INTERPRET, **d, **rest))  # noqa: E731
     shapes = _pallas_operand_shapes(jax.make_jaxpr(jax.grad(loss))(diff).jaxpr)
     B, Tp = case.B, 48  # chunk 16
-    assert (B, 1, Tp, 16) in shapes and (B, 1, 16, Tp) in shapes  # q, k and their transposes, one head
-    assert not {(B, 4, Tp, 16), (B, 4, 16, Tp)} & set(shapes), shapes
+    assert (B, Tp, 16) in shapes and (B, Tp, 4 * 32) in shapes  # q, k one head; v four
+    assert not {(B, Tp, 4 * 16), (B, 1, 16, Tp), (B, 4, 16, Tp)} & set(shapes), shapes
+
+
+def _transposed_shapes(jaxpr) -> list[tuple]:
+    """The operand shapes of every `transpose` outside the kernels, nested jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose":
+            shapes.append(tuple(eqn.invars[0].aval.shape))
+        if eqn.primitive.name == "pallas_call":
+            continue  # in-VMEM transposes are the point
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    shapes += _transposed_shapes(inner)
+    return shapes
+
+
+@pytest.mark.parametrize(("gate_set", "Hqk"), [("none", None), ("head", None), ("both", None), ("channel", 1)])
+def test_no_token_array_is_transposed_around_the_kernels(gate_set, Hqk):
+    """The forward and backward kernels read q, k, v, do and the decay lane-dense token-major
+    and write o, dq, dk, dv so: the program of value_and_grad through `pallas_tpu` transposes
+    no array with a token axis (T = 200, Tp = 256) in XLA — no head-major or kᵀ copy (the one
+    transpose left is the [B, H, N, K] boundary terms' in the gate gradient)."""
+    case = Case(B=2, T=T_EXPORT, H=2, Hkv=1, K=64, V=128, gates=GATE_SETS[gate_set], dtype="bfloat16", Hqk=Hqk)
+    diff, rest = split_args(make_inputs(case))
+
+    def loss(diff):
+        problem, config, _ = canonical({**rest, **diff})
+        o, state = tpu_recurrent(problem, scale=config.scale, reverse=False)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    shapes = _transposed_shapes(jax.make_jaxpr(jax.value_and_grad(loss))(diff).jaxpr)
+    assert not [shape for shape in shapes if {T_EXPORT, 256} & set(shape)], shapes
 
 
 @pytest.mark.slow
@@ -400,14 +434,15 @@ def test_tpu_interpret_vmap_slow():
 
 
 def test_illegal_tiles_are_refused_before_mosaic():
-    """chunk 64 gives [K, 64] blocks of the transposed q, k: refused at trace time with the
-    reason, and Mosaic's own block check refuses them too (shown by skipping ours)."""
-    bad = TpuTiles(chunk=64, sub=16, block_v=128)
-    with pytest.raises(ValueError, match="chunk=64 must be a multiple of 128"):
-        export_tpu("head", "bfloat16", 128, 128, False, False, tiles=bad)
+    """One 64-wide head per grid step of two gives [C, 64] blocks of the lane-dense [B, Tp, 128]
+    q and k: refused at trace time with the reason, and Mosaic's own block check refuses them
+    too (shown by skipping ours). The delta rule's transposed [K, C] blocks refuse chunk 64."""
+    bad = TpuTiles(heads=1)
+    with pytest.raises(ValueError, match="heads=1 of K=64 are 64 lanes"):
+        export_tpu("head", "bfloat16", 64, 128, False, False, tiles=bad)
     problems = tpu_kernels.mosaic_problems(
-        tpu_kernels._tiles.Shapes(B=1, H=1, Tp=256, K=128, V=128, BV=64, C=64, c=8), jnp.bfloat16
-    )
+        tpu_kernels._tiles.Shapes(B=1, H=1, Tp=256, K=128, V=128, BV=64, C=64, c=8), jnp.bfloat16,
+        transposed_blocks=True)
     assert len(problems) == 3, problems  # chunk (lanes), sub (bf16 sublanes), block_v
     from recurrax.kernels.tpu import _tiles
 
@@ -415,9 +450,15 @@ def test_illegal_tiles_are_refused_before_mosaic():
     _tiles.check_tiles = lambda *args: None
     try:
         with pytest.raises(Exception, match="divisible by 8 and 128"):
-            export_tpu("head", "bfloat16", 128, 128, False, False, tiles=bad)
+            export_tpu("head", "bfloat16", 64, 128, False, False, tiles=bad)
     finally:
         _tiles.check_tiles = original
+
+
+def test_chunks_of_64_and_256_lower():
+    """The lane-dense blocks take any chunk that is a multiple of 16 rows (bf16); 64 and 256 lower."""
+    for chunk in (64, 256):
+        _assert_lowered(export_tpu("both", "bfloat16", 64, 64, False, False, tiles=TpuTiles(chunk=chunk)))
 
 
 def test_declared_support():
@@ -430,6 +471,23 @@ def test_declared_support():
     assert tpu_kernels.SUPPORT.refusal(request(cu_seqlens=(0, 3, 8))) is None
     assert "gate kinds" in tpu_kernels.SUPPORT.refusal(request(gates=("gv",)))
     assert "qk_head_dim=16" in tpu_kernels.SUPPORT.refusal(request(K=16))
+
+
+def test_shared_query_key_heads_without_a_lane_dense_step_that_fits_are_refused():
+    """64 value heads sharing two 64-wide query/key heads: a step's query/key block must be both
+    heads (128 lanes), so all 64 value heads, which overflow the smallest scoped VMEM; dispatch
+    hears why (`Request.heads`). Sixteen heads sharing two fit (all 16 in a step)."""
+    from recurrax.kernels.tpu import _tiles
+    from recurrax.problem import Gate
+
+    refused = _tiles.tiling_problems(64, 2, 64, 64, Gate.HEAD, jnp.bfloat16)
+    assert refused and "no heads per grid step give lane-dense blocks" in refused[0], refused
+    assert _tiles.tiling_problems(16, 2, 64, 64, Gate.HEAD, jnp.bfloat16) == []
+    assert _tiles.tiling_problems(16, 16, 64, 64, Gate.KEY, jnp.bfloat16) == []
+    case = dataclasses.replace(Case(T=8, **{**SMALL, "K": 64, "V": 64}), H=64, Hkv=64, Hqk=2, gates=("g_head",),
+                               dtype="bfloat16")
+    problem, _, _ = canonical(make_inputs(case))
+    assert "lane-dense" in tpu_kernels.SUPPORT.refusal(Request.of(problem))
 
 
 @pytest.mark.slow  # 40-70 s on a loaded 2-core CPU: two interpret-mode compiles

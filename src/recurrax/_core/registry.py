@@ -59,6 +59,8 @@ class Request:
     - `qk_head_dim`, `v_head_dim`, `seq_len`: sizes, for implementations with tiling limits.
     - `chip`: the device the call is compiled for (`current_chip()`); `None` in a hand-made
       request means this host's first device.
+    - `heads`, `qk_heads`: value heads and query/key heads, for implementations whose tiles
+      span heads (None in a hand-made request: not judged).
     """
 
     dtype: str
@@ -69,6 +71,8 @@ class Request:
     v_head_dim: int
     seq_len: int
     chip: Chip | None = None
+    heads: int | None = None
+    qk_heads: int | None = None
 
     @property
     def device(self) -> Chip:
@@ -80,7 +84,7 @@ class Request:
     @classmethod
     def of(cls, problem: Problem) -> Request:
         """The static facts of a canonical problem on the current chip (`current_chip()`)."""
-        _, T, _, K = problem.query.shape
+        _, T, G, K = problem.query.shape
         chip = current_chip()
         return cls(
             dtype=jnp.dtype(problem.query.dtype).name,
@@ -91,6 +95,8 @@ class Request:
             v_head_dim=problem.value.shape[-1],
             seq_len=T,
             chip=chip,
+            heads=problem.value.shape[2],
+            qk_heads=G,
         )
 
 

@@ -1,38 +1,48 @@
-"""Pallas TPU (Mosaic) kernels of the chunk algorithm, head-major inside.
+"""Pallas TPU (Mosaic) kernels of the chunk algorithm: `recurrent`'s read lane-dense token-major
+arrays, the delta rule's head-major copies.
 
 | module                | what it holds                                                          |
 |-----------------------|------------------------------------------------------------------------|
-| `_tiles`              | `TpuTiles`, head-major layouts, Mosaic-legal BlockSpecs, tile maths    |
-| `_launch`             | both operations' grid step, carried state, `pallas_call`, forward launch |
+| `_tiles`              | `TpuTiles`, both layouts' Mosaic-legal BlockSpecs and head views, tile maths |
+| `_launch`             | both operations' grid step, carried state, `pallas_call`, the delta rule's forward launch |
 | `_channel`            | both operations' per-channel decay: anchors, the diagonal block's groups |
 | `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
-| `_token_forward`      | its forward of no or a per-head decay, token-major (`TpuTiles(layout="tokens")`) |
-| `_head_chunk`         | one head's chunk of that forward (no or a per-head decay), shared by both layouts |
+| `_head_chunk`         | one head's chunk of that forward with no or a per-head decay           |
 | `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
 | `_delta_forward`      | the delta rule's forward kernel: outputs, final states, chunk-entry states |
 | `_delta_backward`     | the delta rule's backward kernel: every gradient, the log decay's included |
 | `_vmem`               | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
 | `_measured`           | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
 
-The array contract at the boundary is the drivers' (`kernels/_recurrent_driver.py`,
-`_delta_driver.py`, token-major); the wrappers transpose to `[B, H, Tp, D]` (but for
-`TpuTiles(layout="tokens")`, `recurrent`'s forward of no or a per-head decay), and the grid is
-(b, head block, value block, chunk) with the chunk axis sequential ("arbitrary") and the state
-in VMEM scratch, so VMEM use does not grow with T (`_launch`, `_tiles`). A grid step takes
-`TpuTiles.heads` heads, one after another in the kernel body (v5e's one TensorCore runs the
-grid steps in sequence; one head's 128 × 64 matmuls are mostly the step's overhead); by
-default `recurrent` takes the most heads, up to 8, that fit the scoped VMEM, the delta rule
-one. Products run on the MXU with bf16 operands for bf16 inputs and float32 accumulation.
+**Array contract.** At the boundary the drivers' (`kernels/_recurrent_driver.py`,
+`_delta_driver.py`): token-major [B, Tp, H, D]. `recurrent`'s kernels read those arrays as
+[B, Tp, H · D] (a reshape): q, k [B, Tp, G · K], v, do [B, Tp, H · V], a per-channel decay
+[B, Tp, H · K], a per-head decay [B, Tp, H]; they write o, dv [B, Tp, H · V] and dq, dk
+[nV, B, Tp, H · K] the same way, in blocks [C, Hb · D] (head i of a grid step: lanes
+[i · D, (i + 1) · D)); kᵀ and qᵀ are transposed in VMEM, so no head-major, transposed or
+other copy of a token array is made in XLA (`_tiles`, `tests/test_kernels_tpu.py`). States
+stay [R, H, K, V] and [B, H, N, K, V]. The delta rule's wrappers still transpose to
+[B, H, Tp, D] (and [B, H, D, Tp]). The grid is (b, head block, value block, chunk) with the
+chunk axis sequential ("arbitrary") and the state in VMEM scratch, so VMEM use does not grow
+with T (`_launch`, `_tiles`). A grid step takes `TpuTiles.heads` heads, one after another in
+the kernel body (v5e's one TensorCore runs the grid steps in sequence; one head's 128 × 64
+matmuls are mostly the step's overhead); by default `recurrent` takes the most heads, up to 8,
+whose blocks are lane-dense (Hb · D a multiple of 128, or all heads) and fit the scoped VMEM,
+the delta rule one. Products run on the MXU with bf16 operands for bf16 inputs and float32
+accumulation.
 
 **Declared support** (`SUPPORT`; every combination is lowered for `platforms=["tpu"]` by the
 tests, forward and backward): float32, bfloat16 and float16 inputs (float16 is upcast to
 float32: TPUs have no float16 matmul); no decay, per head (`g` per head, `g_gamma`), per key
 channel (`g` per channel, `gk`) and their sums, not `gv`; head dims K, V ∈ {64, 128, 256};
 packed `cu_seqlens`, `reverse`, initial states, any T; query/key heads shared by groups of
-value heads (Mamba-2), read unrepeated by the index maps (`_tiles`); tiles C = 128, c = 16,
-BV = min(V, 128), heads per grid step by the VMEM budget (`TpuTiles`); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on a CPU,
-`recurrax compile`); on other generations dispatch runs `chunk`. A chunk of 64 cannot be made legal (the transposed [K, C] blocks need C to
-be a multiple of 128) and is refused at trace time.
+value heads (Mamba-2), read unrepeated by the index maps (`_tiles`), refused where no heads
+per grid step give lane-dense blocks that fit the scoped VMEM (`_tiles.tiling_problems`: one
+64-wide query/key head of several needs a step of all the heads that share the 128-lane
+pair); tiles C = 128 (any multiple of 16 is legal, e.g. `TpuTiles(chunk=256)`), c = 16, BV =
+V (128 of V = 256 with one head per step), heads per grid step by the VMEM budget
+(`TpuTiles`); TPU v5e and v6e (`GENERATIONS`: compiled for both by libtpu on a CPU, `recurrax
+compile`); on other generations dispatch runs `chunk`.
 
 **The delta rule** (`tpu_delta`, `DELTA_SUPPORT`): float32 and bfloat16 inputs, no decay, a
 per-head `g`, a per-key-channel `gk` and their sum, query/key heads shared by groups of value
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..._core.problem import Gate
 from ..._core.registry import Request
 from ..._core.registry import Support
 from .._delta_driver import delta_kernel
@@ -65,7 +76,7 @@ from ._delta_forward import delta_forward
 from ._recurrent_backward import chunk_backward
 from ._recurrent_forward import chunk_forward
 from ._measured import SLOWER_THAN_CHUNK, passed_over
-from ._tiles import TpuTiles, mosaic_problems
+from ._tiles import TpuTiles, kernel_dtype, mosaic_problems, tiling_problems
 
 __all__ = ["BACKEND", "DELTA_INTERPRET_SUPPORT", "DELTA_SUPPORT", "GENERATIONS", "HEAD_DIMS", "INTERPRET_SUPPORT",
            "SLOWER_THAN_CHUNK", "SUPPORT", "TILES", "TpuTiles", "mosaic_problems", "passed_over", "tpu_delta",
@@ -85,6 +96,20 @@ def _head_dims_and_generation(request: Request) -> str | None:
     return head_dims_refusal(request, HEAD_DIMS, f"one of {HEAD_DIMS}") or _generation_refusal(request)
 
 
+def _recurrent_refusal(request: Request) -> str | None:
+    return _head_dims_and_generation(request) or _lane_refusal(request)
+
+
+def _lane_refusal(request: Request) -> str | None:
+    """Why no heads per grid step give lane-dense blocks that fit (`_tiles.tiling_problems`)."""
+    if request.heads is None or request.qk_heads is None:
+        return None
+    gate = Gate.KEY if Gate.KEY in request.gates else Gate.HEAD if Gate.HEAD in request.gates else None
+    problems = tiling_problems(request.heads, request.qk_heads, request.qk_head_dim, request.v_head_dim, gate,
+                               kernel_dtype(request.dtype))
+    return problems[0] if problems else None
+
+
 def _generation_refusal(request: Request) -> str | None:
     chip = request.device
     if chip.backend != "tpu" or chip.generation in GENERATIONS:
@@ -93,7 +118,7 @@ def _generation_refusal(request: Request) -> str | None:
             f"and tested for {GENERATIONS}")
 
 
-SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _head_dims_and_generation, shared_query_key=True)
+SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, _recurrent_refusal, shared_query_key=True)
 INTERPRET_SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, None, shared_query_key=True)
 """`recurrent` in interpret mode: the dtypes and gates of `SUPPORT`, any head dims, any device."""
 

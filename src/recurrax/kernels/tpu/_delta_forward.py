@@ -180,7 +180,7 @@ def delta_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
     would refuse the tiles or the chunk is not a power of two (the inverse's doubling);
     interpret mode takes any power of two."""
     s = tiles.shapes_of(q, v, static, default_heads=1)
-    problems = [] if static.interpret else tiles.mosaic_problems(s, q.dtype)
+    problems = [] if static.interpret else tiles.mosaic_problems(s, q.dtype, transposed_blocks=True)
     if s.C & (s.C - 1):
         problems.append(f"chunk={s.C} must be a power of two")
     if s.C % s.c:

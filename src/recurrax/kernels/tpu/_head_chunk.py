@@ -1,6 +1,5 @@
-"""One head's chunk of `recurrent`'s forward with no or a per-head decay: the maths both TPU
-forwards run per head, the head-major one (`_recurrent_forward`) and the token-major one
-(`_token_forward`), on [C, D] tiles they have loaded (notation: `_recurrent_forward`'s table).
+"""One head's chunk of `recurrent`'s forward with no or a per-head decay, on the [C, D] tiles
+`_recurrent_forward` has loaded (kᵀ transposed in VMEM; notation: `_recurrent_forward`'s table).
 
     o   = scale · [ (q ⊙ e^{A}) S + (q kᵀ ⊙ D) v ],   D_ij = e^{A_i − A_j} (j ≤ i), else 0
     S'  = e^{A_L} S + (kᵀ ⊙ e^{A_L − A}) v

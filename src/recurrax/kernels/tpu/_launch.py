@@ -3,7 +3,8 @@ carried across the chunk axis, the `pallas_call`, and the forward launch whole.
 
 A kernel module (`_recurrent_forward`, `_recurrent_backward`, `_delta_forward`,
 `_delta_backward`) writes one head's chunk, `head(refs, flags)`, with `refs` its views of the
-step's blocks (`_tiles.head_views`) and `flags` = (the chunk is its sequence's first, its
+step's blocks (lane slices of `recurrent`'s lane-dense blocks, `_tiles.Block`; `ref.at[i]` of
+the delta rule's head-major ones, `_tiles.head_views`) and `flags` = (the chunk is its sequence's first, its
 last, the program's first grid step) (`_tiles.chunk_flags`); `launch` runs it for the step's
 Hb heads, one after another, on the grid (b, head block, value block, chunk) of `_tiles`.
 
@@ -12,9 +13,10 @@ the state S forward, its cotangent backward. `start_carries` loads it where a se
 in the walk's order and zeroes it at a program's first step (packed input: chunks owned by no
 sequence read zeros, not garbage); `finish_carry` writes it out where a sequence ends.
 
-`forward` is the forward launch of either operation: q (only with `emit_output`), k, kᵀ, v,
-the operation's own token columns (the delta rule's β), the decay, h0; out o, h_T and (with
-`emit_states`) the state entering every chunk, for the backward.
+`forward` is the delta rule's (head-major) forward launch: q (only with `emit_output`), k, kᵀ,
+v, its own token columns (β), the decay, h0; out o, h_T and (with `emit_states`) the state
+entering every chunk, for the backward. `recurrent`'s lane-dense forward launch
+(`_recurrent_forward.chunk_forward`) shares `forward_head` and `forward_outputs`.
 """
 
 from __future__ import annotations
@@ -29,20 +31,25 @@ from . import _tiles as tiles
 from ._tiles import F32
 
 
-def _grid_step(*refs, head, specs: tiles.Specs, qk: int):
+def _grid_step(*refs, head, specs: tiles.Specs, qk: int, views):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
     flags = tiles.chunk_flags(specs, meta_ref)
     for i in range(specs.s.Hb):
-        head(tiles.head_views(refs, i, specs, qk), flags)
+        if views is None:
+            head(tiles.head_views(refs, i, specs, qk), flags)
+        else:
+            head([view(ref, i) for view, ref in zip(views, refs, strict=True)], flags)
 
 
 def launch(head, inputs: list, in_specs: list, out_specs: list, out_shape: list, scratch: list, meta, *,
-           specs: tiles.Specs, static: KernelConfig, name: str, qk: int):
-    """`head` on every grid step (the first `qk` inputs are query/key blocks); the outputs.
-    `meta`: the packed input's [3, N] owners table, scalar-prefetched, or None."""
+           specs: tiles.Specs, static: KernelConfig, name: str, qk: int = 0, views: list | None = None):
+    """`head` on every grid step; the outputs. A head's views of the step's blocks: `views`,
+    one `view(ref, i)` per input, output and scratch (`_tiles.Block`), else head-major
+    `ref.at[i]` with the first `qk` inputs query/key blocks (`_tiles.head_views`). `meta`: the
+    packed input's [3, N] owners table, scalar-prefetched, or None."""
     return pl.pallas_call(
-        functools.partial(_grid_step, head=head, specs=specs, qk=qk),
+        functools.partial(_grid_step, head=head, specs=specs, qk=qk, views=views),
         grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
@@ -81,9 +88,11 @@ def finish_carry(end, out_ref, value) -> None:
         out_ref[...] = value.astype(out_ref.dtype)
 
 
-def _forward_head(refs: list, flags, *, chunk, tokens: int, decays: int, emit_output: bool, emit_states: bool):
+def forward_head(refs: list, flags, *, chunk, tokens: int, decays: int, emit_output: bool, emit_states: bool):
     """One head's chunk of the forward: `chunk(q_ref or None, token_refs, decay_refs, S, o_ref
-    or None) -> S'` (writing o when given its ref)."""
+    or None) -> S'` (writing o when given its ref); `refs` are q (with `emit_output`), the
+    `tokens` token views, the `decays` decay views, h0, o (with `emit_output`), h_T, the chunk
+    states (with `emit_states`) and the state scratch."""
     q_ref = refs.pop(0) if emit_output else None  # the chunk states need no queries
     token_refs = take(refs, tokens)
     decay_refs = take(refs, decays)
@@ -148,7 +157,7 @@ def forward(chunk, q, k, v, columns: list, a, h0, meta, *, shapes, static: Kerne
     o = (specs.rows_v(), output_type((s.B, s.H, s.Tp, s.V), kdt, k)) if emit_output else None
     out_specs, out_shape = forward_outputs(specs, o, R, k, emit_states)
 
-    head = functools.partial(_forward_head, chunk=chunk, tokens=3 + len(columns), decays=len(decay),
+    head = functools.partial(forward_head, chunk=chunk, tokens=3 + len(columns), decays=len(decay),
                              emit_output=emit_output, emit_states=emit_states)
     outs = list(launch(head, inputs, in_specs, out_specs, out_shape, [specs.state_scratch()], meta, specs=specs,
                        static=static, name=f"{name}_fwd" if emit_output else f"{name}_states",

@@ -119,8 +119,8 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
 
 def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
     """One head's chunk: `refs` are its views of the step's blocks (`_launch`)."""
-    q_ref, k_ref, qT_ref, v_ref = take(refs, 4)
-    decay_refs = take(refs, len(specs.decay(static.gate)))
+    q_ref, k_ref, v_ref = take(refs, 3)
+    decay_refs = take(refs, len(specs.lane_decay(static.gate)))
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = take(refs, 8)
     boundary_ref = refs.pop(0) if static.gate is not None else None
     dS_ref, after_ref = refs
@@ -132,7 +132,8 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
     S, dS = states_ref[...], dS_ref[...]
     if boundary_ref is not None:
         boundary_ref[...] = tiles.row_of(jnp.sum(after_ref[...] * dS, axis=1, keepdims=True))  # [1, K]
-    q, k, qT, v, do = (tiles.f32(r) for r in (q_ref, k_ref, qT_ref, v_ref, do_ref))
+    q, k, v, do = (tiles.f32(r) for r in (q_ref, k_ref, v_ref, do_ref))
+    qT = q.T  # [K, C], in VMEM
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:
         C, c = q.shape[0], static.tiles.sub
@@ -156,8 +157,9 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
 @functools.partial(jax.jit, static_argnames=("static",))
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
     """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_recurrent_driver.py`);
-    inputs go head-major (float16 upcast), per-value-block partial dq, dk and boundary terms are
-    summed here (dq, dk stay per value head: shared query/key heads are summed by the driver)."""
+    q, k, v, do and the decay are read lane-dense token-major (`_tiles.token_lanes`; float16
+    upcast), per-value-block partial dq, dk and boundary terms are summed here (dq, dk stay
+    per value head: shared query/key heads are summed by the driver)."""
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
     s = recurrent_shapes(q, v, static, backward=True)
@@ -165,27 +167,29 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     R = h_T.shape[0]
     has_decay = static.gate is not None
 
-    inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(q), tiles.head_major(v)]
-    in_specs = [specs.qk_rows(), specs.qk_rows(), specs.qk_cols(), specs.rows_v()]
-    inputs += tiles.decay_layouts(a, static.gate)
-    in_specs += specs.decay(static.gate)
-    inputs += [tiles.head_major(do), states, h_T.astype(F32), dh_T.astype(F32)]
-    in_specs += [specs.rows_v(), specs.chunk_states(), specs.state(), specs.state()]
+    state = specs.per_head(specs.state())
+    ins = [specs.lanes_qk(), specs.lanes_qk(), specs.lanes_v(), *specs.lane_decay(static.gate), specs.lanes_v(),
+           specs.per_head(specs.chunk_states()), state, state]
+    inputs = [tiles.token_lanes(x) for x in (q, k, v)]
+    inputs += [] if a is None else [tiles.token_lanes(a) if static.gate is Gate.KEY else a]
+    inputs += [tiles.token_lanes(do), states, h_T.astype(F32), dh_T.astype(F32)]
 
-    out_specs = [specs.partial_rows(), specs.partial_rows(), specs.rows_v(), specs.state()]
+    outs = [specs.lanes_partial(), specs.lanes_partial(), specs.lanes_v(), state]
     out_shape = [
-        output_type((s.nV, s.B, s.H, s.Tp, s.K), F32, q),
-        output_type((s.nV, s.B, s.H, s.Tp, s.K), F32, q),
-        output_type((s.B, s.H, s.Tp, s.V), F32, q),
+        output_type((s.nV, s.B, s.Tp, s.H * s.K), F32, q),
+        output_type((s.nV, s.B, s.Tp, s.H * s.K), F32, q),
+        output_type((s.B, s.Tp, s.H * s.V), F32, q),
         output_type((R, s.H, s.K, s.V), F32, q),
     ]
     if has_decay:
-        out_specs.append(specs.partial_row())  # a row: a [K, 1] column is padded to 128 lanes in HBM
+        outs.append(specs.per_head(specs.partial_row()))  # a row: a [K, 1] column is padded to 128 lanes in HBM
         out_shape.append(output_type((s.nV, s.B, s.H, s.N, 1, s.K), F32, q))
-    scratch = [specs.state_scratch(), specs.state_scratch()]  # dS, S⁺
+    scratch = [specs.per_head(specs.state_scratch())] * 2  # dS, S⁺
+    blocks = ins + outs + scratch
     dq, dk, dv, dh0, *boundary = launch(functools.partial(_backward_head, static=static, specs=specs), inputs,
-                                        in_specs, out_specs, out_shape, scratch, meta, specs=specs, static=static,
-                                        name="recurrax_tpu_chunk_bwd", qk=3)  # q, k, qᵀ
-    dq, dk = (tiles.token_major(x.sum(0)) for x in (dq, dk))
+                                        [b.spec for b in ins], [b.spec for b in outs], out_shape,
+                                        [b.spec for b in scratch], meta, specs=specs, static=static,
+                                        name="recurrax_tpu_chunk_bwd", views=[b.view for b in blocks])
+    dq, dk = (tiles.from_lanes(x.sum(0), s.H) for x in (dq, dk))
     boundary = boundary[0].sum(0)[..., 0, :] if boundary else None
-    return dq, dk, tiles.token_major(dv), dh0, boundary
+    return dq, dk, tiles.from_lanes(dv, s.H), dh0, boundary

@@ -27,8 +27,11 @@ A_i, A_L − A_j (j ≤ L) and A_i − A_j (j ≤ i) are sums of gates.
   e^{A_ik − A_jk} masked to j ≤ i (`_channel.diagonal_scores`), and added into the same [c, C] score
   tile, so one [c, C]·[C, BV] matmul takes all keys.
 
-The state update S' needs kᵀ v, a contraction over tokens: it reads k (and a per-channel
-A) in the transposed [K, C] layout, so every matmul is `a @ b` or `a @ bᵀ` (`_tiles`).
+**Layout** (`_tiles`): q, k [B, Tp, G·K], v, o [B, Tp, H·V] and a per-channel A
+[B, Tp, H·K] are read and written lane-dense token-major, in [C, Hb·D] blocks (head i: lanes
+[i·D, (i + 1)·D)); a per-head A [B, Tp, H] as a [C, H] block (head i's column picked in
+VMEM). The state update S' needs kᵀ v, a contraction over tokens: k (and a per-channel A) is
+transposed in VMEM, so every matmul is `a @ b` or `a @ bᵀ`; no copy is made in XLA.
 """
 
 from __future__ import annotations
@@ -39,13 +42,12 @@ import jax
 import jax.numpy as jnp
 
 from ..._core.problem import Gate
-from .._driver import KernelConfig
+from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._channel import sub_block_scores
 from ._head_chunk import head_chunk
-from ._launch import forward
-from ._token_forward import token_forward, token_major_takes
-from ._tiles import mm, pick_col
+from ._launch import forward_head, forward_outputs, launch
+from ._tiles import F32, mm, pick_col
 
 
 def key_sub_block(q, k, v, a, S, p: int, c: int, *, dtype, group: int):
@@ -68,11 +70,12 @@ def key_chunk(q, k, kT, v, a, aT, S, o_ref, *, c: int, group: int, scale, dtype)
 
 
 def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
-    """One head's chunk (`_launch.forward`): writes o when given `o_ref`; returns S'."""
-    k_ref, kT_ref, v_ref = token_refs
+    """One head's chunk (`_launch.forward_head`): writes o when given `o_ref`; returns S'."""
+    k_ref, v_ref = token_refs
     dtype = tiles.matmul_dtype(k_ref.dtype)
     q = None if q_ref is None else tiles.f32(q_ref)
-    k, kT, v = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref))
+    k, v = tiles.f32(k_ref), tiles.f32(v_ref)
+    kT = k.T  # [K, C], in VMEM
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:
         return key_chunk(q, k, kT, v, a, aT, S, o_ref, c=static.tiles.sub, group=static.tiles.group,
@@ -93,12 +96,30 @@ def recurrent_shapes(q, v, static: KernelConfig, backward: bool = False) -> tile
 @functools.partial(jax.jit, static_argnames=("static", "emit_output", "emit_states"))
 def chunk_forward(q, k, v, a, h0, meta=None, *, static: KernelConfig, emit_output: bool = True,
                   emit_states: bool = False):
-    """Launch the forward kernel: the driver's `PallasBackend.forward` contract (`kernels/_recurrent_driver.py`);
-    inputs go head-major (float16 upcast to float32), the output comes back token-major; with
-    `TpuTiles(layout="tokens")`, no or a per-head decay reads them token-major (`_token_forward`,
-    `token_major_takes`)."""
-    if token_major_takes(q, v, static):
-        return token_forward(q, k, v, a, h0, meta, static=static, emit_output=emit_output, emit_states=emit_states)
-    return forward(functools.partial(_chunk, static=static), q, k, v, [], a, h0, meta,
-                   shapes=functools.partial(recurrent_shapes, static=static), static=static, name="recurrax_tpu_chunk",
-                   emit_output=emit_output, emit_states=emit_states)
+    """Launch the forward kernel: the driver's `PallasBackend.forward` contract
+    (`kernels/_recurrent_driver.py`); q, k, v and the decay are read lane-dense token-major
+    (`_tiles.token_lanes`, a reshape; float16 upcast to float32), o comes back as [B, Tp, H, V]."""
+    out_dtype = q.dtype
+    kdt = tiles.kernel_dtype(q.dtype)
+    q, k, v = (x.astype(kdt) for x in (q, k, v))
+    s = recurrent_shapes(q, v, static)
+    specs = tiles.Specs(s, backward=False, varlen=meta is not None)
+    decay = specs.lane_decay(static.gate)
+    ins = ([specs.lanes_qk()] if emit_output else []) + [specs.lanes_qk(), specs.lanes_v(), *decay,
+                                                          specs.per_head(specs.state())]
+    inputs = [tiles.token_lanes(x) for x in ([q] if emit_output else []) + [k, v]]
+    inputs += [] if a is None else [tiles.token_lanes(a) if static.gate is Gate.KEY else a]
+    inputs.append(h0.astype(F32))
+    o = (specs.lanes_v().spec, output_type((s.B, s.Tp, s.H * s.V), kdt, k)) if emit_output else None
+    out_specs, out_shape = forward_outputs(specs, o, h0.shape[0], k, emit_states)
+    outs = [specs.lanes_v()] if emit_output else []
+    outs += [specs.per_head(spec) for spec in out_specs[len(outs):]]
+    scratch = specs.per_head(specs.state_scratch())
+    head = functools.partial(forward_head, chunk=functools.partial(_chunk, static=static), tokens=2,
+                             decays=len(decay), emit_output=emit_output, emit_states=emit_states)
+    result = list(launch(head, inputs, [b.spec for b in ins], out_specs, out_shape, [scratch.spec], meta,
+                         specs=specs, static=static, name="recurrax_tpu_chunk_fwd" if emit_output else
+                         "recurrax_tpu_chunk_states", views=[b.view for b in ins + outs + [scratch]]))
+    if emit_output:
+        result[0] = tiles.from_lanes(result[0], s.H).astype(out_dtype)
+    return result

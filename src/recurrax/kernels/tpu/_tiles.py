@@ -1,4 +1,4 @@
-"""Head-major layouts, Mosaic-legal BlockSpecs and tile maths shared by the TPU kernels.
+"""Layouts, Mosaic-legal BlockSpecs and tile maths shared by the TPU kernels.
 
 | symbol | meaning                                                               |
 |--------|-----------------------------------------------------------------------|
@@ -7,50 +7,63 @@
 | Tp, N  | tokens padded to a multiple of C; chunks per row, N = Tp / C          |
 | K, V   | key/query and value head dimensions                                   |
 | C, c   | chunk length (one grid step), sub-block length (per-channel decays)   |
-| BV     | value columns of one program, V or a multiple of 128; nV = V / BV     |
-| Hb     | heads of one grid step, a divisor of H (`TpuTiles.heads`)             |
+| BV     | value columns of one program: V, or with Hb = 1 a multiple of 128; nV = V / BV |
+| Hb, Gb | heads of one grid step, a divisor of H (`TpuTiles.heads`); the query/key heads they read |
 | A      | chunk-local inclusive cumulative log decay, float32                   |
 
-**Layout.** The driver's arrays are token-major, [B, Tp, H, D]. A block over one head of
-that layout has a squeezed head axis in the second-minor position, which Mosaic's (8, 128)
-tiling refuses. The wrappers therefore transpose once, outside the kernels, to head-major
-[B, H, Tp, D], whose [C, D] blocks are legal when C is a multiple of 8 (16 for 16-bit
-types) and D is the whole head dimension.
+**Lane-dense token-major layout (`recurrent`'s kernels).** The driver's arrays are
+token-major, [B, Tp, H, D]. A TPU tiles an array's two minor dims in (8, 128) tiles, so a
+block of one head of that layout (the head axis second-minor) is refused, and head-major
+copies [B, H, Tp, D] of 64-wide heads are lane-sparse copies made in XLA. The same bytes seen
+as [B, Tp, H · D] (`token_lanes`, a reshape; what a projection writes) have lane-dense blocks
+[C, Hb · D]: q, k [B, Tp, G · K] -> [C, Gb · K]; v, o, do, dv [B, Tp, H · V] -> [C, Hb · BV];
+dq, dk (per value head) and a per-channel A [B, Tp, H · K] -> [C, Hb · K]; a per-head A
+[B, Tp, H] -> [C, H], every head. A block must be a multiple of 128 lanes or the whole minor
+dim (`lane_problems`; Hb = H always is), so with 64-wide heads a step takes an even number
+of heads. Head i of a step reads and writes lanes [i · D, (i + 1) · D) of its blocks by static
+lane slices (`LaneSlice`; Mosaic loads and stores them at lane offset 64, but refuses a
+`ref.at` view narrower than a lane tile), and its decay column h · Hb + i of the [C, H] block
+by a masked lane sum (`HeadColumn`, h the step's head block), its row by `row_of`. States stay
+[R, H, K, V] and [B, H, N, K, V], [Hb, K, BV] blocks viewed `ref.at[i]`. No array is copied
+in XLA around the kernels.
 
-**No transposed matmul operand, no unaligned slice inside a kernel.** Only `a @ b` and `a @ bᵀ` are used (the
-two forms JAX's own TPU attention kernels use). The chunk-state updates need `kᵀ v` and
-`qᵀ do`, contractions over the token axis, so k and q (and a per-channel decay) are also
-passed transposed, [B, H, D, Tp], as [D, C] blocks: legal when C is a multiple of 128 or
-the whole padded length. A per-head decay comes as a row [B, H, 1, Tp] (scales columns);
-its [C, 1] column (scales rows) is formed in VMEM by a masked lane sum (`column_of`), so the
-[C, C] decay matrix is a plain broadcast difference. (Arrays whose minor dimension is 1 are
-kept out of HBM: TPU layouts pad the minor dimension to 128 lanes, so a [B, H, Tp, 1]
-column would take as many bytes as a [B, H, Tp, 128] array.) Products whose natural form has
-a transposed operand are computed transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from
-P). Single rows or columns (an anchor, the chunk's last decay) are taken by masked sums
-(`pick_row`, `pick_col`), and sub-block slices start at multiples of c = 16, so no slice
-needs a sublane shift.
+**Transposes in VMEM.** The chunk-state updates need kᵀ v and qᵀ do, contractions over the
+token axis: the kernels transpose the [C, K] tile of k or q (and a per-channel decay) in VMEM,
+so every matmul is `a @ b` or `a @ bᵀ` (the two forms JAX's own TPU attention kernels use).
+Products whose natural form has a transposed operand are computed transposed instead (e.g.
+Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or columns (an anchor, the chunk's last decay)
+are taken by masked sums (`pick_row`, `pick_col`), and sub-block slices start at multiples of
+c = 16, so no slice needs a sublane shift. (Arrays whose minor dimension is 1 are kept out of
+HBM: TPU layouts pad the minor dimension to 128 lanes.)
+
+**The delta rule's kernels are head-major** (`Specs.rows`, `cols`, ..., `head_major`): they
+read copies [B, H, Tp, D] made in XLA, k and q also transposed, [B, H, D, Tp], as [D, C]
+blocks (C a multiple of 128: `mosaic_problems(transposed_blocks=True)`), a per-head decay as a
+row [B, H, 1, Tp], and view a step's blocks `ref.at[i]` (`head_views`).
 
 **Shared query/key heads** (Mamba-2's layout, G < H): q and k keep their G heads; value
-head h reads query/key head h // (H / G) through the index maps of their blocks (`qk_rows`,
-`qk_cols`), so no per-value-head copy of them is made. dq and dk are written per value head
-(each head's share; the driver sums the groups after the gate gradient has read them).
+head h reads query/key head h // (H / G) through the index maps of their blocks
+(`qk_block`), so no per-value-head copy of them is made. A step's query/key block is Gb · K
+lanes: 16 value heads sharing two 64-wide query/key heads need all 16 heads in a step (one
+64-lane query/key head of two is no legal block); where no such step fits the scoped VMEM the
+call is refused (`tiling_problems`, dispatch then runs `chunk`). dq and dk are written per
+value head (each head's share; the driver sums the groups after the gate gradient has read them).
 
 **Grid.** (b, head block h, value block j, chunk n), the chunk axis last and sequential
 ("arbitrary"): the state lives in a VMEM scratch across it, so VMEM use does not grow with T.
-A grid step takes Hb heads ([Hb, C, D] blocks of the head-major arrays, an [Hb, K, BV] state
-scratch) and runs the chunk maths once per head, a static loop over views `ref.at[i]`
-(`head_views`): v5e's single TensorCore runs the grid steps one after another, and a step of
-one head's 128 × 64 matmuls is mostly the step's own overhead. Shared query/key heads are read
-in blocks of Hb / (H / G) heads (or one head when a group spans several blocks). The
-backward walks the chunks backwards by its index maps. Packed input hands the [3, N]
-(sequence, first, last) table to the kernels as a scalar-prefetch operand in SMEM, which
-the index maps of the per-sequence states read.
+A grid step takes Hb heads and runs the chunk maths once per head, a static loop over the
+heads' views (`Block.view`): v5e's single TensorCore runs the grid steps one after another,
+and a step of one head's 128 × 64 matmuls is mostly the step's own overhead. The backward
+walks the chunks backwards by its index maps. Packed input hands the [3, N] (sequence, first,
+last) table to the kernels as a scalar-prefetch operand in SMEM, which the index maps of the
+per-sequence states read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -69,30 +82,21 @@ LANES, SUBLANES = 128, 8
 
 @dataclasses.dataclass(frozen=True)
 class TpuTiles:
-    """Tile sizes of the TPU kernels: chunk C (a multiple of 128: transposed [K, C] blocks),
-    sub-block c for per-channel decays, value block BV (clipped to V), and `heads` Hb per grid
-    step (a divisor of H; with query/key heads shared by groups of g value heads, a multiple or
-    a divisor of g). `heads=None`: the `recurrent` kernels take the most heads, up to
-    `MOST_HEADS`, whose blocks fit the target's scoped VMEM (`_vmem.py`); the delta rule's, one.
-    `group`: rows of the diagonal sub-block's groups in the `recurrent` kernels (a power of two;
-    `_channel.diagonal_scores`; the delta rule's are 4). `layout`: how `recurrent`'s forward
-    reads a per-head or no decay, `"heads"` (head-major copies made in XLA) or `"tokens"` (the
-    driver's token-major arrays as they are, `_token_forward`; the value block is then all of
-    V); the per-channel and delta-rule kernels and every backward are head-major whatever it says."""
+    """Tile sizes of the TPU kernels: chunk C (a multiple of 16; of 128 for the delta rule's
+    transposed [K, C] blocks), sub-block c for per-channel decays, value block BV (clipped to
+    V; split only with one head per grid step), and `heads` Hb per grid step (a divisor of H;
+    with query/key heads shared by groups of g value heads, a multiple or a divisor of g).
+    `heads=None`: the `recurrent` kernels take the most heads, up to `MOST_HEADS` (more only
+    where no fewer give lane-dense blocks, `lane_problems`), whose blocks fit the target's
+    scoped VMEM (`_vmem.py`); the delta rule's, one. `group`: rows of the diagonal sub-block's
+    groups in the `recurrent` kernels (a power of two; `_channel.diagonal_scores`; the delta
+    rule's are 4)."""
 
     chunk: int = 128
     sub: int = 16
     block_v: int = 128
     heads: int | None = None
     group: int = 4
-    layout: str = "heads"
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"TpuTiles(layout={self.layout!r}): the layout is one of {LAYOUTS}")
-
-
-LAYOUTS = ("heads", "tokens")
 
 
 MOST_HEADS = 8
@@ -123,10 +127,11 @@ def kernel_dtype(dtype) -> jnp.dtype:
     return matmul_dtype(dtype)
 
 
-def block_v(static: KernelConfig, V: int) -> int:
-    """BV: the configured value block when it is a legal divisor of V, else all of V."""
+def block_v(static: KernelConfig, V: int, heads: int = 1) -> int:
+    """BV: the configured value block when it is a legal divisor of V and a grid step takes one
+    head (a lane-dense block of several heads holds whole heads), else all of V."""
     bv = static.tiles.block_v
-    return bv if (bv < V and V % bv == 0 and bv % LANES == 0) else V
+    return bv if (heads == 1 and bv < V and V % bv == 0 and bv % LANES == 0) else V
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +174,8 @@ class Shapes:
 
 def shapes_of(q, v, static: KernelConfig, backward: bool = False, default_heads: int | None = None) -> Shapes:
     """The sizes of a call; Hb is the tiles' `heads`, else `default_heads`, else the most that
-    fit the scoped VMEM (`most_heads`). Refuses heads that do not tile H."""
+    give lane-dense blocks and fit the scoped VMEM (`most_heads`); BV by `block_v`. Refuses
+    heads that do not tile H."""
     B, Tp, G, K = q.shape
     H, V = v.shape[-2:]
     s = Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G)
@@ -179,7 +185,7 @@ def shapes_of(q, v, static: KernelConfig, backward: bool = False, default_heads:
                                            [f"group={group} must be a power of two"])
     if problems:
         raise ValueError("TPU chunk kernels: " + "; ".join(problems))
-    return dataclasses.replace(s, Hb=heads)
+    return dataclasses.replace(s, Hb=heads, BV=block_v(static, V, heads))
 
 
 def heads_problems(s: Shapes, heads: int) -> list[str]:
@@ -193,25 +199,66 @@ def heads_problems(s: Shapes, heads: int) -> list[str]:
 
 
 def most_heads(s: Shapes, gate: Gate | None, dtype, backward: bool) -> int:
-    """The most heads per grid step, up to `MOST_HEADS`, that tile H and fit the scoped VMEM."""
-    for heads in range(min(s.H, MOST_HEADS), 0, -1):
-        if not heads_problems(s, heads) and not vmem_problems(dataclasses.replace(s, Hb=heads), gate, dtype, backward):
+    """The most heads per grid step, up to `MOST_HEADS`, that tile H, give lane-dense blocks
+    (`lane_problems`) and fit the scoped VMEM; where none up to `MOST_HEADS` does, the fewest
+    above it that do (e.g. 16 heads sharing two 64-wide query/key heads: a step reads a whole
+    128-lane query/key head pair). 1 when none does (`check_tiles` then says why). `s.BV` is
+    the value block of one head per step; several heads take all of V (`block_v`)."""
+    divisors = [h for h in range(1, s.H + 1) if s.H % h == 0]
+    candidates = [h for h in reversed(divisors) if h <= MOST_HEADS] + [h for h in divisors if h > MOST_HEADS]
+    for heads in candidates:
+        tiled = dataclasses.replace(s, Hb=heads, BV=s.BV if heads == 1 else s.V)
+        if not (heads_problems(s, heads) or lane_problems(tiled) or vmem_problems(tiled, gate, dtype, backward)):
             return heads
     return 1
 
 
-def mosaic_problems(s: Shapes, dtype) -> list[str]:
+def tiling_problems(H: int, G: int, K: int, V: int, gate: Gate | None, dtype) -> list[str]:
+    """Why no heads per grid step give the declared tiles (C = 128, BV = min(V, 128))
+    lane-dense blocks that fit the scoped VMEM of the target dispatch judges for, forward or
+    backward (e.g. 16 value heads sharing two 64-wide query/key heads: a step must read both,
+    all 16 heads, which overflow v5e's VMEM in the backward). Empty when some do."""
+    s = Shapes(B=1, H=H, Tp=128, K=K, V=V, BV=min(V, LANES), C=128, c=16, G=G)
+    for backward in (False, True):
+        heads = most_heads(s, gate, dtype, backward)
+        tiled = dataclasses.replace(s, Hb=heads, BV=s.BV if heads == 1 else V)
+        if heads_problems(s, heads) or lane_problems(tiled) or vmem_problems(tiled, gate, dtype, backward):
+            every = vmem_problems(dataclasses.replace(s, Hb=H, BV=V), gate, dtype, backward)
+            return [f"no heads per grid step give lane-dense blocks (a multiple of {LANES} lanes, or all heads) "
+                    f"that fit the scoped VMEM; all {H}: " + "; ".join(every or lane_problems(tiled))]
+    return []
+
+
+def lane_problems(s: Shapes) -> list[str]:
+    """Why a step's lane-dense blocks of the token-major [B, Tp, heads · D] arrays are not legal
+    Mosaic blocks: [C, Gb · K] (q, k), [C, Hb · K] (dq, dk, a per-channel decay), [C, Hb · BV]
+    (v, o, do, dv) must each be a multiple of 128 lanes or the whole minor dimension."""
+    G = s.G or s.H
+    problems = []
+    if (s.Hb * s.K) % LANES and s.Hb != s.H:
+        problems.append(f"heads={s.Hb} of K={s.K} are {s.Hb * s.K} lanes, neither a multiple of {LANES} nor all "
+                        f"{s.H} heads")
+    if (s.Gb * s.K) % LANES and s.Gb != G:
+        problems.append(f"the {s.Gb} query/key head(s) of a grid step are {s.Gb * s.K} lanes, neither a multiple "
+                        f"of {LANES} nor all {G} query/key heads (take more heads per step)")
+    if (s.Hb * s.BV) % LANES and s.Hb * s.BV != s.H * s.V:
+        problems.append(f"heads={s.Hb} of block_v={s.BV} are {s.Hb * s.BV} lanes, neither a multiple of {LANES} "
+                        f"nor all {s.H} heads of V={s.V}")
+    return problems
+
+
+def mosaic_problems(s: Shapes, dtype, transposed_blocks: bool = False) -> list[str]:
     """Why these tiles are not legal Mosaic TPU blocks (empty when they are).
 
-    Blocks are [C, K], [C, BV], [K, C], [1, C], [K, BV], [1, K]: the second-minor
-    block dim must be a multiple of 8 (16 for 16-bit inputs) or the full dimension, the
-    minor one a multiple of 128 or the full dimension.
+    Blocks are [C, width], [K, BV], [1, K] (and, `transposed_blocks`, the delta rule's
+    head-major [K, C]): the second-minor block dim must be a multiple of 8 (16 for 16-bit
+    inputs) or the full dimension, the minor one a multiple of 128 or the full dimension.
     """
     sublane = 16 if jnp.dtype(dtype).itemsize == 2 else SUBLANES
     problems = []
     if s.C % sublane and s.C != s.Tp:
         problems.append(f"chunk={s.C} must be a multiple of {sublane}")
-    if s.C % LANES and s.C != s.Tp:
+    if transposed_blocks and s.C % LANES and s.C != s.Tp:
         problems.append(f"chunk={s.C} must be a multiple of {LANES} ([K, C] blocks of the transposed q, k)")
     if s.c % sublane:
         problems.append(f"sub={s.c} must be a multiple of {sublane} (sub-block rows of a tile)")
@@ -232,11 +279,11 @@ def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[s
 
 
 def check_tiles(s: Shapes, static: KernelConfig, dtype, backward: bool = False) -> None:
-    """Refuse, at trace time, tiles Mosaic would refuse or that overflow the target's scoped
-    VMEM (`_vmem.py`; interpret mode takes any)."""
+    """Refuse, at trace time, tiles Mosaic would refuse (`mosaic_problems`, `lane_problems`)
+    or that overflow the target's scoped VMEM (`_vmem.py`; interpret mode takes any)."""
     if static.interpret:
         return
-    problems = mosaic_problems(s, dtype) + vmem_problems(s, static.gate, dtype, backward)
+    problems = mosaic_problems(s, dtype) + lane_problems(s) + vmem_problems(s, static.gate, dtype, backward)
     if problems:
         raise ValueError("TPU chunk kernels: " + "; ".join(problems))
 
@@ -353,6 +400,89 @@ class Specs:
         """One [K, BV] float32 state per head of the step, in VMEM."""
         return pltpu.VMEM((self.s.Hb, self.s.K, self.s.BV), F32)
 
+    # lane-dense token-major blocks (`recurrent`'s kernels): [B, Tp, heads · D] -> [C, Hb · D]
+
+    def lanes(self, width: int) -> Block:  # [B, Tp, H·width] -> [C, Hb·width], head i lanes [i·width, (i+1)·width)
+        s = self.s
+        return Block(_block_spec((None, s.C, s.Hb * width), lambda b, h, j, n, *m: (b, self.chunk(n), h)),
+                     lambda ref, i: LaneSlice(ref, i * width, width))
+
+    def lanes_qk(self) -> Block:  # [B, Tp, G·K] -> [C, Gb·K] of the step's query/key heads
+        s = self.s
+        return Block(_block_spec((None, s.C, s.Gb * s.K), lambda b, h, j, n, *m: (b, self.chunk(n), self.qk_block(h))),
+                     lambda ref, i: LaneSlice(ref, s.qk_local(i) * s.K, s.K))
+
+    def lanes_v(self) -> Block:  # [B, Tp, H·V] -> [C, Hb·BV]: block h·nV + j (nV = 1 or Hb = 1)
+        s = self.s
+        return Block(_block_spec((None, s.C, s.Hb * s.BV), lambda b, h, j, n, *m: (b, self.chunk(n), h * s.nV + j)),
+                     lambda ref, i: LaneSlice(ref, i * s.BV, s.BV))
+
+    def lanes_partial(self) -> Block:  # [nV, B, Tp, H·K] -> [C, Hb·K] of this value block
+        s = self.s
+        return Block(_block_spec((None, None, s.C, s.Hb * s.K), lambda b, h, j, n, *m: (j, b, self.chunk(n), h)),
+                     lambda ref, i: LaneSlice(ref, i * s.K, s.K))
+
+    def head_decay(self) -> Block:  # [B, Tp, H] -> [C, H], every head; head i's column h·Hb + i
+        s = self.s
+        return Block(_block_spec((None, s.C, s.H), lambda b, h, j, n, *m: (b, self.chunk(n), 0)),
+                     lambda ref, i: HeadColumn(ref, pl.program_id(1) * s.Hb + i))
+
+    def lane_decay(self, gate: Gate | None) -> list:
+        """The token-major decay's blocks: per head [C, H], per channel [C, Hb·K]; none: []."""
+        return {Gate.HEAD: [self.head_decay()], Gate.KEY: [self.lanes(self.s.K)]}.get(gate, [])
+
+    def per_head(self, spec) -> Block:
+        """A block (or scratch) of Hb heads on its leading axis: head i's view `ref.at[i]`."""
+        return Block(spec, lambda ref, i: ref.at[i])
+
+
+class Block(NamedTuple):
+    """A BlockSpec (or a scratch shape) and `view(ref, i)`, head i's view of the step's block."""
+
+    spec: Any
+    view: Callable
+
+
+class LaneSlice:
+    """Head i's [rows, width] view of a lane-dense [rows, Hb · width] block, lanes [start,
+    start + width): reads and writes are static lane slices of the block (Mosaic refuses a ref
+    view, `ref.at`, that is not a whole number of 128-lane tiles wide, but loads and stores
+    them). Indexed by `...` or (rows, `:`)."""
+
+    def __init__(self, ref, start: int, width: int):
+        self.ref, self.lanes = ref, slice(start, start + width)
+        self.shape, self.dtype = (ref.shape[0], width), ref.dtype
+
+    def _index(self, index):
+        return slice(None) if index is Ellipsis else index[0], self.lanes
+
+    def __getitem__(self, index):
+        return self.ref[self._index(index)]
+
+    def __setitem__(self, index, value):
+        self.ref[self._index(index)] = value
+
+
+class HeadColumn:
+    """Column `index` (traced) of a token-major [C, H] block, as [C, 1] when read (`[...]`,
+    a masked lane sum: exact)."""
+
+    def __init__(self, ref, index):
+        self.ref, self.index, self.dtype = ref, index, ref.dtype
+
+    def __getitem__(self, index):
+        return pick_col(self.ref[...].astype(F32), self.index)
+
+
+def token_lanes(x):
+    """[B, Tp, H, D] -> [B, Tp, H · D], the lane-dense token-major array the kernels read."""
+    return x.reshape(*x.shape[:2], -1)
+
+
+def from_lanes(x, heads: int):
+    """[..., Tp, H · D] -> [..., Tp, H, D]."""
+    return x.reshape(*x.shape[:-1], heads, -1)
+
 
 def grid_spec(specs: Specs, in_specs, out_specs, scratch_shapes):
     s = specs.s
@@ -366,7 +496,7 @@ def grid_spec(specs: Specs, in_specs, out_specs, scratch_shapes):
 
 
 def head_views(refs: list, i: int, specs: Specs, qk: int = 0) -> list:
-    """Head i's views of a step's blocks (`ref.at[i]`: [C, D] of [Hb, C, D]); the first `qk`
+    """The delta rule's head-major kernels: head i's views of a step's blocks (`ref.at[i]`: [C, D] of [Hb, C, D]); the first `qk`
     refs are query/key blocks, indexed by the query/key head head i reads."""
     return [ref.at[specs.s.qk_local(i) if n < qk else i] for n, ref in enumerate(refs)]
 
@@ -446,9 +576,13 @@ def row_of(column):
 
 
 def read_decay(refs: list, gate: Gate | None) -> tuple | None:
-    """One chunk's decay as the kernels use it, from the refs of `Specs.decay(gate)`: per
-    head (column [C, 1], row [1, C]), per channel ([C, K], [K, C]); None without decay."""
+    """One chunk's decay as the kernels use it, from a head's views of its decay blocks: per
+    head (column [C, 1], row [1, C]), per channel ([C, K], [K, C]); None without decay. The
+    lane-dense kernels read a per-head `HeadColumn` (its row by `row_of`) and one per-channel
+    [C, K] view (transposed in VMEM); the delta rule's, a [1, C] row and [C, K], [K, C] blocks."""
     if gate is None:
         return None
     decay = tuple(f32(r) for r in refs)
-    return (column_of(decay[0]), decay[0]) if gate is Gate.HEAD else decay
+    if gate is Gate.HEAD:
+        return (decay[0], row_of(decay[0])) if isinstance(refs[0], HeadColumn) else (column_of(decay[0]), decay[0])
+    return decay if len(decay) == 2 else (decay[0], decay[0].T)

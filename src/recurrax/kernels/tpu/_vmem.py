@@ -11,13 +11,16 @@ Mosaic TPU allocates, per kernel, every block of the pipeline twice (double buff
 scratch, and the kernel body's temporaries, all in VMEM tiles of (8, 128) 32-bit words (16
 rows for 16-bit types); the sum must fit the generation's scoped-VMEM limit (`SCOPED_VMEM_BYTES`,
 the compiler's default) or compiling fails with "CompileTimeScopedVmemOom". `vmem_bytes`
-counts the blocks of `_recurrent_forward` / `_recurrent_backward` and bounds the temporaries by [C, C] float32
-matrices (one live in the forward, two in the backward) plus [C, max(K, BV)] float32 ones.
-With Hb heads per grid step the blocks and the scratch are Hb times one head's; the body runs
-the heads one after another, so the temporaries are counted once (checked against libtpu for the
-most heads the estimate accepts, `tests/test_compile.py`).
+counts the lane-dense blocks of `_recurrent_forward` / `_recurrent_backward` ([C, Hb · D]: 64-wide
+heads fill lanes two at a time) and bounds the temporaries by [C, C] float32 matrices (one live in
+the forward, two in the backward), [C, max(K, BV)] float32 ones (four more [C, K] of a
+per-channel decay's anchored rows) and the [K, C] transposes made
+in VMEM, once per head of a grid step: Mosaic gives each unrolled head's temporaries their own
+VMEM (libtpu 0.0.42.1 needed 17.8 MiB for the per-channel backward, C = 256, 8 heads of 64,
+where the blocks take 8.6 MiB; checked against libtpu for the most heads the estimate
+accepts, `tests/test_compile.py`).
 Calibrated against libtpu: `TpuTiles(chunk=2048)` bf16, K = V = 128, a per-head decay, needs
-17.24 MiB in the forward kernel (estimate 25.6 MiB) and fails on v5e's 16 MiB; the largest
+17.24 MiB in the forward kernel (measured with the head-major blocks; this estimate: 25.4 MiB) and fails on v5e's 16 MiB; the largest
 chunks the estimate accepts compile (`tests/test_compile.py`).
 """
 
@@ -42,20 +45,22 @@ def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
 def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, heads: int = 1) -> int:
     """An upper estimate of one kernel's scoped VMEM (bytes) for these tiles."""
     item = jnp.dtype(dtype).itemsize
-    rows_k, cols_k = tile_bytes(C, K, item), tile_bytes(K, C, item)
-    rows_v, state = tile_bytes(C, BV, item), tile_bytes(K, BV, F32_BYTES)
-    decay = {Gate.HEAD: tile_bytes(C, 1, F32_BYTES) + tile_bytes(1, C, F32_BYTES),
-             Gate.KEY: tile_bytes(C, K, F32_BYTES) + tile_bytes(K, C, F32_BYTES)}.get(gate, 0)
-    if backward:  # q, k, qᵀ, v, decay, do, states, h_T, dh_T -> dq, dk, dv (f32), dh0, boundary; dS, S⁺
-        inputs = 2 * rows_k + cols_k + 2 * rows_v + decay + 3 * state
-        outputs = 2 * tile_bytes(C, K, F32_BYTES) + tile_bytes(C, BV, F32_BYTES) + state + tile_bytes(K, 1, F32_BYTES)
+    lanes = lambda width, itemsize=item: tile_bytes(C, heads * width, itemsize)  # noqa: E731  [C, Hb·width]
+    state = heads * tile_bytes(K, BV, F32_BYTES)
+    decay = {Gate.HEAD: tile_bytes(C, 1, F32_BYTES), Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)  # [C, H], [C, Hb·K]
+    if backward:  # q, k, v, decay, do, states, h_T, dh_T -> dq, dk, dv (f32), dh0, boundary; dS, S⁺
+        inputs = 2 * lanes(K) + 2 * lanes(BV) + decay + 3 * state
+        outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + state + heads * tile_bytes(1, K, F32_BYTES)
         scratch, square = 2 * state, 2
-    else:  # q, k, kᵀ, v, decay, h0 -> o, h_T, states; S
-        inputs = 2 * rows_k + cols_k + rows_v + decay + state
-        outputs = rows_v + 2 * state
+    else:  # q, k, v, decay, h0 -> o, h_T, states; S
+        inputs = 2 * lanes(K) + lanes(BV) + decay + state
+        outputs = lanes(BV) + 2 * state
         scratch, square = state, 1
-    temporaries = square * tile_bytes(C, C, F32_BYTES) + 2 * tile_bytes(C, max(K, BV), F32_BYTES)
-    return heads * (2 * (inputs + outputs) + scratch) + temporaries
+    transposed = tile_bytes(K, C, F32_BYTES) * (2 if gate is Gate.KEY else 1)  # kᵀ or qᵀ (and Aᵀ) in VMEM
+    anchored = 4 * tile_bytes(C, K, F32_BYTES) if gate is Gate.KEY else 0  # per channel: [C, K] anchored rows
+    temporaries = (square * tile_bytes(C, C, F32_BYTES) + 2 * tile_bytes(C, max(K, BV), F32_BYTES) + transposed
+                   + anchored)
+    return 2 * (inputs + outputs) + scratch + heads * temporaries
 
 
 def vmem_limit(generation: str | None) -> int:
