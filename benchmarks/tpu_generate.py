@@ -72,8 +72,7 @@ from qwen3_5 import QWEN3_5_0_8B, TINY as QWEN_TINY, layer_types  # noqa: E402
 from _trace import traced_ops  # noqa: E402
 
 from recurrax import use_compilation_cache  # noqa: E402
-from recurrax.generation import DecodePool, Sampling, cache_capacity, generate_tokens  # noqa: E402
-from recurrax.generation._generate import TOKENS_PER_CALL  # noqa: E402
+from recurrax.generation import TOKENS_PER_CALL, DecodePool, Sampling, cache_capacity, generate_tokens  # noqa: E402
 from recurrax.nn.pretrained import model_from_config  # noqa: E402
 
 MODELS = ("qwen3.5-0.8b", "gla-340m", "kimi-linear-cut")

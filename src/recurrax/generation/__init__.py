@@ -23,13 +23,14 @@ and `jinja2` (`pip install 'recurrax[pretrained]'`).
 """
 
 from ._chat_template import render_chat
-from ._generate import (CachedLanguageModel, DecodePool, GenerationSession, Sampling, cache_capacity, generate,
-                        generate_tokens)
+from ._generate import (TOKENS_PER_CALL, CachedLanguageModel, DecodePool, GenerationSession, Sampling, cache_capacity,
+                        generate, generate_tokens)
 from ._sampling import greedy_tokens, sample_tokens
 from ._text import IncrementalDecoder, TextPieces, TextStream, end_of_sequence_ids, generate_text, stream_text
 from ._tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "TOKENS_PER_CALL",
     "CachedLanguageModel",
     "DecodePool",
     "GenerationSession",
