@@ -57,13 +57,16 @@ def compile_once_quickly(jitted, *args):
     return jitted.lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
 
 
-def equations(jaxpr):
+def equations(jaxpr, outside: tuple[str, ...] = ()):
     """Every equation of `jaxpr` and of the jaxprs inside its equations' parameters (scan,
-    cond, custom_vjp, pallas_call, shard_map bodies), depth first."""
+    cond, custom_vjp, pallas_call, shard_map bodies), depth first; the bodies of the
+    primitives named in `outside` (e.g. `"pallas_call"`: a kernel's own body) not entered."""
     for eqn in jaxpr.eqns:
         yield eqn
+        if eqn.primitive.name in outside:
+            continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
                 if hasattr(sub, "eqns"):
-                    yield from equations(sub)
+                    yield from equations(sub, outside)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cases import DIFF_ARGS, Case, canonical, make_inputs, max_rel_error, split_args
+from _cases import DIFF_ARGS, Case, canonical, equations, make_inputs, max_rel_error, split_args
 
 from recurrax import Request
 from recurrax.kernels import tpu as tpu_kernels
@@ -150,16 +150,7 @@ def test_tpu_interpret_diagonal_groups(group):
 
 def _pallas_grids(jaxpr) -> list[tuple]:
     """The grid of every pallas_call in `jaxpr`, nested jaxprs included."""
-    grids = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            grids.append(tuple(eqn.params["grid_mapping"].grid))
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    grids += _pallas_grids(inner)
-    return grids
+    return [tuple(e.params["grid_mapping"].grid) for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
 
 
 @pytest.mark.parametrize(("heads", "steps"), [(None, 1), (2, 2), (1, 4)])
@@ -207,16 +198,8 @@ def test_default_heads_are_the_most_that_fit_the_scoped_vmem():
 
 def _pallas_operand_shapes(jaxpr, results: bool = False) -> list[tuple]:
     """The operand (or result) shapes of every pallas_call in `jaxpr`, nested jaxprs included."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            shapes += [tuple(v.aval.shape) for v in (eqn.outvars if results else eqn.invars)]
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    shapes += _pallas_operand_shapes(inner, results)
-    return shapes
+    return [tuple(v.aval.shape) for e in equations(jaxpr) if e.primitive.name == "pallas_call"
+            for v in (e.outvars if results else e.invars)]
 
 
 def test_no_kernel_array_has_a_minor_dimension_of_one():
@@ -246,19 +229,10 @@ def test_shared_query_key_reaches_the_kernels_unrepeated():
 
 
 def _transposed_shapes(jaxpr) -> list[tuple]:
-    """The operand shapes of every `transpose` outside the kernels, nested jaxprs included."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "transpose":
-            shapes.append(tuple(eqn.invars[0].aval.shape))
-        if eqn.primitive.name == "pallas_call":
-            continue  # in-VMEM transposes are the point
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    shapes += _transposed_shapes(inner)
-    return shapes
+    """The operand shapes of every `transpose` outside the kernels (in-VMEM transposes are the
+    point), nested jaxprs included."""
+    return [tuple(e.invars[0].aval.shape) for e in equations(jaxpr, outside=("pallas_call",))
+            if e.primitive.name == "transpose"]
 
 
 @pytest.mark.parametrize(("gate_set", "Hqk"), [("none", None), ("head", None), ("both", None), ("channel", 1)])

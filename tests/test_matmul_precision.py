@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cases import equations
 from jax.sharding import Mesh
 
 import recurrax
@@ -24,16 +25,7 @@ B, T, H, K, V = 1, 32, 2, 16, 16
 
 def dot_precisions(jaxpr) -> list:
     """The `precision` of every dot_general in a jaxpr and all the jaxprs inside it."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn.params["precision"])
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    found.extend(dot_precisions(inner))
-    return found
+    return [e.params["precision"] for e in equations(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def arrays(dtype, gate: str, delta: bool) -> dict:
