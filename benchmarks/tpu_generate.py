@@ -230,9 +230,12 @@ def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace
     capacity = cache_capacity(model, decoded_context(s))
     step, traced = {}, {}
     for k in (TOKENS_PER_CALL, 1):  # one pool at a time (batch 64's caches are GiBs)
+        began = time.perf_counter()
         pool = DecodePool(model, batch, capacity, prefill_chunk=s["piece"], tokens_per_call=k)
         pool.admit(prompts(model.vocab_size, [s["context"]] * batch), [Sampling()] * batch)
+        log(f"batch {batch}, k = {k}: pool made and prompts admitted in {time.perf_counter() - began:.1f} s")
         step[k] = time_calls(pool, s["steps"]) / k
+        log(f"batch {batch}, k = {k}: {step[k] * 1e3:.3f} ms a token, {time.perf_counter() - began:.1f} s in all")
         if trace and k == TOKENS_PER_CALL:
             traced = {"trace": traced_ops(pool.step, step[k] * k)}
         del pool
@@ -249,7 +252,10 @@ def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace
 def time_calls(pool: DecodePool, calls: int) -> float:
     """The median seconds of one `pool.step()` over `calls` calls, after `WARM_STEPS` (the
     first compiles)."""
-    for _ in range(WARM_STEPS):
+    began = time.perf_counter()
+    pool.step()  # the first call compiles
+    log(f"first call (its compile) {time.perf_counter() - began:.1f} s")
+    for _ in range(WARM_STEPS - 1):
         pool.step()
     seconds = []
     for _ in range(calls):

@@ -10,12 +10,13 @@ keeps the kernel (measured faster, or not measured: the kernel's priority decide
 
 | generation | operation | calls | `pallas_tpu` | `chunk` |
 |---|---|---|---|---|
-| v5e | `recurrent` | a per-key-channel decay (`gk`, or `g` per channel) | 10.71 / 36.41 at 8 heads a step (bf16; one head: 10.66 / 36.98; before the grouped diagonal 34.20 / 76.42), 38.25 / 85.52 (f32, before) | 7.37 / 24.80, 11.39 / 36.72 |
+| v5e | `recurrent` | a per-key-channel decay (`gk`, or `g` per channel) | lane-dense, 8 heads a step: 10.17 / 47.43 (bf16, calls back to back); head-major before it 10.71 / 36.41 (one head: 10.66 / 36.98; before the grouped diagonal 34.20 / 76.42), 38.25 / 85.52 (f32) | 5.93 / 23.35 (back to back); 7.37 / 24.80, 11.39 / 36.72 |
 | v5e | `delta_rule` | every gate | GDN 6.93 / 19.85 (8 heads a step: 7.07 / 20.13), KDA 11.42 / 35.02 (bf16) | 5.82 / 14.25, 7.37 / 29.15 |
 
 Shapes: `recurrent` B4 T4096 H16 K=V=64 (and B2 T8192 H16 K=V=128 for `gk`: 34.25 / 76.58 against
 7.29 / 29.52); `delta_rule` B1 T4096, 32 value and 16 query/key heads, K=V=128. Kept: `recurrent`
-with a per-head decay (`g` bf16 at 8 heads a step 3.04 / 8.35 against `chunk`'s 3.11 / 10.58 at
+with a per-head decay (lane-dense, `g` bf16, calls back to back: 1.54 / 7.35 at 16 heads a step,
+1.57 / 7.46 at 8, against `chunk`'s 2.19 / 9.17; head-major before it at 8 heads 3.04 / 8.35 against 3.11 / 10.58 at
 its TPU tiling; one head a step 2.95 / 9.84; `g_gamma` 2.91 / 8.01 against 5.03 / 13.08 and
 float32 5.74 / 14.75 against 7.33 / 20.11, both at one head and `chunk`'s earlier tiling).
 """
@@ -50,7 +51,7 @@ class Slower:
 
 SLOWER_THAN_CHUNK = (
     Slower("v5e", "recurrent", lambda request: Gate.KEY in request.gates,
-           "per-key-channel decay, fwd / fwd+bwd 10.71 / 36.41 ms at 8 heads a grid step against 7.37 / 24.80 at "
+           "per-key-channel decay, fwd / fwd+bwd 10.17 / 47.43 ms at 8 heads a grid step against 5.93 / 23.35 at "
            "B4 T4096 H16 K=V=64 bf16"),
     Slower("v5e", "delta_rule", lambda request: True,
            "GDN 6.93 / 19.85 ms against 5.82 / 14.25, KDA 11.42 / 35.02 against 7.37 / 29.15, fwd / fwd+bwd at "

@@ -110,10 +110,23 @@ def interpret_mode(static: KernelConfig):
 
 
 def compiler_params(static: KernelConfig):
-    """Batch, head and value block independent; chunks sequential (the state is carried)."""
+    """Batch, head and value block independent; chunks sequential (the state is carried). The
+    kernel's scoped-VMEM limit is `_vmem.kernel_vmem_limit`: headroom over the estimate tiles
+    are chosen by, for what XLA places in VMEM around small calls."""
     if static.interpret:
         return None
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))  # b, h, j, n
+    from ._vmem import kernel_vmem_limit
+
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),  # b, h, j, n
+                                vmem_limit_bytes=kernel_vmem_limit(target_generation()))
+
+
+def target_generation() -> str | None:
+    """The TPU generation dispatch judges for (`recurrax.targets`, else the device), or None."""
+    from ..._core.registry import current_chip
+
+    chip = current_chip()
+    return chip.generation if chip.backend == "tpu" else None
 
 
 def matmul_dtype(dtype) -> jnp.dtype:
@@ -269,12 +282,9 @@ def mosaic_problems(s: Shapes, dtype, transposed_blocks: bool = False) -> list[s
 
 def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[str]:
     """[why] when the tiles overflow the scoped VMEM of the TPU generation dispatch judges for."""
-    from ..._core.registry import current_chip
     from ._vmem import vmem_problem
 
-    chip = current_chip()
-    generation = chip.generation if chip.backend == "tpu" else None
-    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, generation, heads=s.Hb)
+    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, target_generation(), heads=s.Hb)
     return [problem] if problem else []
 
 
