@@ -212,6 +212,20 @@ def test_tpu_chunk_sweep_smoke_run_times_each_tiling_and_compares_it(tmp_path):
     assert "| recurrent gk | 16x4x1 |" in (tmp_path / "tpu_chunk_sweep.md").read_text()
 
 
+def test_tpu_path_profile_smoke_run_times_both_programs_of_each_row(tmp_path):
+    """`benchmarks/tpu_path_profile.py --smoke` off a TPU: `chunk` of each smoke row timed back to
+    back, forward and forward+backward; the trace holds no device ops off a TPU, so its tables are
+    empty and its device time 0; the markdown and JSON are written."""
+    profile = pytest.importorskip("tpu_path_profile")
+    assert profile.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "tpu_path_profile.json").read_text())
+    assert [r["path"] for r in results] == ["chunk", "chunk"]
+    for r in results:
+        for program in ("forward", "fwd+bwd"):
+            assert r[program]["ms"] > 0 and r[program]["device_s"] == 0 and r[program]["kind_share"] == {}
+    assert "`chunk` fwd+bwd" in (tmp_path / "tpu_path_profile.md").read_text()
+
+
 @pytest.mark.slow  # interprets the TPU kernels, forward and backward, for both operations
 def test_tpu_kernel_sweep_smoke_run_times_chunk_and_the_kernel_at_many_heads(tmp_path):
     """`benchmarks/tpu_kernel_sweep.py --smoke` (interpret mode off a TPU): per row `chunk` and
