@@ -73,8 +73,8 @@ def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
     """One head's chunk (`_launch.forward_head`): writes o when given `o_ref`; returns S'."""
     k_ref, v_ref = token_refs
     dtype = tiles.matmul_dtype(k_ref.dtype)
-    q = None if q_ref is None else tiles.f32(q_ref)
-    k, v = tiles.f32(k_ref), tiles.f32(v_ref)
+    q = None if q_ref is None else tiles.token(q_ref)
+    k, v = tiles.token(k_ref), tiles.token(v_ref)
     kT = k.T  # [K, C], in VMEM
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     if static.gate is Gate.KEY:

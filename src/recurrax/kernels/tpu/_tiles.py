@@ -573,6 +573,13 @@ def f32(ref):
     return ref[...].astype(F32)
 
 
+def token(ref):
+    """A token block read as float32 with its non-finite entries as 0: the kernels clean at load
+    (`recurrax._core.finite`), so XLA stores no cleaned copy of q, k, v or do."""
+    x = ref[...].astype(F32)
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
 def column_of(row):
     """A [1, C] row as a [C, 1] column, by a masked lane sum (exact: the other terms are 0)."""
     C = row.shape[1]
