@@ -132,7 +132,8 @@ def _declared_tiles(problem) -> TpuTiles:
     return TILES
 
 
-BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tiles, interpret_tiles=TILES)
+BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tiles, interpret_tiles=TILES,
+                        gate_in_kernel=True)
 """The kernels lowered by Mosaic TPU, or run in Pallas's TPU interpret mode; tiles `TILES`."""
 
 tpu_recurrent = BACKEND.recurrent
