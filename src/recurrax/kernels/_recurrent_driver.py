@@ -39,6 +39,15 @@ derivative is Σ_V S_m ⊙ dS_m with dS_m the gradient the backward kernel carri
 "boundary" term per chunk; only sums of at most C terms are left to cancel. A per-head
 decay sums the K channels. Everything else (the gradient of g_gamma, of grouped heads,
 of the flip and the padding) is JAX's autodiff of the normalisation.
+
+Where these sums are taken: a backend whose backward kernel has q, k, dq, dk and the boundary
+term of a chunk in fast memory forms dg there (`PallasBackend.gate_in_kernel`; the TPU
+kernels: the suffix sums Σ_{t ≤ s < m} as one product with a [C, C] upper-triangular 0/1
+matrix in float32, exact in every MXU pass), so no float32 dq, dk and no cumulative sum
+over them is made in XLA, and dq, dk leave the kernel in the caller's dtype where nothing
+is summed after it. Otherwise the kernel writes the boundary terms and `gate_gradient`
+takes the sums here. The chunk-local decay the kernels read is the forward's residual
+(float32 like g), not recomputed for the backward.
 """
 
 
@@ -88,7 +97,7 @@ class PallasBackend:
       value head's share, which the driver sums over the groups), dv [B, Tp, H, V], dh0
       [R, H, K, V] (packed: written only for sequences that own a chunk), and `boundary`
       [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the gate gradient's carry
-      (`gate_gradient`; None without decay).
+      (`gate_gradient`; None without decay). With `gate_in_kernel`, see that field.
     - `chip_tiles(problem)`: the tiles of a call on the backend's chip.
     - `interpret_tiles`: the tiles in interpret mode unless a call names its own.
     - `chunk`: the chunk length where the backend fixes it; None: the tiles' `chunk`.

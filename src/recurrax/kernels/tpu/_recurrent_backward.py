@@ -1,4 +1,4 @@
-"""Backward Pallas TPU kernel of the chunk algorithm: dq, dk, dv, d(initial state), boundary.
+"""Backward Pallas TPU kernel of the chunk algorithm: dq, dk, dv, d(initial state), gate gradient.
 
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
@@ -20,10 +20,20 @@ forward's chunk equations (`_recurrent_forward`), with ⊙ broadcasting a decay 
     dS  ← e^{A_L} ⊙ dS  +  scale · Σ_i (q_i ⊙ e^{A_i}) do_iᵀ          (gradient entering)
 
 and at a sequence's first chunk dS is d(initial state). dq and dk contract over V, so
-each value block writes a partial sum ([nV, B, H, Tp, K]) that the wrapper adds up. The
-kernel also writes, per chunk, the boundary term Σ_V S⁺ ⊙ dS of the gate gradient
-(`recurrax.kernels._recurrent_driver.gate_gradient`), as a [1, K] row (a lane reduction, turned into a
-row by a masked sublane sum: no transpose; a [K, 1] column would be padded to 128 lanes in HBM).
+each value block writes a partial sum ([nV, B, Tp, H · K]: in the caller's dtype when nV = 1
+and no query/key heads are shared, else float32, which the wrapper adds up).
+
+**Gate gradient** (`recurrax.kernels._recurrent_driver`'s docstring): per chunk, with the
+boundary term b = Σ_V S⁺ ⊙ dS [1, K] (a lane reduction turned into a row by a masked sublane
+sum) and dB = q ⊙ dq − k ⊙ dk in float32 (q, k the head's own, shared by a group; dq, dk its
+value head's, before the group sum),
+
+    dg_t = Σ_{t ≤ s ≤ L} dB_s + b  =  (U dB)_t + b,   U_ts = 1 for s ≥ t   [C, C] 0/1
+
+one float32 product (HIGHEST; per channel one [C, c] slice of U per sub-block, written
+[nV, B, Tp, H · K]); per head the K channels are summed first, dg [C, 1] goes to column
+h · Hb + i of a [C, H] block ([nV, H / Hb, B, Tp, H]: each step writes its heads' columns,
+zeros the others). Linear in dq, dk and dS, so value blocks (and head blocks) add up.
 
 **Transposes avoided.** The sums over i ≥ j are computed directly in transposed form,
 Pᵀ = k̃ q̃ᵀ and dPᵀ = v doᵀ (`a @ bᵀ` matmuls), and Σ_i q̃_i do_iᵀ reads q in the [K, C]
