@@ -42,8 +42,8 @@ of the flip and the padding) is JAX's autodiff of the normalisation.
 
 Where these sums are taken: a backend whose backward kernel has q, k, dq, dk and the boundary
 term of a chunk in fast memory forms dg there (`PallasBackend.gate_in_kernel`; the TPU
-kernels: the suffix sums Σ_{t ≤ s < m} as one product with a [C, C] upper-triangular 0/1
-matrix in float32, exact in every MXU pass), so no float32 dq, dk and no cumulative sum
+kernels: the suffix sums Σ_{t ≤ s < m} as a product with a [C, C] upper-triangular 0/1
+matrix, exact in three bf16 MXU passes), so no float32 dq, dk and no cumulative sum
 over them is made in XLA, and dq, dk leave the kernel in the caller's dtype where nothing
 is summed after it. Otherwise the kernel writes the boundary terms and `gate_gradient`
 takes the sums here. The chunk-local decay the kernels read is the forward's residual

@@ -30,8 +30,9 @@ value head's, before the group sum),
 
     dg_t = Σ_{t ≤ s ≤ L} dB_s + b  =  (U dB)_t + b,   U_ts = 1 for s ≥ t   [C, C] 0/1
 
-one float32 product (HIGHEST; per channel one [C, c] slice of U per sub-block, written
-[nV, B, Tp, H · K]); per head the K channels are summed first, dg [C, 1] goes to column
+exact on the MXU in three bf16 passes (`suffix_sums`); per channel dB is staged sub-block by
+sub-block in the [C, K] output view, then summed in place ([nV, B, Tp, H · K]); per head
+the K channels are summed first, dg [C, 1] goes to column
 h · Hb + i of a [C, H] block ([nV, H / Hb, B, Tp, H]: each step writes its heads' columns,
 zeros the others). Linear in dq, dk and dS, so value blocks (and head blocks) add up.
 
@@ -129,12 +130,19 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
     return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype, group=group)
 
 
-def suffix_sums(C: int, p: int = 0, c: int | None = None):
-    """[C, c] 0/1 float32: columns p … p + c − 1 of the upper-triangular ones U (U_ts = 1 for
-    s ≥ t), so U @ x sums x's rows from t to the chunk's end (a reverse cumulative sum, exact
-    in float32: `mm` of float32 operands is HIGHEST, the 0/1 factor is exact in every pass)."""
-    c = C if c is None else c
-    return (iota((C, c), 1) + p >= iota((C, c), 0)).astype(F32)
+def suffix_sums(x):
+    """Σ_{s ≥ t} x_s over the rows of a [C, D] float32 tile, [C, D]: U @ x with U_ts = 1 for
+    s ≥ t (a reverse cumulative sum within the chunk). Exact products on the MXU in three
+    bf16 passes: U is 0/1 (exact in bf16) and x splits exactly into three bf16 parts
+    (8 + 8 + 8 of float32's 24 significant bits), each product accumulated in float32."""
+    C = x.shape[0]
+    upper = (iota((C, C), 1) >= iota((C, C), 0)).astype(jnp.bfloat16)
+    total = jnp.zeros(x.shape, F32)
+    for _ in range(3):
+        part = x.astype(jnp.bfloat16)
+        total += mm(upper, part, jnp.bfloat16)
+        x = x - part.astype(F32)
+    return total
 
 
 def gate_terms(q, dq, k, dk):
@@ -185,15 +193,14 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
     if static.gate is Gate.KEY:
         c = static.tiles.sub
         a_last = pick_row(a, C - 1)  # [1, K]
-        dg = jnp.zeros(q.shape, F32) + tiles.row_of(boundary)  # [C, K]
         for p in range(0, C, c):
             dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype,
                                            group=static.tiles.group)
             dq_ref[p : p + c, :] = dq.astype(dq_ref.dtype)
             dk_ref[p : p + c, :] = dk.astype(dk_ref.dtype)
             dv_ref[p : p + c, :] = dv
-            dg += mm(suffix_sums(C, p, c), gate_terms(q[p : p + c], dq, k[p : p + c], dk), F32)
-        dg_ref[...] = dg
+            dg_ref[p : p + c, :] = gate_terms(q[p : p + c], dq, k[p : p + c], dk)  # dB, summed below
+        dg_ref[...] = suffix_sums(dg_ref[...]) + tiles.row_of(boundary)
         aT_last = pick_col(aT, C - 1)  # [K, 1]
         dS_entering = jnp.exp(aT_last) * dS + scale * mm(qT * jnp.exp(aT), do, dtype)
     else:
@@ -201,7 +208,7 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
         dq_ref[...], dk_ref[...], dv_ref[...] = dq.astype(dq_ref.dtype), dk.astype(dk_ref.dtype), dv
         if dg_ref is not None:  # per head: the K channels summed, then the suffix sums of a column
             dB = jnp.sum(gate_terms(q, dq, k, dk), axis=1, keepdims=True)  # [C, 1]
-            dg_ref[...] = mm(suffix_sums(C), dB, F32) + jnp.sum(boundary, axis=0, keepdims=True)
+            dg_ref[...] = suffix_sums(dB) + jnp.sum(boundary, axis=0, keepdims=True)
     dS_ref[...] = dS_entering
     after_ref[...] = S
     finish_carry(first, dh0_ref, dS_entering)
