@@ -266,7 +266,8 @@ def test_the_backward_forms_the_gate_gradient_in_the_kernel(gate_set, Hqk, K, V,
     kernels, the forward's chunk-local decay, and transpose no array there: the backward kernel forms the gate gradient
     (q ⊙ dq − k ⊙ dk, its reverse sums within the chunk, the boundary term) and the chunk-local
     decay is the forward's residual, not recomputed. With one value block and no shared heads,
-    dq and dk leave the kernel in the caller's dtype (bf16), else float32 (summed after it)."""
+    dq and dk leave the kernel in the caller's dtype (bf16), else float32 (summed after it); dv
+    always in v's."""
     case = Case(B=2, T=T_EXPORT, H=2, Hkv=2, K=K, V=V, gates=GATE_SETS[gate_set], dtype="bfloat16", Hqk=Hqk)
     diff, rest = split_args(make_inputs(case))
     tiles = TpuTiles(heads=heads)
@@ -290,6 +291,7 @@ def test_the_backward_forms_the_gate_gradient_in_the_kernel(gate_set, Hqk, K, V,
     exact = Hqk is None and V <= 128
     assert dq.shape == dk.shape == (1 if V <= 128 else 2, 2, 256, 2 * K), (dq, dk)
     assert dq.dtype == dk.dtype == jnp.dtype(jnp.bfloat16 if exact else jnp.float32), (dq, dk)
+    assert backward[0].outvars[2].aval.dtype == jnp.bfloat16  # dv: v's dtype, never a partial sum
 
 
 @pytest.mark.slow

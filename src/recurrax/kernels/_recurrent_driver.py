@@ -102,9 +102,10 @@ class PallasBackend:
     - `interpret_tiles`: the tiles in interpret mode unless a call names its own.
     - `chunk`: the chunk length where the backend fixes it; None: the tiles' `chunk`.
     - `gate_in_kernel`: the backward kernel forms the gate gradient itself: `backward` takes
-      `grad_dtypes` (q's and k's dtypes) and returns `(dq, dk, dv, dh0, dg)`, dq and dk
-      [B, Tp, G, K] summed over groups and value blocks in a dtype they are cast to q's and
-      k's from, dg as `gate_gradient`'s (None without decay). Without it the driver forms dg
+      `grad_dtypes` (q's, k's and v's dtypes) and returns `(dq, dk, dv, dh0, dg)`, dq and dk
+      [B, Tp, G, K] summed over groups and value blocks, in a dtype the driver casts to q's, k's
+      and v's from (theirs where the kernel can write it), dg as `gate_gradient`'s (None
+      without decay). Without it the driver forms dg
       from the boundary terms in XLA (`gate_gradient`).
     """
 
@@ -200,7 +201,7 @@ def _chunk_bwd(call: KernelCall, residuals, cotangents):
     dh_T = dh_T.astype(F32)
     cotangents = (a, clean_tokens(do).astype(q.dtype), states, h_T, dh_T, table)
     if call.backend.gate_in_kernel:
-        dq, dk, dv, dh0, dg = call.backward(*operands, *cotangents, grad_dtypes=(q.dtype, k.dtype))
+        dq, dk, dv, dh0, dg = call.backward(*operands, *cotangents, grad_dtypes=(q.dtype, k.dtype, v.dtype))
     else:
         dq, dk, dv, dh0, boundary = call.backward(*operands, *cotangents)
         dg = None if a is None else gate_gradient(clean_tokens(q), clean_tokens(k), dq, dk, boundary, call)

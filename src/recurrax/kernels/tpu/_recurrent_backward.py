@@ -185,7 +185,7 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
     start_carries(step0, last, [(dS_ref, dhT_ref), (after_ref, hT_ref)])  # the walk starts at the last chunk
 
     S, dS = states_ref[...], dS_ref[...]
-    boundary = None if dg_ref is None else jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1] Σ_V S⁺ ⊙ dS
+    boundary = None if dg_ref is None else jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1] Σ_V S⁺⊙dS
     q, k, v, do = (tiles.f32(r) for r in (q_ref, k_ref, v_ref, do_ref))
     qT = q.T  # [K, C], in VMEM
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
@@ -198,14 +198,15 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
                                            group=static.tiles.group)
             dq_ref[p : p + c, :] = dq.astype(dq_ref.dtype)
             dk_ref[p : p + c, :] = dk.astype(dk_ref.dtype)
-            dv_ref[p : p + c, :] = dv
+            dv_ref[p : p + c, :] = dv.astype(dv_ref.dtype)
             dg_ref[p : p + c, :] = gate_terms(q[p : p + c], dq, k[p : p + c], dk)  # dB, summed below
         dg_ref[...] = suffix_sums(dg_ref[...]) + tiles.row_of(boundary)
         aT_last = pick_col(aT, C - 1)  # [K, 1]
         dS_entering = jnp.exp(aT_last) * dS + scale * mm(qT * jnp.exp(aT), do, dtype)
     else:
         dq, dk, dv, dS_entering = head_chunk_bwd(q, k, qT, v, do, a, aT, S, dS, scale=scale, dtype=dtype)
-        dq_ref[...], dk_ref[...], dv_ref[...] = dq.astype(dq_ref.dtype), dk.astype(dk_ref.dtype), dv
+        for x, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+            ref[...] = x.astype(ref.dtype)
         if dg_ref is not None:  # per head: the K channels summed, then the suffix sums of a column
             dB = jnp.sum(gate_terms(q, dq, k, dk), axis=1, keepdims=True)  # [C, 1]
             dg_ref[...] = suffix_sums(dB) + jnp.sum(boundary, axis=0, keepdims=True)
@@ -231,14 +232,15 @@ def summed(x, axes: int):
 @functools.partial(jax.jit, static_argnames=("static", "grad_dtypes"))
 def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig, grad_dtypes=None):
     """Launch the backward kernel: the driver's `PallasBackend.backward` contract with
-    `gate_in_kernel` (`kernels/_recurrent_driver.py`); `grad_dtypes` (q's, k's; default q's
-    dtype) are the dtypes dq and dk are cast to. q, k, v, do and the decay are read lane-dense
+    `gate_in_kernel` (`kernels/_recurrent_driver.py`); `grad_dtypes` (q's, k's, v's; default
+    q's dtype) are the dtypes dq, dk and dv are cast to (dv is written in v's where that is the
+    kernel's operand dtype). q, k, v, do and the decay are read lane-dense
     token-major (`_tiles.token_lanes`; float16 upcast); dq, dk [nV, B, Tp, H · K] come out in
     the caller's dtype where nothing is summed after the kernel (`gradient_dtype`), else float32
     summed over value blocks and shared query/key heads here; the gate gradient per value block
     (per head: per value and head block, [nV, H / Hb, B, Tp, H]) is summed here where there are
     several."""
-    grad_dtypes = grad_dtypes or (q.dtype, q.dtype)
+    grad_dtypes = grad_dtypes or (q.dtype,) * 3
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
     s = recurrent_shapes(q, v, static, backward=True)
@@ -252,12 +254,13 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     inputs += [] if a is None else [tiles.token_lanes(a) if static.gate is Gate.KEY else a]
     inputs += [tiles.token_lanes(do), states, h_T.astype(F32), dh_T.astype(F32)]
 
-    dq_dtype, dk_dtype = (gradient_dtype(d, kdt, s) for d in grad_dtypes)
+    dq_dtype, dk_dtype = (gradient_dtype(d, kdt, s) for d in grad_dtypes[:2])
+    dv_dtype = grad_dtypes[2] if jnp.dtype(grad_dtypes[2]) == jnp.dtype(kdt) else F32  # dv is no partial sum
     outs = [specs.lanes_partial(), specs.lanes_partial(), specs.lanes_v(), state]
     out_shape = [
         output_type((s.nV, s.B, s.Tp, s.H * s.K), dq_dtype, q),
         output_type((s.nV, s.B, s.Tp, s.H * s.K), dk_dtype, q),
-        output_type((s.B, s.Tp, s.H * s.V), F32, q),
+        output_type((s.B, s.Tp, s.H * s.V), dv_dtype, q),
         output_type((R, s.H, s.K, s.V), F32, q),
     ]
     if static.gate is Gate.KEY:
