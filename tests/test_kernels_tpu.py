@@ -239,8 +239,7 @@ def _transposed_shapes(jaxpr) -> list[tuple]:
 def test_no_token_array_is_transposed_around_the_kernels(gate_set, Hqk):
     """The forward and backward kernels read q, k, v, do and the decay lane-dense token-major
     and write o, dq, dk, dv so: the program of value_and_grad through `pallas_tpu` transposes
-    no array with a token axis (T = 200, Tp = 256) in XLA — no head-major or kᵀ copy (the one
-    transpose left is the [B, H, N, K] boundary terms' in the gate gradient)."""
+    no array with a token axis (T = 200, Tp = 256) in XLA — no head-major or kᵀ copy."""
     case = Case(B=2, T=T_EXPORT, H=2, Hkv=1, K=64, V=128, gates=GATE_SETS[gate_set], dtype="bfloat16", Hqk=Hqk)
     diff, rest = split_args(make_inputs(case))
 
@@ -251,6 +250,48 @@ def test_no_token_array_is_transposed_around_the_kernels(gate_set, Hqk):
 
     shapes = _transposed_shapes(jax.make_jaxpr(jax.value_and_grad(loss))(diff).jaxpr)
     assert not [shape for shape in shapes if {T_EXPORT, 256} & set(shape)], shapes
+
+
+SCANS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "reduce_window", "reduce_window_sum"}
+
+
+GATE_GRADIENT_CASES = [("head", None, 64, 128, None), ("channel", None, 64, 64, None),
+                       ("both", None, 128, 256, 1), ("head", 1, 64, 64, None)]
+
+
+@pytest.mark.parametrize(("gate_set", "Hqk", "K", "V", "heads"), GATE_GRADIENT_CASES, ids=str)
+def test_the_backward_forms_the_gate_gradient_in_the_kernel(gate_set, Hqk, K, V, heads):
+    """Forward and backward of `pallas_tpu` (per head, per channel, both with two value blocks
+    of 128; one query/key head shared by both value heads) run one cumulative sum outside the
+    kernels, the forward's chunk-local decay, and transpose no array there: the backward kernel forms the gate gradient
+    (q ⊙ dq − k ⊙ dk, its reverse sums within the chunk, the boundary term) and the chunk-local
+    decay is the forward's residual, not recomputed. With one value block and no shared heads,
+    dq and dk leave the kernel in the caller's dtype (bf16), else float32 (summed after it); dv
+    always in v's."""
+    case = Case(B=2, T=T_EXPORT, H=2, Hkv=2, K=K, V=V, gates=GATE_SETS[gate_set], dtype="bfloat16", Hqk=Hqk)
+    diff, rest = split_args(make_inputs(case))
+    tiles = TpuTiles(heads=heads)
+
+    def forward(diff):
+        problem, config, _ = canonical({**rest, **diff})
+        return tpu_recurrent(problem, scale=config.scale, reverse=False, tiles=tiles)
+
+    def forward_backward(diff, cotangents):
+        return jax.vjp(forward, diff)[1](cotangents)
+
+    cotangents = jax.eval_shape(forward, diff)
+    jaxpr = jax.make_jaxpr(forward_backward)(diff, cotangents).jaxpr
+    outside = [e for e in equations(jaxpr, outside=("pallas_call",)) if e.primitive.name != "pallas_call"]
+    scans = [(e.primitive.name, e.params.get("reverse")) for e in outside if e.primitive.name in SCANS]
+    assert scans == [("cumsum", False)], scans  # the forward's chunk-local decay, once
+    assert not [tuple(e.invars[0].aval.shape) for e in outside if e.primitive.name == "transpose"]
+    backward = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call" and len(e.outvars) >= 5]
+    assert len(backward) == 1, [e.outvars for e in backward]
+    dq, dk = (v.aval for v in backward[0].outvars[:2])
+    exact = Hqk is None and V <= 128
+    assert dq.shape == dk.shape == (1 if V <= 128 else 2, 2, 256, 2 * K), (dq, dk)
+    assert dq.dtype == dk.dtype == jnp.dtype(jnp.bfloat16 if exact else jnp.float32), (dq, dk)
+    assert backward[0].outvars[2].aval.dtype == jnp.bfloat16  # dv: v's dtype, never a partial sum
 
 
 @pytest.mark.slow

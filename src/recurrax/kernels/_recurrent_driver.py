@@ -39,6 +39,15 @@ derivative is Σ_V S_m ⊙ dS_m with dS_m the gradient the backward kernel carri
 "boundary" term per chunk; only sums of at most C terms are left to cancel. A per-head
 decay sums the K channels. Everything else (the gradient of g_gamma, of grouped heads,
 of the flip and the padding) is JAX's autodiff of the normalisation.
+
+Where these sums are taken: a backend whose backward kernel has q, k, dq, dk and the boundary
+term of a chunk in fast memory forms dg there (`PallasBackend.gate_in_kernel`; the TPU
+kernels: the suffix sums Σ_{t ≤ s < m} as a product with a [C, C] upper-triangular 0/1
+matrix, exact in three bf16 MXU passes), so no float32 dq, dk and no cumulative sum
+over them is made in XLA, and dq, dk leave the kernel in the caller's dtype where nothing
+is summed after it. Otherwise the kernel writes the boundary terms and `gate_gradient`
+takes the sums here. The chunk-local decay the kernels read is the forward's residual
+(float32 like g), not recomputed for the backward.
 """
 
 
@@ -88,10 +97,16 @@ class PallasBackend:
       value head's share, which the driver sums over the groups), dv [B, Tp, H, V], dh0
       [R, H, K, V] (packed: written only for sequences that own a chunk), and `boundary`
       [B, H, N, K] = Σ_V S ⊙ dS of the state leaving each chunk, the gate gradient's carry
-      (`gate_gradient`; None without decay).
+      (`gate_gradient`; None without decay). With `gate_in_kernel`, see that field.
     - `chip_tiles(problem)`: the tiles of a call on the backend's chip.
     - `interpret_tiles`: the tiles in interpret mode unless a call names its own.
     - `chunk`: the chunk length where the backend fixes it; None: the tiles' `chunk`.
+    - `gate_in_kernel`: the backward kernel forms the gate gradient itself: `backward` takes
+      `grad_dtypes` (q's, k's and v's dtypes) and returns `(dq, dk, dv, dh0, dg)`, dq and dk
+      [B, Tp, G, K] summed over groups and value blocks, in a dtype the driver casts to q's, k's
+      and v's from (theirs where the kernel can write it), dg as `gate_gradient`'s (None
+      without decay). Without it the driver forms dg
+      from the boundary terms in XLA (`gate_gradient`).
     """
 
     forward: Callable[..., list]
@@ -99,6 +114,7 @@ class PallasBackend:
     chip_tiles: Callable[[Problem], Any] = _no_tiles
     interpret_tiles: Any = None
     chunk: int | None = None
+    gate_in_kernel: bool = False
 
     def recurrent(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
         """The kernels compiled for the backend's chip; `(output, final_state)`.
@@ -134,8 +150,8 @@ class KernelCall:
         outputs = self.backend.forward(q, k, v, a, h0, table, static=self.static, **emit)
         return list(vary_over(varying_axes(q), *outputs))
 
-    def backward(self, q, *args):
-        gradients = self.backend.backward(q, *args, static=self.static)
+    def backward(self, q, *args, **kwargs):
+        gradients = self.backend.backward(q, *args, static=self.static, **kwargs)
         return vary_over(varying_axes(q), *gradients)
 
 
@@ -171,22 +187,26 @@ def _local_decay(g, chunk: int):
 
 
 def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
-    a = _local_decay(g, call.chunk)
+    a = _local_decay(g, call.chunk)  # float32 like g (`_kernel_recurrent`): kept instead of it
     o, h_T = call.forward(*_operands(q, k, v), a, h0, table, emit_output=True, emit_states=False)
     h_T = keep_empty(empty, h0, h_T)
-    return (o, h_T), (q, k, v, g, h0, h_T, table, empty)
+    return (o, h_T), (q, k, v, a, h0, h_T, table, empty)
 
 
 def _chunk_bwd(call: KernelCall, residuals, cotangents):
-    q, k, v, g, h0, h_T, table, empty = residuals
+    q, k, v, a, h0, h_T, table, empty = residuals
     do, dh_T = cotangents
-    a = _local_decay(g, call.chunk)
     operands = _operands(q, k, v)
     _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
     dh_T = dh_T.astype(F32)
-    dq, dk, dv, dh0, boundary = call.backward(*operands, a, clean_tokens(do).astype(q.dtype), states, h_T, dh_T, table)
+    cotangents = (a, clean_tokens(do).astype(q.dtype), states, h_T, dh_T, table)
+    if call.backend.gate_in_kernel:
+        dq, dk, dv, dh0, dg = call.backward(*operands, *cotangents, grad_dtypes=(q.dtype, k.dtype, v.dtype))
+    else:
+        dq, dk, dv, dh0, boundary = call.backward(*operands, *cotangents)
+        dg = None if a is None else gate_gradient(clean_tokens(q), clean_tokens(k), dq, dk, boundary, call)
     dh0 = keep_empty(empty, dh_T, dh0)
-    dg = None if g is None else gate_gradient(clean_tokens(q), clean_tokens(k), dq, dk, boundary, call).astype(g.dtype)
+    dg = None if a is None else dg.astype(a.dtype)
     dq, dk = (sum_groups(x, q.shape[2]) for x in (dq, dk))
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, dh0.astype(h0.dtype))
     return grads + (None, None)

@@ -8,7 +8,7 @@ arrays, the delta rule's head-major copies.
 | `_channel`            | both operations' per-channel decay: anchors, the diagonal block's groups |
 | `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
 | `_head_chunk`         | one head's chunk of that forward with no or a per-head decay           |
-| `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), boundary terms |
+| `_recurrent_backward` | `recurrent`'s backward kernel: dq, dk, dv, d(initial state), the gate gradient |
 | `_delta_forward`      | the delta rule's forward kernel: outputs, final states, chunk-entry states |
 | `_delta_backward`     | the delta rule's backward kernel: every gradient, the log decay's included |
 | `_vmem`               | a tiling's VMEM against the generation's scoped limit (refused before Mosaic) |
@@ -20,7 +20,12 @@ arrays, the delta rule's head-major copies.
 [B, Tp, H · K], a per-head decay [B, Tp, H]; they write o, dv [B, Tp, H · V] and dq, dk
 [nV, B, Tp, H · K] the same way, in blocks [C, Hb · D] (head i of a grid step: lanes
 [i · D, (i + 1) · D)); kᵀ and qᵀ are transposed in VMEM, so no head-major, transposed or
-other copy of a token array is made in XLA (`_tiles`, `tests/test_kernels_tpu.py`). States
+other copy of a token array is made in XLA (`_tiles`, `tests/test_kernels_tpu.py`). The
+backward kernel also forms the gate gradient (`kernels/_recurrent_driver.py`'s docstring) and
+writes it per channel [nV, B, Tp, H · K], per head [nV, H / Hb, B, Tp, H] (each step its
+heads' columns), summed in XLA only where there are several value or head blocks; dq and dk
+leave it in the caller's dtype with one value block and no shared query/key heads, else
+float32 (summed over value blocks and groups after it). States
 stay [R, H, K, V] and [B, H, N, K, V]. The delta rule's wrappers still transpose to
 [B, H, Tp, D] (and [B, H, D, Tp]). The grid is (b, head block, value block, chunk) with the
 chunk axis sequential ("arbitrary") and the state in VMEM scratch, so VMEM use does not grow
@@ -132,7 +137,8 @@ def _declared_tiles(problem) -> TpuTiles:
     return TILES
 
 
-BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tiles, interpret_tiles=TILES)
+BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tiles, interpret_tiles=TILES,
+                        gate_in_kernel=True)
 """The kernels lowered by Mosaic TPU, or run in Pallas's TPU interpret mode; tiles `TILES`."""
 
 tpu_recurrent = BACKEND.recurrent

@@ -1,4 +1,4 @@
-"""Backward Pallas TPU kernel of the chunk algorithm: dq, dk, dv, d(initial state), boundary.
+"""Backward Pallas TPU kernel of the chunk algorithm: dq, dk, dv, d(initial state), gate gradient.
 
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
@@ -20,10 +20,21 @@ forward's chunk equations (`_recurrent_forward`), with ⊙ broadcasting a decay 
     dS  ← e^{A_L} ⊙ dS  +  scale · Σ_i (q_i ⊙ e^{A_i}) do_iᵀ          (gradient entering)
 
 and at a sequence's first chunk dS is d(initial state). dq and dk contract over V, so
-each value block writes a partial sum ([nV, B, H, Tp, K]) that the wrapper adds up. The
-kernel also writes, per chunk, the boundary term Σ_V S⁺ ⊙ dS of the gate gradient
-(`recurrax.kernels._recurrent_driver.gate_gradient`), as a [1, K] row (a lane reduction, turned into a
-row by a masked sublane sum: no transpose; a [K, 1] column would be padded to 128 lanes in HBM).
+each value block writes a partial sum ([nV, B, Tp, H · K]: in the caller's dtype when nV = 1
+and no query/key heads are shared, else float32, which the wrapper adds up).
+
+**Gate gradient** (`recurrax.kernels._recurrent_driver`'s docstring): per chunk, with the
+boundary term b = Σ_V S⁺ ⊙ dS [1, K] (a lane reduction turned into a row by a masked sublane
+sum) and dB = q ⊙ dq − k ⊙ dk in float32 (q, k the head's own, shared by a group; dq, dk its
+value head's, before the group sum),
+
+    dg_t = Σ_{t ≤ s ≤ L} dB_s + b  =  (U dB)_t + b,   U_ts = 1 for s ≥ t   [C, C] 0/1
+
+exact on the MXU in three bf16 passes (`suffix_sums`); per channel dB is staged sub-block by
+sub-block in the [C, K] output view, then summed in place ([nV, B, Tp, H · K]); per head
+the K channels are summed first, dg [C, 1] goes to column
+h · Hb + i of a [C, H] block ([nV, H / Hb, B, Tp, H]: each step writes its heads' columns,
+zeros the others). Linear in dq, dk and dS, so value blocks (and head blocks) add up.
 
 **Transposes avoided.** The sums over i ≥ j are computed directly in transposed form,
 Pᵀ = k̃ q̃ᵀ and dPᵀ = v doᵀ (`a @ bᵀ` matmuls), and Σ_i q̃_i do_iᵀ reads q in the [K, C]
@@ -39,9 +50,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
+from .._recurrent_driver import sum_groups
 from . import _tiles as tiles
 from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter
 from ._launch import finish_carry, launch, start_carries, take
@@ -117,12 +130,54 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
     return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype, group=group)
 
 
+def suffix_sums(x):
+    """Σ_{s ≥ t} x_s over the rows of a [C, D] float32 tile, [C, D]: U @ x with U_ts = 1 for
+    s ≥ t (a reverse cumulative sum within the chunk). Exact products on the MXU in three
+    bf16 passes: U is 0/1 (exact in bf16) and x splits exactly into three bf16 parts
+    (8 + 8 + 8 of float32's 24 significant bits), each product accumulated in float32."""
+    C = x.shape[0]
+    upper = (iota((C, C), 1) >= iota((C, C), 0)).astype(jnp.bfloat16)
+    total = jnp.zeros(x.shape, F32)
+    for _ in range(3):
+        part = x.astype(jnp.bfloat16)
+        total += mm(upper, part, jnp.bfloat16)
+        x = x - part.astype(F32)
+    return total
+
+
+def gate_terms(q, dq, k, dk):
+    """dB = q ⊙ dq − k ⊙ dk, [rows, K] float32 (the driver's docstring)."""
+    return q * dq - k * dk
+
+
+class HeadGateColumn:
+    """Head i's column `index` (traced) of a step's [C, H] per-head gate gradient block;
+    writing a [C, 1] column puts it there by a masked select (the step's first head zeroes the
+    other columns: the block's other head blocks' columns are theirs, summed by the wrapper)."""
+
+    def __init__(self, ref, index, first: bool):
+        self.ref, self.index, self.first = ref, index, first
+
+    def __setitem__(self, index, column):
+        ref = self.ref
+        mine = iota(ref.shape, 1) == self.index
+        ref[...] = jnp.where(mine, column, 0.0 if self.first else ref[...])
+
+
+def head_gate_block(specs: tiles.Specs) -> tiles.Block:
+    """[nV, nH, B, Tp, H] -> [C, H]: the per-head gate gradient of one value block and head block
+    (nH = H / Hb), every head's column, head i's column h · Hb + i (`HeadGateColumn`)."""
+    s = specs.s
+    spec = tiles._block_spec((None, None, None, s.C, s.H), lambda b, h, j, n, *m: (j, h, b, specs.chunk(n), 0))
+    return tiles.Block(spec, lambda ref, i: HeadGateColumn(ref, pl.program_id(1) * s.Hb + i, first=i == 0))
+
+
 def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
     """One head's chunk: `refs` are its views of the step's blocks (`_launch`)."""
     q_ref, k_ref, v_ref = take(refs, 3)
     decay_refs = take(refs, len(specs.lane_decay(static.gate)))
     do_ref, states_ref, hT_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dh0_ref = take(refs, 8)
-    boundary_ref = refs.pop(0) if static.gate is not None else None
+    dg_ref = refs.pop(0) if static.gate is not None else None
     dS_ref, after_ref = refs
 
     first, last, step0 = flags
@@ -130,42 +185,67 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
     start_carries(step0, last, [(dS_ref, dhT_ref), (after_ref, hT_ref)])  # the walk starts at the last chunk
 
     S, dS = states_ref[...], dS_ref[...]
-    if boundary_ref is not None:
-        boundary_ref[...] = tiles.row_of(jnp.sum(after_ref[...] * dS, axis=1, keepdims=True))  # [1, K]
+    boundary = None if dg_ref is None else jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1] Σ_V S⁺⊙dS
     q, k, v, do = (tiles.f32(r) for r in (q_ref, k_ref, v_ref, do_ref))
     qT = q.T  # [K, C], in VMEM
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
+    C = q.shape[0]
     if static.gate is Gate.KEY:
-        C, c = q.shape[0], static.tiles.sub
+        c = static.tiles.sub
         a_last = pick_row(a, C - 1)  # [1, K]
         for p in range(0, C, c):
             dq, dk, dv = key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p, c, scale=scale, dtype=dtype,
                                            group=static.tiles.group)
-            dq_ref[p : p + c, :] = dq
-            dk_ref[p : p + c, :] = dk
-            dv_ref[p : p + c, :] = dv
+            dq_ref[p : p + c, :] = dq.astype(dq_ref.dtype)
+            dk_ref[p : p + c, :] = dk.astype(dk_ref.dtype)
+            dv_ref[p : p + c, :] = dv.astype(dv_ref.dtype)
+            dg_ref[p : p + c, :] = gate_terms(q[p : p + c], dq, k[p : p + c], dk)  # dB, summed below
+        dg_ref[...] = suffix_sums(dg_ref[...]) + tiles.row_of(boundary)
         aT_last = pick_col(aT, C - 1)  # [K, 1]
         dS_entering = jnp.exp(aT_last) * dS + scale * mm(qT * jnp.exp(aT), do, dtype)
     else:
         dq, dk, dv, dS_entering = head_chunk_bwd(q, k, qT, v, do, a, aT, S, dS, scale=scale, dtype=dtype)
-        dq_ref[...], dk_ref[...], dv_ref[...] = dq, dk, dv
+        for x, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+            ref[...] = x.astype(ref.dtype)
+        if dg_ref is not None:  # per head: the K channels summed, then the suffix sums of a column
+            dB = jnp.sum(gate_terms(q, dq, k, dk), axis=1, keepdims=True)  # [C, 1]
+            dg_ref[...] = suffix_sums(dB) + jnp.sum(boundary, axis=0, keepdims=True)
     dS_ref[...] = dS_entering
     after_ref[...] = S
     finish_carry(first, dh0_ref, dS_entering)
 
 
-@functools.partial(jax.jit, static_argnames=("static",))
-def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig):
-    """Launch the backward kernel: the driver's `PallasBackend.backward` contract (`kernels/_recurrent_driver.py`);
-    q, k, v, do and the decay are read lane-dense token-major (`_tiles.token_lanes`; float16
-    upcast), per-value-block partial dq, dk and boundary terms are summed here (dq, dk stay
-    per value head: shared query/key heads are summed by the driver)."""
+def gradient_dtype(dtype, kernel_dtype, s: tiles.Shapes):
+    """The dtype the kernel writes dq or dk in: the caller's (`dtype`) where it is the kernel's
+    operand dtype and nothing is summed after the kernel (one value block, no shared query/key
+    heads), else float32 (summed, or cast, by the wrapper)."""
+    exact = s.nV == 1 and s.groups == 1 and jnp.dtype(dtype) == jnp.dtype(kernel_dtype)
+    return jnp.dtype(dtype) if exact else jnp.dtype(F32)
+
+
+def summed(x, axes: int):
+    """`x` summed over its `axes` leading axes (taken, a free reshape, where they are all 1)."""
+    lead = x.shape[:axes]
+    return x.reshape(x.shape[axes:]) if all(n == 1 for n in lead) else x.sum(tuple(range(axes)))
+
+
+@functools.partial(jax.jit, static_argnames=("static", "grad_dtypes"))
+def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: KernelConfig, grad_dtypes=None):
+    """Launch the backward kernel: the driver's `PallasBackend.backward` contract with
+    `gate_in_kernel` (`kernels/_recurrent_driver.py`); `grad_dtypes` (q's, k's, v's; default
+    q's dtype) are the dtypes dq, dk and dv are cast to (dv is written in v's where that is the
+    kernel's operand dtype). q, k, v, do and the decay are read lane-dense
+    token-major (`_tiles.token_lanes`; float16 upcast); dq, dk [nV, B, Tp, H · K] come out in
+    the caller's dtype where nothing is summed after the kernel (`gradient_dtype`), else float32
+    summed over value blocks and shared query/key heads here; the gate gradient per value block
+    (per head: per value and head block, [nV, H / Hb, B, Tp, H]) is summed here where there are
+    several."""
+    grad_dtypes = grad_dtypes or (q.dtype,) * 3
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
     s = recurrent_shapes(q, v, static, backward=True)
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = h_T.shape[0]
-    has_decay = static.gate is not None
 
     state = specs.per_head(specs.state())
     ins = [specs.lanes_qk(), specs.lanes_qk(), specs.lanes_v(), *specs.lane_decay(static.gate), specs.lanes_v(),
@@ -174,22 +254,33 @@ def chunk_backward(q, k, v, a, do, states, h_T, dh_T, meta=None, *, static: Kern
     inputs += [] if a is None else [tiles.token_lanes(a) if static.gate is Gate.KEY else a]
     inputs += [tiles.token_lanes(do), states, h_T.astype(F32), dh_T.astype(F32)]
 
+    dq_dtype, dk_dtype = (gradient_dtype(d, kdt, s) for d in grad_dtypes[:2])
+    dv_dtype = grad_dtypes[2] if jnp.dtype(grad_dtypes[2]) == jnp.dtype(kdt) else F32  # dv is no partial sum
     outs = [specs.lanes_partial(), specs.lanes_partial(), specs.lanes_v(), state]
     out_shape = [
-        output_type((s.nV, s.B, s.Tp, s.H * s.K), F32, q),
-        output_type((s.nV, s.B, s.Tp, s.H * s.K), F32, q),
-        output_type((s.B, s.Tp, s.H * s.V), F32, q),
+        output_type((s.nV, s.B, s.Tp, s.H * s.K), dq_dtype, q),
+        output_type((s.nV, s.B, s.Tp, s.H * s.K), dk_dtype, q),
+        output_type((s.B, s.Tp, s.H * s.V), dv_dtype, q),
         output_type((R, s.H, s.K, s.V), F32, q),
     ]
-    if has_decay:
-        outs.append(specs.per_head(specs.partial_row()))  # a row: a [K, 1] column is padded to 128 lanes in HBM
-        out_shape.append(output_type((s.nV, s.B, s.H, s.N, 1, s.K), F32, q))
+    if static.gate is Gate.KEY:
+        outs.append(specs.lanes_partial())
+        out_shape.append(output_type((s.nV, s.B, s.Tp, s.H * s.K), F32, q))
+    elif static.gate is Gate.HEAD:
+        outs.append(head_gate_block(specs))
+        out_shape.append(output_type((s.nV, s.H // s.Hb, s.B, s.Tp, s.H), F32, q))
     scratch = [specs.per_head(specs.state_scratch())] * 2  # dS, S⁺
     blocks = ins + outs + scratch
-    dq, dk, dv, dh0, *boundary = launch(functools.partial(_backward_head, static=static, specs=specs), inputs,
-                                        [b.spec for b in ins], [b.spec for b in outs], out_shape,
-                                        [b.spec for b in scratch], meta, specs=specs, static=static,
-                                        name="recurrax_tpu_chunk_bwd", views=[b.view for b in blocks])
-    dq, dk = (tiles.from_lanes(x.sum(0), s.H) for x in (dq, dk))
-    boundary = boundary[0].sum(0)[..., 0, :] if boundary else None
-    return dq, dk, tiles.from_lanes(dv, s.H), dh0, boundary
+    dq, dk, dv, dh0, *dg = launch(functools.partial(_backward_head, static=static, specs=specs), inputs,
+                                  [b.spec for b in ins], [b.spec for b in outs], out_shape,
+                                  [b.spec for b in scratch], meta, specs=specs, static=static,
+                                  name="recurrax_tpu_chunk_bwd", views=[b.view for b in blocks])
+    dq, dk = (tiles.from_lanes(summed(x, 1), s.H) for x in (dq, dk))
+    dq, dk = (sum_groups(x, s.G or s.H) for x in (dq, dk))
+    if not dg:
+        dg = None
+    elif static.gate is Gate.KEY:
+        dg = tiles.from_lanes(summed(dg[0], 1), s.H)
+    else:
+        dg = summed(dg[0], 2)
+    return dq, dk, tiles.from_lanes(dv, s.H), dh0, dg

@@ -12,8 +12,11 @@ scratch, and the kernel body's temporaries, all in VMEM tiles of (8, 128) 32-bit
 rows for 16-bit types); the sum must fit the generation's scoped-VMEM limit (`SCOPED_VMEM_BYTES`,
 the compiler's default) or compiling fails with "CompileTimeScopedVmemOom". `vmem_bytes`
 counts the lane-dense blocks of `_recurrent_forward` / `_recurrent_backward` ([C, Hb · D]: 64-wide
-heads fill lanes two at a time) and bounds the temporaries by [C, C] float32 matrices (one live in
-the forward, two in the backward), [C, max(K, BV)] float32 ones (four more [C, K] of a
+heads fill lanes two at a time; the backward's gate gradient a [C, H] or [C, Hb · K] float32
+block) and bounds the temporaries by [C, C] float32 matrices (one live in the forward, two in
+the backward; the gate gradient's [C, C] suffix-sum matrix, a 0/1 constant, needed no more:
+libtpu 0.0.42.1 compiles the per-head backward at C = 256 with 8 heads of 64, 14.6 MiB by this
+estimate, and at C = 128 with 16), [C, max(K, BV)] float32 ones (four more [C, K] of a
 per-channel decay's anchored rows) and the [K, C] transposes made
 in VMEM, once per head of a grid step: Mosaic gives each unrolled head's temporaries their own
 VMEM (libtpu 0.0.42.1 needed 17.8 MiB for the per-channel backward, C = 256, 8 heads of 64,
@@ -48,9 +51,10 @@ def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool
     lanes = lambda width, itemsize=item: tile_bytes(C, heads * width, itemsize)  # noqa: E731  [C, Hb·width]
     state = heads * tile_bytes(K, BV, F32_BYTES)
     decay = {Gate.HEAD: tile_bytes(C, 1, F32_BYTES), Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)  # [C, H], [C, Hb·K]
-    if backward:  # q, k, v, decay, do, states, h_T, dh_T -> dq, dk, dv (f32), dh0, boundary; dS, S⁺
+    if backward:  # q, k, v, decay, do, states, h_T, dh_T -> dq, dk (≤ f32), dv (f32), dh0, dg (a decay's); dS, S⁺
         inputs = 2 * lanes(K) + 2 * lanes(BV) + decay + 3 * state
-        outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + state + heads * tile_bytes(1, K, F32_BYTES)
+        gate_gradient = {Gate.HEAD: tile_bytes(C, 1, F32_BYTES), Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)
+        outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + state + gate_gradient  # [C, H], [C, Hb·K]
         scratch, square = 2 * state, 2
     else:  # q, k, v, decay, h0 -> o, h_T, states; S
         inputs = 2 * lanes(K) + lanes(BV) + decay + state
