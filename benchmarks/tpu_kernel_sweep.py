@@ -24,6 +24,9 @@ most telling tiles come first. Each tile's output and final state are compared o
 when, with 1.5 times the last tile's time, the row would run past its share (what is left over
 the rows left). A tile that fails to compile or run is a line saying why.
 `tpu_kernel_sweep.md` and `.json` in `--out` are rewritten after every tile.
+
+`--projected` holds the token arrays as a model's projections give them, [B, T, heads · D],
+reshaped inside the program (`tpu_paths.projected`), for both paths.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import back_to_back  # noqa: E402
-from tpu_paths import call_of, floors, label, make_arrays, programs  # noqa: E402
+from tpu_paths import call_of, floors, label, make_arrays, programs, projected  # noqa: E402
 
 from recurrax.delta import canonicalize_delta  # noqa: E402
 from recurrax.kernels.tpu import TpuTiles, tpu_delta, tpu_delta_interpret, tpu_interpret, tpu_recurrent  # noqa: E402
@@ -116,7 +119,10 @@ def sweep_row(result: dict, tiles: list[TpuTiles], args, chip: dict, deadline: f
     row = result["row"]
     inputs, cotangents = make_arrays(row)
     result["floors"] = floors(row, inputs, chip)
-    chunk = time_path(call_of(row, "chunk"), inputs, cotangents, args.repeats)
+    wrap = lambda call: call  # noqa: E731
+    if args.projected:
+        inputs, cotangents, wrap = projected(inputs, cotangents)
+    chunk = time_path(wrap(call_of(row, "chunk")), inputs, cotangents, args.repeats)
     want = chunk.pop("_output")
     result["chunk"] = chunk
     save()
@@ -131,7 +137,7 @@ def sweep_row(result: dict, tiles: list[TpuTiles], args, chip: dict, deadline: f
             continue
         entry = {"heads": tile.heads, "chunk": tile.chunk, "group": tile.group}
         try:
-            timing = time_path(kernel_call(row, tile, args.interpret), inputs, cotangents, args.repeats)
+            timing = time_path(wrap(kernel_call(row, tile, args.interpret)), inputs, cotangents, args.repeats)
             got = timing.pop("_output")
             entry.update(timing)
             entry["error vs chunk"] = max(relative_error(x, y) for x, y in zip(got, want))
@@ -200,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", help="indices of the rows to run (default: all)")
     parser.add_argument("--peak-tflops", type=float, default=197.0)
     parser.add_argument("--hbm-gbs", type=float, default=819.0)
+    parser.add_argument("--projected", action="store_true", help="token arrays held [B, T, heads·D], as a model's "
+                        "projections give them (tpu_paths.projected)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode off a TPU (any machine)")
     args = parser.parse_args(argv)
     args.interpret = jax.default_backend() != "tpu"
@@ -222,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpu_kernel_sweep: budget spent, skipping {label(row)}", file=sys.stderr)
             continue
         share = (args.budget - elapsed) / (len(chosen) - index)
-        results.append({"row": row, "label": label(row), "floors": None, "chunk": None, "tiles": []})
+        named = label(row) + (", as projected" if args.projected else "")
+        results.append({"row": row, "label": named, "floors": None, "chunk": None, "tiles": []})
         tiles = tiles_of(row, args.heads, args.chunks, args.smoke, tuple(args.groups))
         sweep_row(results[-1], tiles, args, chip, time.perf_counter() + share, save)
     print(report(results, chip, args.budget))

@@ -11,6 +11,9 @@ call of calls dispatched back to back (`_timing.back_to_back`), then one call un
 `jax.profiler.trace` read back by `_trace.traced_ops`: the device's self time per kind of op (a
 Pallas kernel by its name, XLA fusions by kind, copies, transposes) and the longest ops, as shares
 of the back-to-back time. What is not in a kernel is what the layout and the wrappers cost.
+`--projected` holds the token arrays as a model's projections give them, [B, T, heads · D]
+(`tpu_paths.projected`): a [B, T, H, 64] array is tiled over (H, D) on a TPU, and a path reading
+[B, T, H · D] pays a relayout copy of it that a model does not.
 
 Writes `tpu_path_profile.md` and `.json` to `--out`, after every (row, path).
 """
@@ -28,13 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import back_to_back  # noqa: E402
 from _trace import traced_ops  # noqa: E402
 from tpu_kernel_sweep import rows  # noqa: E402
-from tpu_paths import call_of, label, make_arrays, programs  # noqa: E402
+from tpu_paths import call_of, label, make_arrays, programs, projected  # noqa: E402
 
 
-def profile(row: dict, path: str) -> dict:
-    """Back-to-back seconds and the traced shares of the forward and forward+backward programs."""
+def profile(row: dict, path: str, as_projected: bool) -> dict:
+    """Back-to-back seconds and the traced shares of the forward and forward+backward programs;
+    with `as_projected`, the token arrays held as a model holds them (`tpu_paths.projected`)."""
     inputs, cotangents = make_arrays(row)
-    forward, gradient = programs(call_of(row, path))
+    call = call_of(row, path)
+    if as_projected:
+        inputs, cotangents, wrap = projected(inputs, cotangents)
+        call = wrap(call)
+    forward, gradient = programs(call)
     result = {}
     for name, run in (("forward", lambda: forward(inputs)), ("fwd+bwd", lambda: gradient(inputs, cotangents))):
         seconds = back_to_back(run)
@@ -62,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[0, 2], help="indices into tpu_kernel_sweep.rows")
     parser.add_argument("--paths", nargs="+", default=["pallas_tpu", "chunk"])
+    parser.add_argument("--projected", action="store_true", help="token arrays held [B, T, heads·D], as a model's "
+                        "projections give them (tpu_paths.projected)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (any machine)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -72,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         row = table[index]
         for path in args.paths if not args.smoke else ["chunk"]:
             try:
-                results.append({"label": label(row), "path": path, **profile(row, path)})
+                results.append({"label": label(row) + (", as projected" if args.projected else ""), "path": path,
+                                **profile(row, path, args.projected)})
             except Exception as error:  # noqa: BLE001  (a refused call or a failed compile: say so, go on)
                 print(f"tpu_path_profile: {label(row)} {path}: {type(error).__name__}: {error}"[:400], file=sys.stderr)
                 continue

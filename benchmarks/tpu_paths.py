@@ -95,6 +95,29 @@ def make_arrays(row: dict, seed: int = 0) -> tuple[dict, dict]:
     return inputs, cotangents
 
 
+TOKEN_ARRAYS = ("query", "key", "value", "gk")
+
+
+def projected(inputs: dict, cotangents: dict):
+    """(inputs, cotangents, wrap) with the token arrays held as a model's projections give them,
+    [B, T, heads · D]; `wrap(call)` reshapes them to [B, T, heads, D] inside the program and hands
+    the output back as [B, T, H · V] (as a model's output projection reads it). On a TPU an array
+    held as [B, T, H, 64] is tiled over (H, D), so a path that reads [B, T, H · D] pays a
+    relayout copy of it that a model does not."""
+    shapes = {name: x.shape for name, x in inputs.items() if name in TOKEN_ARRAYS}
+    merged = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
+
+    def wrap(call):
+        def run(kw):
+            output, final = call({n: (x.reshape(shapes[n]) if n in shapes else x) for n, x in kw.items()})
+            return merged(output), final
+
+        return run
+
+    flat = {name: (merged(x) if name in shapes else x) for name, x in inputs.items()}
+    return flat, {**cotangents, "d_output": merged(cotangents["d_output"])}, wrap
+
+
 def call_of(row: dict, implementation: str | None):
     if row["op"] == "recurrent":
         return lambda kw: recurrax.recurrent(**kw, implementation=implementation)

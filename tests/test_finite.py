@@ -91,10 +91,11 @@ def _bad_cells(x: np.ndarray, name: str) -> np.ndarray:
     return bad.reshape(*bad.shape[:cell_dims], -1).any(-1)
 
 
-DEFAULT = {("chunk", "rows"), ("pallas_interpret", "packed-reverse")}
-"""In the default suite (the others run under `-m slow`): one XLA and one kernel program,
-both layouts; the kernels share the driver's handling, and `reference` and `scan` are
-causal by construction. Measured 130 s for all ten programs, ~20 s for these two."""
+DEFAULT = {("chunk", "rows"), ("pallas_interpret", "packed-reverse"), ("tpu_interpret", "rows")}
+"""In the default suite (the others run under `-m slow`): one XLA and two kernel programs,
+both layouts; the GPU kernels share the driver's cleaning, the TPU kernels clean at load
+(`PallasBackend.cleans_at_load`), and `reference` and `scan` are causal by construction.
+Measured 130 s for all ten programs, ~20 s for the first two."""
 CASES = [
     pytest.param(name, layout, marks=[] if (name, layout) in DEFAULT else [pytest.mark.slow])
     for name in IMPLEMENTATIONS

@@ -107,6 +107,9 @@ class PallasBackend:
       and v's from (theirs where the kernel can write it), dg as `gate_gradient`'s (None
       without decay). Without it the driver forms dg
       from the boundary terms in XLA (`gate_gradient`).
+    - `cleans_at_load`: the kernels read non-finite entries of q, k, v and do as 0 where they
+      load a block (`recurrax._core.finite`), so the driver hands them the arrays as they are
+      and XLA stores no cleaned copy; without it the driver cleans them first (`clean_tokens`).
     """
 
     forward: Callable[..., list]
@@ -115,6 +118,7 @@ class PallasBackend:
     interpret_tiles: Any = None
     chunk: int | None = None
     gate_in_kernel: bool = False
+    cleans_at_load: bool = False
 
     def recurrent(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
         """The kernels compiled for the backend's chip; `(output, final_state)`.
@@ -166,11 +170,16 @@ def _chunk(call: KernelCall, q, k, v, g, h0, table, empty):
     return o, h_T
 
 
-def _operands(q, k, v):
-    """q, k and v cleaned (`_finite`: non-finite entries read as 0), k and v in q's dtype:
-    grouped heads arrive expanded in float32 (`problem._expand_heads`), the kernels read one
-    operand dtype; their gradients still leave in k's and v's dtype."""
-    return clean_tokens(q), clean_tokens(k).astype(q.dtype), clean_tokens(v).astype(q.dtype)
+def _cleaned(call: KernelCall, x):
+    """x with its non-finite entries as 0, unless the backend's kernels do that at load."""
+    return x if call.backend.cleans_at_load else clean_tokens(x)
+
+
+def _operands(call: KernelCall, q, k, v):
+    """q, k and v cleaned (`_cleaned`), k and v in q's dtype: grouped heads arrive expanded in
+    float32 (`problem._expand_heads`), the kernels read one operand dtype; their gradients
+    still leave in k's and v's dtype."""
+    return _cleaned(call, q), _cleaned(call, k).astype(q.dtype), _cleaned(call, v).astype(q.dtype)
 
 
 def _local_decay(g, chunk: int):
@@ -188,7 +197,7 @@ def _local_decay(g, chunk: int):
 
 def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
     a = _local_decay(g, call.chunk)  # float32 like g (`_kernel_recurrent`): kept instead of it
-    o, h_T = call.forward(*_operands(q, k, v), a, h0, table, emit_output=True, emit_states=False)
+    o, h_T = call.forward(*_operands(call, q, k, v), a, h0, table, emit_output=True, emit_states=False)
     h_T = keep_empty(empty, h0, h_T)
     return (o, h_T), (q, k, v, a, h0, h_T, table, empty)
 
@@ -196,10 +205,10 @@ def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
 def _chunk_bwd(call: KernelCall, residuals, cotangents):
     q, k, v, a, h0, h_T, table, empty = residuals
     do, dh_T = cotangents
-    operands = _operands(q, k, v)
+    operands = _operands(call, q, k, v)
     _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
     dh_T = dh_T.astype(F32)
-    cotangents = (a, clean_tokens(do).astype(q.dtype), states, h_T, dh_T, table)
+    cotangents = (a, _cleaned(call, do).astype(q.dtype), states, h_T, dh_T, table)
     if call.backend.gate_in_kernel:
         dq, dk, dv, dh0, dg = call.backward(*operands, *cotangents, grad_dtypes=(q.dtype, k.dtype, v.dtype))
     else:

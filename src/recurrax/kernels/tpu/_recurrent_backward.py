@@ -186,7 +186,7 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
 
     S, dS = states_ref[...], dS_ref[...]
     boundary = None if dg_ref is None else jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1] Σ_V S⁺⊙dS
-    q, k, v, do = (tiles.f32(r) for r in (q_ref, k_ref, v_ref, do_ref))
+    q, k, v, do = (tiles.token(r) for r in (q_ref, k_ref, v_ref, do_ref))  # cleaned at load
     qT = q.T  # [K, C], in VMEM
     a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
     C = q.shape[0]
