@@ -100,13 +100,18 @@ def _recurrent_refusal(request: Request) -> str | None:
     return _head_dims_and_generation(request) or _lane_refusal(request)
 
 
-def _lane_refusal(request: Request) -> str | None:
-    """Why no heads per grid step give lane-dense blocks that fit (`_tiles.tiling_problems`)."""
+def _delta_refusal(request: Request) -> str | None:
+    return _head_dims_and_generation(request) or _lane_refusal(request, delta=True)
+
+
+def _lane_refusal(request: Request, delta: bool = False) -> str | None:
+    """Why no heads per grid step give lane-dense blocks that fit (`_tiles.tiling_problems`;
+    `delta`: the delta rule's kernels)."""
     if request.heads is None or request.qk_heads is None:
         return None
     gate = Gate.KEY if Gate.KEY in request.gates else Gate.HEAD if Gate.HEAD in request.gates else None
     problems = tiling_problems(request.heads, request.qk_heads, request.qk_head_dim, request.v_head_dim, gate,
-                               kernel_dtype(request.dtype))
+                               kernel_dtype(request.dtype), delta=delta)
     return problems[0] if problems else None
 
 
@@ -123,7 +128,7 @@ INTERPRET_SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, None, sha
 """`recurrent` in interpret mode: the dtypes and gates of `SUPPORT`, any head dims, any device."""
 
 _DELTA_DTYPES = frozenset({"float32", "bfloat16"})
-DELTA_SUPPORT = Support(dtypes=_DELTA_DTYPES, gates=SUPPORT.gates, varlen=True, check=_head_dims_and_generation,
+DELTA_SUPPORT = Support(dtypes=_DELTA_DTYPES, gates=SUPPORT.gates, varlen=True, check=_delta_refusal,
                         shared_query_key=True)
 DELTA_INTERPRET_SUPPORT = dataclasses.replace(DELTA_SUPPORT, check=None)
 

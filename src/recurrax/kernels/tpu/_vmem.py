@@ -42,12 +42,17 @@ def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
     return -(-rows // sublanes) * sublanes * -(-cols // 128) * 128 * itemsize
 
 
-def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, heads: int = 1) -> int:
-    """An upper estimate of one kernel's scoped VMEM (bytes) for these tiles."""
+def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, heads: int = 1,
+               delta: bool = False) -> int:
+    """An upper estimate of one kernel's scoped VMEM (bytes) for these tiles (`delta`: the
+    delta rule's kernels, else `recurrent`'s)."""
     item = jnp.dtype(dtype).itemsize
     lanes = lambda width, itemsize=item: tile_bytes(C, heads * width, itemsize)  # noqa: E731  [C, Hb·width]
     state = heads * tile_bytes(K, BV, F32_BYTES)
-    decay = {Gate.HEAD: tile_bytes(C, 1, F32_BYTES), Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)  # [C, H], [C, Hb·K]
+    column = tile_bytes(C, 1, F32_BYTES)  # a [C, H] block of per-head columns (H ≤ 128)
+    decay = {Gate.HEAD: column, Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)  # [C, H], [C, Hb·K]
+    if delta:
+        return _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, state, column, decay)
     if backward:  # q, k, v, decay, do, states, h_T, dh_T -> dq, dk, dv (f32), dh0, boundary; dS, S⁺
         inputs = 2 * lanes(K) + 2 * lanes(BV) + decay + 3 * state
         outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + state + heads * tile_bytes(1, K, F32_BYTES)
@@ -63,18 +68,43 @@ def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool
     return 2 * (inputs + outputs) + scratch + heads * temporaries
 
 
+DELTA_SQUARES = {False: 6, True: 14}
+"""[C, C] float32 temporaries one head of the delta rule's forward / backward keeps live (the
+scores, X = (I + M)⁻¹ and its doubling's products; the backward adds the adjoints, their
+transposes and the triangular sums): calibrated against libtpu 0.0.42.1 (`_delta_vmem_bytes`)."""
+
+
+def _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, state, column, decay) -> int:
+    """The delta rule's kernels: the blocks as `recurrent`'s plus β [C, H] (and, backward, the
+    per-head gradient columns [C, H] and the per-channel da [C, Hb · K]), the state scratch,
+    and per head `DELTA_SQUARES` [C, C] float32 temporaries, four [C, max(K, BV)] ones, kᵀ
+    (and qᵀ, a per-channel Aᵀ) [K, C]."""
+    if backward:  # q, k, v, β, decay, do, states, dh_T -> dq, dk, dv, dβ, da, dh0; dS
+        inputs = 2 * lanes(K) + 2 * lanes(BV) + column + decay + 2 * state
+        da = {Gate.HEAD: column, Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)
+        outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + column + da + state
+        transposed = 2 + (gate is Gate.KEY)
+    else:  # q, k, v, β, decay, h0 -> o, h_T, states; S
+        inputs = 2 * lanes(K) + lanes(BV) + column + decay + state
+        outputs = lanes(BV) + 2 * state
+        transposed = 1 + (gate is Gate.KEY)
+    wide = 4 * tile_bytes(C, max(K, BV), F32_BYTES) + (4 * tile_bytes(C, K, F32_BYTES) if gate is Gate.KEY else 0)
+    temporaries = DELTA_SQUARES[backward] * tile_bytes(C, C, F32_BYTES) + wide + transposed * tile_bytes(K, C, F32_BYTES)
+    return 2 * (inputs + outputs) + state + heads * temporaries
+
+
 def vmem_limit(generation: str | None) -> int:
     """The scoped-VMEM limit tiles are judged against: the generation's, else the smallest."""
     return SCOPED_VMEM_BYTES.get(generation, min(SCOPED_VMEM_BYTES.values()))
 
 
 def vmem_problem(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, generation: str | None,
-                 heads: int = 1) -> str | None:
-    """Why these tiles overflow the generation's scoped VMEM, or None."""
-    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward, heads), vmem_limit(generation)
+                 heads: int = 1, delta: bool = False) -> str | None:
+    """Why these tiles overflow the generation's scoped VMEM, or None (`delta`: the delta rule's kernels)."""
+    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward, heads, delta), vmem_limit(generation)
     if need <= limit:
         return None
-    kernel = "backward" if backward else "forward"
+    kernel = ("delta rule's " if delta else "") + ("backward" if backward else "forward")
     tiles = f"chunk={C}" + (f" with {heads} heads per grid step" if heads > 1 else "")
     return (f"{tiles} needs about {need / MiB:.1f} MiB of VMEM in the {kernel} kernel, over the "
             f"{limit / MiB:.0f} MiB scoped-VMEM limit of {generation or 'the smallest supported TPU'}")
