@@ -134,17 +134,34 @@ def test_the_gradient_runs_the_backward_kernel():
         assert text.count(f"name={kernel}") == 1, kernel
 
 
-def _kernel_program(gates, tiles: TpuTiles = TpuTiles(), T: int = 200, H: int = 2, Hqk: int = 1, K: int = 64):
-    """The jaxpr of value_and_grad through `tpu_delta` (compiled-kernel form, traced only), V =
-    128, by default K = 64, T = 200 (Tp = 256), one query/key head shared by two value heads."""
-    case = Case(gates=gates, Hqk=Hqk, H=H, K=K, V=128, T=T, B=2)
+def _kernel_loss(gates, tiles: TpuTiles = TpuTiles(), T: int = 200, H: int = 2, Hqk: int = 1, K: int = 64,
+                 cu_seqlens=None):
+    """(loss through `tpu_delta` (compiled-kernel form), its bfloat16 arguments): V = 128, by
+    default K = 64, T = 200 (Tp = 256), one query/key head shared by two value heads."""
+    case = Case(gates=gates, Hqk=Hqk, H=H, K=K, V=128, T=T, B=1 if cu_seqlens else 2, cu_seqlens=cu_seqlens)
     args = {n: jnp.asarray(x, jnp.bfloat16) for n, x in make_delta_inputs(case).items()}
 
     def loss(args):
         o, final = run_delta(functools.partial(tpu_delta, tiles=tiles), args, case)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final.astype(jnp.float32))
 
+    return loss, args
+
+
+def _kernel_program(gates, tiles: TpuTiles = TpuTiles(), **shape):
+    """The jaxpr of value_and_grad through `tpu_delta` (`_kernel_loss`), traced only."""
+    loss, args = _kernel_loss(gates, tiles, **shape)
     return jax.make_jaxpr(jax.value_and_grad(loss))(args).jaxpr
+
+
+@pytest.mark.parametrize(("gates", "heads", "cu_seqlens"), [(("g",), None, None), (("g", "gk"), 2, (0, 70, 70, 200))],
+                         ids=["g", "g-gk-packed"])
+def test_the_kernels_lower_for_tpu(gates, heads, cu_seqlens):
+    """value_and_grad through `tpu_delta` lowers for platforms=["tpu"] (Mosaic's Pallas-level
+    rules: block shapes, a lowering for every primitive): forward, states and backward kernels."""
+    loss, args = _kernel_loss(gates, TpuTiles(heads=heads), cu_seqlens=cu_seqlens)
+    text = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["tpu"])(args).mlir_module()
+    assert text.count("tpu_custom_call") == 3
 
 
 @pytest.mark.parametrize("gates", [(), ("g",), ("gk",), ("g", "gk")], ids=str)
