@@ -284,7 +284,7 @@ def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[s
 
     chip = current_chip()
     generation = chip.generation if chip.backend == "tpu" else None
-    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, generation, heads=s.Hb, delta=s.delta)
+    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, generation, heads=s.Hb, delta=s.delta, qk_heads=s.Gb)
     return [problem] if problem else []
 
 

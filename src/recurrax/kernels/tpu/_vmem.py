@@ -43,16 +43,17 @@ def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
 
 
 def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, heads: int = 1,
-               delta: bool = False) -> int:
+               delta: bool = False, qk_heads: int | None = None) -> int:
     """An upper estimate of one kernel's scoped VMEM (bytes) for these tiles (`delta`: the
-    delta rule's kernels, else `recurrent`'s)."""
+    delta rule's kernels, whose q and k blocks hold `qk_heads` heads, else `recurrent`'s)."""
     item = jnp.dtype(dtype).itemsize
     lanes = lambda width, itemsize=item: tile_bytes(C, heads * width, itemsize)  # noqa: E731  [C, Hb·width]
     state = heads * tile_bytes(K, BV, F32_BYTES)
     column = tile_bytes(C, 1, F32_BYTES)  # a [C, H] block of per-head columns (H ≤ 128)
     decay = {Gate.HEAD: column, Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)  # [C, H], [C, Hb·K]
     if delta:
-        return _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, state, column, decay)
+        qk = tile_bytes(C, (qk_heads or heads) * K, item)  # [C, Gb·K]
+        return _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, qk, state, column, decay)
     if backward:  # q, k, v, decay, do, states, h_T, dh_T -> dq, dk, dv (f32), dh0, boundary; dS, S⁺
         inputs = 2 * lanes(K) + 2 * lanes(BV) + decay + 3 * state
         outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + state + heads * tile_bytes(1, K, F32_BYTES)
@@ -68,29 +69,45 @@ def vmem_bytes(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool
     return 2 * (inputs + outputs) + scratch + heads * temporaries
 
 
-DELTA_SQUARES = {False: 6, True: 14}
-"""[C, C] float32 temporaries one head of the delta rule's forward / backward keeps live (the
-scores, X = (I + M)⁻¹ and its doubling's products; the backward adds the adjoints, their
-transposes and the triangular sums): calibrated against libtpu 0.0.42.1 (`_delta_vmem_bytes`)."""
+DELTA_SQUARES = {False: 3, True: 7}
+"""[C, C] float32 temporaries a head of the delta rule's forward / backward keeps live (the
+scores, X = (I + M)⁻¹ and its doubling's products; the backward's adjoints, their transposes
+and the triangular sums), fitted to libtpu 0.0.42.1's v5e compiles (`_delta_vmem_bytes`)."""
 
 
-def _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, state, column, decay) -> int:
+def _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, qk, state, column, decay) -> int:
     """The delta rule's kernels: the blocks as `recurrent`'s plus β [C, H] (and, backward, the
     per-head gradient columns [C, H] and the per-channel da [C, Hb · K]), the state scratch,
-    and per head `DELTA_SQUARES` [C, C] float32 temporaries, four [C, max(K, BV)] ones, kᵀ
-    (and qᵀ, a per-channel Aᵀ) [K, C]."""
+    and per head `DELTA_SQUARES` [C, C] float32 temporaries, [C, max(K, BV)] float32 ones (one
+    forward, two backward) and, per channel, the sub-blocks' anchored [C, K] rows
+    (`_channel_rows`).
+
+    Fitted to libtpu 0.0.42.1 on a v5e (16 MiB, K = V = 128 bf16, 32 value heads on 16
+    query/key heads): per head, chunk 128, up to 8 heads compile forward and backward; chunk
+    256, 8 forward and 4 backward, 8 backward fail; per channel, chunk 128 up to 8 heads, chunk
+    256 the backward of 1 head compiles and of 2 fails. Also compiled: per head, 16 heads of
+    64, 8 of 128 float32, 4 of 256 (backward). The q and k blocks hold the Gb
+    query/key heads a step reads)."""
     if backward:  # q, k, v, β, decay, do, states, dh_T -> dq, dk, dv, dβ, da, dh0; dS
-        inputs = 2 * lanes(K) + 2 * lanes(BV) + column + decay + 2 * state
+        inputs = 2 * qk + 2 * lanes(BV) + column + decay + 2 * state
         da = {Gate.HEAD: column, Gate.KEY: lanes(K, F32_BYTES)}.get(gate, 0)
         outputs = 2 * lanes(K, F32_BYTES) + lanes(BV, F32_BYTES) + column + da + state
-        transposed = 2 + (gate is Gate.KEY)
     else:  # q, k, v, β, decay, h0 -> o, h_T, states; S
-        inputs = 2 * lanes(K) + lanes(BV) + column + decay + state
+        inputs = 2 * qk + lanes(BV) + column + decay + state
         outputs = lanes(BV) + 2 * state
-        transposed = 1 + (gate is Gate.KEY)
-    wide = 4 * tile_bytes(C, max(K, BV), F32_BYTES) + (4 * tile_bytes(C, K, F32_BYTES) if gate is Gate.KEY else 0)
-    temporaries = DELTA_SQUARES[backward] * tile_bytes(C, C, F32_BYTES) + wide + transposed * tile_bytes(K, C, F32_BYTES)
+    wide = (2 if backward else 1) * tile_bytes(C, max(K, BV), F32_BYTES)
+    channel = _channel_rows(C, K, backward) if gate is Gate.KEY else 0
+    temporaries = DELTA_SQUARES[backward] * tile_bytes(C, C, F32_BYTES) + wide + channel
     return 2 * (inputs + outputs) + state + heads * temporaries
+
+
+def _channel_rows(C: int, K: int, backward: bool) -> int:
+    """A per-channel decay's anchored [C, K] float32 rows a head of the delta rule's kernels
+    keeps live: measured to grow faster than C² in the backward (under 0.16 MiB a head at chunk
+    128, over 3.7 MiB at 256: libtpu keeps more of the C / c sub-blocks' rows live), counted
+    as 2 · (C / 128)⁴ rows; 2 forward."""
+    rows = 2 * (C / 128) ** 4 if backward else 2
+    return int(rows * tile_bytes(C, K, F32_BYTES))
 
 
 def vmem_limit(generation: str | None) -> int:
@@ -99,9 +116,10 @@ def vmem_limit(generation: str | None) -> int:
 
 
 def vmem_problem(C: int, K: int, BV: int, dtype, gate: Gate | None, backward: bool, generation: str | None,
-                 heads: int = 1, delta: bool = False) -> str | None:
-    """Why these tiles overflow the generation's scoped VMEM, or None (`delta`: the delta rule's kernels)."""
-    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward, heads, delta), vmem_limit(generation)
+                 heads: int = 1, delta: bool = False, qk_heads: int | None = None) -> str | None:
+    """Why these tiles overflow the generation's scoped VMEM, or None (`delta`: the delta rule's
+    kernels, `qk_heads` query/key heads a step)."""
+    need, limit = vmem_bytes(C, K, BV, dtype, gate, backward, heads, delta, qk_heads), vmem_limit(generation)
     if need <= limit:
         return None
     kernel = ("delta rule's " if delta else "") + ("backward" if backward else "forward")
