@@ -82,8 +82,9 @@ def test_tpu_delta_interpret_many_heads_packed_kda():
 @pytest.mark.slow
 def test_tpu_delta_interpret_two_value_blocks():
     """V = 256 in two value blocks of 128 (independent programs): dq, dk, dβ and the decay's
-    gradient are sums of the blocks' partial sums, g and gk both, grouped heads."""
-    tiles = TpuTiles(chunk=16, sub=8, block_v=128)
+    gradient are sums of the blocks' partial sums, g and gk both, grouped heads (one head a step:
+    a step of several takes all of V)."""
+    tiles = TpuTiles(chunk=16, sub=8, block_v=128, heads=1)
     errors = chunk_errors(Case(gates=("g", "gk"), Hqk=1, H=2, **{**SMALL, "V": 256}),
                           functools.partial(tpu_delta_interpret, tiles=tiles))
     assert_within_floor(errors, "pallas_tpu_interpret")

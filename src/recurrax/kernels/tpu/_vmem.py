@@ -5,6 +5,7 @@
 | C, K   | chunk length, key head dim                                                  |
 | BV     | value columns of one program                                                |
 | Hb     | heads of one grid step (its blocks and its state scratch hold Hb heads)     |
+| Gb     | query/key heads of a step's q and k blocks (the delta rule's count)         |
 | kdt    | the kernels' operand dtype (bf16, or f32)                                   |
 
 Mosaic TPU allocates, per kernel, every block of the pipeline twice (double buffering), the
@@ -22,6 +23,13 @@ accepts, `tests/test_compile.py`).
 Calibrated against libtpu: `TpuTiles(chunk=2048)` bf16, K = V = 128, a per-head decay, needs
 17.24 MiB in the forward kernel (measured with the head-major blocks; this estimate: 25.4 MiB) and fails on v5e's 16 MiB; the largest
 chunks the estimate accepts compile (`tests/test_compile.py`).
+
+The delta rule's kernels (`_delta_forward`, `_delta_backward`, `delta=True`) have their own
+count (`_delta_vmem_bytes`): the same lane-dense blocks plus β and the per-head gradient
+columns, q and k at the step's Gb query/key heads, and per head more [C, C] temporaries (the
+inverse X = (I + M)⁻¹ and the backward's adjoints), fitted to libtpu 0.0.42.1's compiles for
+a v5e (every tiling that ran out of VMEM there is refused; the default heads compile,
+`tests/test_compile.py`).
 """
 
 from __future__ import annotations
