@@ -93,7 +93,7 @@ def _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, qk, state, column,
     Fitted to libtpu 0.0.42.1 on a v5e (16 MiB, K = V = 128 bf16, 32 value heads on 16
     query/key heads): per head, chunk 128, up to 8 heads compile forward and backward; chunk
     256, 8 forward and 4 backward, 8 backward fail; per channel, chunk 128 up to 8 heads, chunk
-    256 the backward of 1 head compiles and of 2 fails. Also compiled: per head, 16 heads of
+    256 the backward of 1 head compiles and of 2 fails (as with K = V = 256 at chunk 128). Also compiled: per head, 16 heads of
     64, 8 of 128 float32, 4 of 256 (backward). The q and k blocks hold the Gb
     query/key heads a step reads)."""
     if backward:  # q, k, v, β, decay, do, states, dh_T -> dq, dk, dv, dβ, da, dh0; dS
@@ -110,11 +110,12 @@ def _delta_vmem_bytes(C, K, BV, gate, backward, heads, lanes, qk, state, column,
 
 
 def _channel_rows(C: int, K: int, backward: bool) -> int:
-    """A per-channel decay's anchored [C, K] float32 rows a head of the delta rule's kernels
-    keeps live: measured to grow faster than C² in the backward (under 0.16 MiB a head at chunk
-    128, over 3.7 MiB at 256: libtpu keeps more of the C / c sub-blocks' rows live), counted
-    as 2 · (C / 128)⁴ rows; 2 forward."""
-    rows = 2 * (C / 128) ** 4 if backward else 2
+    """A per-channel decay's [C, K] float32 rows (the sub-blocks' anchored rows and products) a
+    head of the delta rule's kernels keeps live: 2 forward; in the backward measured to grow far
+    faster than the tile (libtpu 0.0.42.1, v5e: under 0.16 MiB a head at C = K = 128, over 3.7
+    MiB at C = 256, K = 128 and over 6 MiB at C = 128, K = 256, where two heads overflow and
+    one compiles), counted as 2 · (C · K / 128²)⁵ rows, a fit to those bounds."""
+    rows = 2 * (C * K / 128**2) ** 5 if backward else 2
     return int(rows * tile_bytes(C, K, F32_BYTES))
 
 
