@@ -363,7 +363,7 @@ def check_delta_heads(generation: str, gates: str, chunk: int, expected: tuple[i
     arrays = {name: np.asarray(x, jnp.bfloat16 if name in "qkv" else np.float32) for name, x in arrays.items()}
 
     def loss(arrays):
-        problem, scale, layout = canonicalize_delta(arrays["q"], arrays["k"], arrays["v"], arrays["beta"],
+        problem, scale, _ = canonicalize_delta(arrays["q"], arrays["k"], arrays["v"], arrays["beta"],
                                                     arrays["g"] if gates == "g" else None,
                                                     arrays["g"] if gates == "gk" else None, None, None, None, True)
         output, state = tpu_delta(problem, scale=scale, tiles=TpuTiles(chunk=chunk))

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cases import equations
 from test_delta import _run as run_delta
 from test_delta import _values_and_grads as values_and_grads
-from _cases import equations
 from test_delta import assert_within_floor, chunk_errors
 
 import recurrax
@@ -135,11 +135,12 @@ def test_the_gradient_runs_the_backward_kernel():
         assert text.count(f"name={kernel}") == 1, kernel
 
 
-def _kernel_loss(gates, tiles: TpuTiles = TpuTiles(), T: int = 200, H: int = 2, Hqk: int = 1, K: int = 64,
+def _kernel_loss(gates, tiles: TpuTiles | None = None, T: int = 200, H: int = 2, Hqk: int = 1, K: int = 64,
                  cu_seqlens=None):
     """(loss through `tpu_delta` (compiled-kernel form), its bfloat16 arguments): V = 128, by
     default K = 64, T = 200 (Tp = 256), one query/key head shared by two value heads."""
     case = Case(gates=gates, Hqk=Hqk, H=H, K=K, V=128, T=T, B=1 if cu_seqlens else 2, cu_seqlens=cu_seqlens)
+    tiles = TpuTiles() if tiles is None else tiles
     args = {n: jnp.asarray(x, jnp.bfloat16) for n, x in make_delta_inputs(case).items()}
 
     def loss(args):
@@ -149,7 +150,7 @@ def _kernel_loss(gates, tiles: TpuTiles = TpuTiles(), T: int = 200, H: int = 2, 
     return loss, args
 
 
-def _kernel_program(gates, tiles: TpuTiles = TpuTiles(), **shape):
+def _kernel_program(gates, tiles: TpuTiles | None = None, **shape):
     """The jaxpr of value_and_grad through `tpu_delta` (`_kernel_loss`), traced only."""
     loss, args = _kernel_loss(gates, tiles, **shape)
     return jax.make_jaxpr(jax.value_and_grad(loss))(args).jaxpr

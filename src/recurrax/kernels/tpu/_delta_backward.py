@@ -62,9 +62,9 @@ import jax.numpy as jnp
 
 from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
+from .._recurrent_driver import sum_groups
 from . import _tiles as tiles
 from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter
-from .._recurrent_driver import sum_groups
 from ._delta_forward import DecayFactors, chunk_scores, chunk_writes, delta_shapes
 from ._launch import finish_carry, launch, start_carries, take
 from ._tiles import F32, exp_where, iota, mm, mm_nt
