@@ -39,8 +39,8 @@ is a multiple of 128, `mosaic_problems`). Products whose natural form has a tran
 are computed transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or
 columns (an anchor, the chunk's last decay) are taken by masked sums (`pick_row`,
 `pick_col`), and sub-block slices start at multiples of c = 16, so no slice needs a sublane
-shift. (Arrays whose minor dimension is 1 are kept out of
-HBM: TPU layouts pad the minor dimension to 128 lanes.)
+shift. (Arrays whose minor dimension is 1 are kept out of HBM: TPU layouts pad the minor
+dimension to 128 lanes.)
 
 **Shared query/key heads** (Mamba-2's layout, G < H): q and k keep their G heads; value
 head h reads query/key head h // (H / G) through the index maps of their blocks
