@@ -14,9 +14,9 @@ B4 T4096 H16 K=V=64, the delta rule's GDN (`g`) and KDA (`gk`) at B1 T4096, 32 v
 share of calls dispatched back to back, `_timing.back_to_back`), the XLA
 `chunk` path and then the kernel at each tile of `--heads` × `--chunks` (`TpuTiles(chunk=C,
 heads=Hb)`; the sub-block stays 16 and the value block 128; `recurrent` `gk` also at each
-`--groups`, the rows of the diagonal sub-block's groups; `recurrent` rows only at the heads whose
-lane-dense blocks are legal, Hb · K a multiple of 128 or all heads), in the order of `TILE_ORDER`, so the
-most telling tiles come first. Each tile's output and final state are compared once with the
+`--groups`, the rows of the diagonal sub-block's groups; both operations' rows only at the heads
+whose lane-dense blocks are legal, Hb · K a multiple of 128 or all heads), in the order of
+`TILE_ORDER`, so the most telling tiles come first. Each tile's output and final state are compared once with the
 `chunk` path's (max |x − y| / max |y|, printed and recorded). Each row's roofline is
 `tpu_paths.floors` (HBM and MXU floors); `% roof` is the larger floor over the time.
 
@@ -65,14 +65,14 @@ def rows(smoke: bool) -> list[dict]:
 
 def tiles_of(row: dict, heads: list[int], chunks: list[int], smoke: bool, groups: tuple[int, ...] = (4,)) -> list[TpuTiles]:
     """The row's tiles in `TILE_ORDER` (those whose heads divide H), then any others asked for;
-    `recurrent` `gk` rows at each diagonal `group` (`TpuTiles.group`), the others at 4;
-    `recurrent` rows only where their lane-dense blocks are legal (Hb · K a multiple of 128 or
-    all H heads; any in interpret mode)."""
+    `recurrent` `gk` rows at each diagonal `group` (`TpuTiles.group`), the others at 4; rows
+    of both operations only where their lane-dense blocks are legal (Hb · K a multiple of 128
+    or all H heads; any in interpret mode)."""
     asked = [(h, c) for h in heads for c in chunks if row["H"] % h == 0]
     ordered = [t for t in TILE_ORDER if t in asked] + [t for t in asked if t not in TILE_ORDER]
     sub = 8 if smoke else 16
     groups = groups if (row["op"], row["gate"]) == ("recurrent", "gk") else (4,)
-    legal = lambda h: row["op"] != "recurrent" or smoke or (h * row["K"]) % 128 == 0 or h == row["H"]  # noqa: E731
+    legal = lambda h: smoke or (h * row["K"]) % 128 == 0 or h == row["H"]  # noqa: E731
     return [TpuTiles(chunk=c, sub=sub, block_v=128, heads=h, group=g) for h, c in ordered for g in groups if legal(h)]
 
 

@@ -303,7 +303,7 @@ def check_largest_chunk(generation: str, K: int, V: int, dtype: str, gates: str)
         return jnp.sum(output.astype(jnp.float32)) + jnp.sum(state)
 
     compiled = targets.compile_for(generation, jax.grad(loss), diff)
-    assert compiled.executable.as_text().count("tpu_custom_call") == 3
+    assert compiled.executable.as_text().count("tpu_custom_call") == 3, compiled.executable.as_text().count("tpu_custom_call")
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
@@ -349,7 +349,7 @@ def check_most_heads(generation: str, K: int, V: int, dtype: str, gates: str, ex
         return jnp.sum(output.astype(jnp.float32)) + jnp.sum(state)
 
     compiled = targets.compile_for(generation, jax.grad(loss), diff)
-    assert compiled.executable.as_text().count("tpu_custom_call") == 3
+    assert compiled.executable.as_text().count("tpu_custom_call") == 3, compiled.executable.as_text().count("tpu_custom_call")
 
 
 @pytest.mark.parametrize(("generation", "expected"), [("v5e", 16), ("v6e", 16)])
@@ -361,6 +361,62 @@ def test_the_most_heads_per_step_the_vmem_check_accepts_compile(generation, expe
 @pytest.mark.parametrize(("generation", "expected"), [("v5e", 4), ("v6e", 8)])
 def test_the_most_heads_per_step_the_vmem_check_accepts_compile_per_channel_k128(generation, expected, no_headroom):
     check_most_heads(generation, 128, 128, "bfloat16", "channel", expected)
+
+
+def delta_heads(generation: str, gates: str, chunk: int) -> tuple[int, int]:
+    """The heads per grid step the delta rule's kernels take by default (forward, backward) at
+    GDN's / KDA's shape of issue 45: 32 value heads on 16 query/key heads, K = V = 128, bf16."""
+    import jax.numpy as jnp
+
+    from recurrax.kernels.tpu import _tiles
+    from recurrax.problem import Gate
+
+    s = _tiles.Shapes(B=1, H=32, Tp=2 * chunk, K=128, V=128, BV=128, C=chunk, c=16, G=16, delta=True)
+    gate = {"g": Gate.HEAD, "gk": Gate.KEY}[gates]
+    with targets.target(generation):
+        return tuple(_tiles.most_heads(s, gate, jnp.bfloat16, backward) for backward in (False, True))
+
+
+def check_delta_heads(generation: str, gates: str, chunk: int, expected: tuple[int, int]) -> None:
+    """What the delta rule's VMEM estimate takes by default (the most heads a step, up to 8,
+    forward and backward apart) libtpu compiles: forward, states and backward kernels."""
+    import jax.numpy as jnp
+
+    from recurrax.delta import canonicalize_delta
+    from recurrax.kernels.tpu import TpuTiles, tpu_delta
+
+    need(generation)
+    assert delta_heads(generation, gates, chunk) == expected  # the estimate's answer; a change of it is seen here
+    rng = np.random.default_rng(0)
+    T, H, G, D = 2 * chunk, 32, 16, 128
+    arrays = {"q": rng.normal(size=(1, T, G, D)), "k": rng.normal(size=(1, T, G, D)), "v": rng.normal(size=(1, T, H, D)),
+              "beta": rng.uniform(size=(1, T, H)),
+              "g": -rng.uniform(size=(1, T, H) if gates == "g" else (1, T, H, D))}
+    arrays = {name: np.asarray(x, jnp.bfloat16 if name in "qkv" else np.float32) for name, x in arrays.items()}
+
+    def loss(arrays):
+        problem, scale, _ = canonicalize_delta(arrays["q"], arrays["k"], arrays["v"], arrays["beta"],
+                                                    arrays["g"] if gates == "g" else None,
+                                                    arrays["g"] if gates == "gk" else None, None, None, None, True)
+        output, state = tpu_delta(problem, scale=scale, tiles=TpuTiles(chunk=chunk))
+        return jnp.sum(output.astype(jnp.float32)) + jnp.sum(state)
+
+    compiled = targets.compile_for(generation, jax.value_and_grad(loss), arrays)  # grad alone drops the forward
+    assert compiled.executable.as_text().count("tpu_custom_call") == 3, compiled.executable.as_text().count("tpu_custom_call")
+
+
+@pytest.mark.parametrize(("generation", "gates", "expected"), [("v5e", "g", (8, 8)), ("v5e", "gk", (8, 8)),
+                                                                ("v6e", "g", (8, 8))])
+def test_the_delta_rules_default_heads_per_step_compile(generation, gates, expected):
+    check_delta_heads(generation, gates, 128, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("generation", "gates", "expected"), [("v5e", "g", (8, 4)), ("v5e", "gk", (4, 1))])
+def test_the_delta_rules_default_heads_per_step_compile_chunk_256(generation, gates, expected):
+    """Chunk 256 on v5e: 8 heads of the per-head backward and 2 of the per-channel one overflow
+    the 16 MiB (libtpu 0.0.42.1); the estimate takes 4 and 1."""
+    check_delta_heads(generation, gates, 256, expected)
 
 
 # ----------------------------------------------------------------------------- mixture of experts: ragged_dot

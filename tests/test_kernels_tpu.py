@@ -451,13 +451,12 @@ def test_tpu_interpret_vmap_slow():
 def test_illegal_tiles_are_refused_before_mosaic():
     """One 64-wide head per grid step of two gives [C, 64] blocks of the lane-dense [B, Tp, 128]
     q and k: refused at trace time with the reason, and Mosaic's own block check refuses them
-    too (shown by skipping ours). The delta rule's transposed [K, C] blocks refuse chunk 64."""
+    too (shown by skipping ours). The delta rule's [C, C] transposes in VMEM refuse chunk 64."""
     bad = TpuTiles(heads=1)
     with pytest.raises(ValueError, match="heads=1 of K=64 are 64 lanes"):
         export_tpu("head", "bfloat16", 64, 128, False, False, tiles=bad)
     problems = tpu_kernels.mosaic_problems(
-        tpu_kernels._tiles.Shapes(B=1, H=1, Tp=256, K=128, V=128, BV=64, C=64, c=8), jnp.bfloat16,
-        transposed_blocks=True)
+        tpu_kernels._tiles.Shapes(B=1, H=1, Tp=256, K=128, V=128, BV=64, C=64, c=8, delta=True), jnp.bfloat16)
     assert len(problems) == 3, problems  # chunk (lanes), sub (bf16 sublanes), block_v
     from recurrax.kernels.tpu import _tiles
 

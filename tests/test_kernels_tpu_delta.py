@@ -24,13 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cases import equations
 from test_delta import _run as run_delta
 from test_delta import _values_and_grads as values_and_grads
 from test_delta import assert_within_floor, chunk_errors
 
 import recurrax
 from recurrax.delta import kernel_registry, reference_delta
-from recurrax.kernels.tpu import TpuTiles, tpu_delta_interpret
+from recurrax.kernels.tpu import TpuTiles, tpu_delta, tpu_delta_interpret
 from recurrax.tools.cases import DeltaCase as Case
 from recurrax.tools.cases import compare_delta, make_delta_inputs
 
@@ -81,8 +82,9 @@ def test_tpu_delta_interpret_many_heads_packed_kda():
 @pytest.mark.slow
 def test_tpu_delta_interpret_two_value_blocks():
     """V = 256 in two value blocks of 128 (independent programs): dq, dk, dβ and the decay's
-    gradient are sums of the blocks' partial sums, g and gk both, grouped heads."""
-    tiles = TpuTiles(chunk=16, sub=8, block_v=128)
+    gradient are sums of the blocks' partial sums, g and gk both, grouped heads (one head a step:
+    a step of several takes all of V)."""
+    tiles = TpuTiles(chunk=16, sub=8, block_v=128, heads=1)
     errors = chunk_errors(Case(gates=("g", "gk"), Hqk=1, H=2, **{**SMALL, "V": 256}),
                           functools.partial(tpu_delta_interpret, tiles=tiles))
     assert_within_floor(errors, "pallas_tpu_interpret")
@@ -131,6 +133,86 @@ def test_the_gradient_runs_the_backward_kernel():
     text = str(jax.make_jaxpr(jax.grad(loss))(arrays, jnp.asarray(case.cu_seqlens, jnp.int32)))
     for kernel in ("recurrax_tpu_delta_fwd", "recurrax_tpu_delta_states", "recurrax_tpu_delta_bwd"):
         assert text.count(f"name={kernel}") == 1, kernel
+
+
+def _kernel_loss(gates, tiles: TpuTiles | None = None, T: int = 200, H: int = 2, Hqk: int = 1, K: int = 64,
+                 cu_seqlens=None):
+    """(loss through `tpu_delta` (compiled-kernel form), its bfloat16 arguments): V = 128, by
+    default K = 64, T = 200 (Tp = 256), one query/key head shared by two value heads."""
+    case = Case(gates=gates, Hqk=Hqk, H=H, K=K, V=128, T=T, B=1 if cu_seqlens else 2, cu_seqlens=cu_seqlens)
+    tiles = TpuTiles() if tiles is None else tiles
+    args = {n: jnp.asarray(x, jnp.bfloat16) for n, x in make_delta_inputs(case).items()}
+
+    def loss(args):
+        o, final = run_delta(functools.partial(tpu_delta, tiles=tiles), args, case)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final.astype(jnp.float32))
+
+    return loss, args
+
+
+def _kernel_program(gates, tiles: TpuTiles | None = None, **shape):
+    """The jaxpr of value_and_grad through `tpu_delta` (`_kernel_loss`), traced only."""
+    loss, args = _kernel_loss(gates, tiles, **shape)
+    return jax.make_jaxpr(jax.value_and_grad(loss))(args).jaxpr
+
+
+@pytest.mark.parametrize(("gates", "heads", "cu_seqlens"), [(("g",), None, None), (("g", "gk"), 2, (0, 70, 70, 200))],
+                         ids=["g", "g-gk-packed"])
+def test_the_kernels_lower_for_tpu(gates, heads, cu_seqlens):
+    """value_and_grad through `tpu_delta` lowers for platforms=["tpu"] (Mosaic's Pallas-level
+    rules: block shapes, a lowering for every primitive): forward, states and backward kernels."""
+    loss, args = _kernel_loss(gates, TpuTiles(heads=heads), cu_seqlens=cu_seqlens)
+    text = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["tpu"])(args).mlir_module()
+    assert text.count("tpu_custom_call") == 3
+
+
+@pytest.mark.parametrize("gates", [(), ("g",), ("gk",), ("g", "gk")], ids=str)
+def test_no_token_array_is_transposed_or_repeated_around_the_kernels(gates):
+    """The forward and backward kernels read q, k (unrepeated), v, β, do and the decay
+    lane-dense token-major and write o, dq, dk, dv, dβ and the decay's gradient so: the program
+    of value_and_grad through `pallas_tpu` transposes no array with a token axis (T = 200,
+    Tp = 256) in XLA, and no kernel operand is a per-value-head copy of q or k ([B, Tp, H · K])
+    or a column [.., 1] (padded to 128 lanes in HBM)."""
+    jaxpr = _kernel_program(gates)
+    transposed = [tuple(e.invars[0].aval.shape) for e in equations(jaxpr, outside=("pallas_call",))
+                  if e.primitive.name == "transpose"]
+    assert not [shape for shape in transposed if {200, 256} & set(shape)], transposed
+    kernels = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(kernels) == 3
+    operands = [tuple(v.aval.shape) for e in kernels for v in e.invars]
+    results = [tuple(v.aval.shape) for e in kernels for v in e.outvars]
+    assert (2, 256, 64) in operands and (2, 256, 2) in operands  # q, k one head; β token-major
+    per_channel_decays = 3 if "gk" in gates else 0  # [B, Tp, H · K], one a kernel
+    assert operands.count((2, 256, 2 * 64)) == per_channel_decays, operands
+    assert not [shape for shape in operands + results if shape[-1] == 1], operands + results
+
+
+@pytest.mark.parametrize(("heads", "steps"), [(None, 1), (2, 2), (1, 4)])
+def test_a_delta_grid_step_takes_the_tiles_heads(heads, steps):
+    """The grid is (B, H / Hb, value blocks, chunks) in the forward, state and backward kernels;
+    `heads=None` takes the four heads (lane-dense, they fit the scoped VMEM, `_vmem.py`)."""
+    jaxpr = _kernel_program(("g",), TpuTiles(heads=heads), T=40, H=4, Hqk=2, K=128)
+    grids = [tuple(e.params["grid_mapping"].grid) for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+    assert grids == [(2, steps, 1, 1)] * 3, grids
+
+
+def test_delta_tilings_without_a_lane_dense_step_that_fits_are_refused():
+    """The lane rule and the delta rule's VMEM estimate: one 64-wide head a step is no legal
+    block; 64 value heads sharing two 64-wide query/key heads need all 64 heads a step, which
+    overflow the scoped VMEM, so dispatch hears why; 32 heads sharing 16 of 128 fit."""
+    from recurrax.kernels.tpu import _tiles
+    from recurrax.problem import Gate
+
+    with pytest.raises(ValueError, match="heads=1 of K=64 are 64 lanes"):
+        _kernel_program(("g",), TpuTiles(heads=1), H=2, Hqk=2)
+    refused = _tiles.tiling_problems(64, 2, 64, 64, Gate.HEAD, jnp.bfloat16, delta=True)
+    assert refused and "no heads per grid step give lane-dense blocks" in refused[0], refused
+    assert _tiles.tiling_problems(32, 16, 128, 128, Gate.KEY, jnp.bfloat16, delta=True) == []
+    case = Case(gates=("g",), K=64, V=64, T=8, B=1, Hqk=2, H=64)
+    arrays = {n: np.asarray(x, np.float32) for n, x in make_delta_inputs(case).items()}
+    with recurrax.target("v6e"):
+        selection = kernel_registry.select(**arrays)
+    assert selection.name == "chunk" and "lane-dense" in dict(selection.answers)["pallas_tpu"], selection
 
 
 @pytest.mark.slow

@@ -2,27 +2,29 @@
 
 | symbol | meaning                                                                  |
 |--------|--------------------------------------------------------------------------|
-| B, H   | batch rows, value heads (query/key heads repeated to H before the kernel) |
+| B, H   | batch rows, value heads                                                  |
+| G      | query/key heads: H, or fewer shared by groups of H / G value heads (unrepeated) |
 | T, Tp  | tokens, tokens padded to a multiple of the chunk C                       |
 | K, V   | key/query and value head dimensions                                      |
 | R      | state rows: B, or S sequences when packed                                |
 | a      | the chunk-local cumulative log decay the kernel sees: [B, Tp, H] or [B, Tp, H, K] |
 
 Around the kernels, plain JAX does what it does for `recurrent`'s kernels (`_recurrent_driver.py`):
-repeating shared query/key heads, combining a per-head and a per-channel decay into one
+combining a per-head and a per-channel decay into one
 per-channel decay, zero-padding T to a multiple of C (padded tokens have q = k = v = 0,
 β = 0 and a zero log decay, so they neither read nor change the state), the chunk-aligned
 layout of packed sequences (a traced `cu_seqlens` is fine: shapes depend on N and S only),
 and the chunk-local cumulative sums of the log decays, each floored at
 `_driver.STRONGEST_DECAY` (e^−20 per token, below float32's rounding of the state; a
-stronger decay, or a hard reset of −inf, is taken as that).
+stronger decay, or a hard reset of −inf, is taken as that). Query/key heads shared by groups
+of value heads reach the kernels unrepeated (the TPU kernels' index maps read them, `kernels/tpu/_tiles.py`).
 
 **Gradients.** `_delta_chunk` is a `custom_vjp` over the padded (or chunk-aligned packed),
-head-expanded arrays and the floored per-token log decay: its backward runs the backend's
+arrays and the floored per-token log decay: its backward runs the backend's
 forward kernel once more to write the state entering every chunk ([B, H, N, K, V] float32,
 as the `recurrent` kernels' backward reads them), then the backward kernel, which returns
-every gradient, the per-token log decay's included (`kernels/tpu/_delta_backward.py`). The
-rest (repeated heads, the decay's floor and sum, padding, the packed layout, `qk_l2norm`
+every gradient, the per-token log decay's included, and dq, dk summed over the value heads
+sharing a query/key head (`kernels/tpu/_delta_backward.py`). The rest (the decay's floor and sum, padding, the packed layout, `qk_l2norm`
 before the problem reaches the kernel) is JAX's autodiff around it.
 
 **Non-finite inputs** (`recurrax._core.finite_delta`): inside the custom VJP the operands are read
@@ -54,11 +56,12 @@ class DeltaKernelCall:
 
     **Arguments:**
     - `forward`: the backend's forward launch, `forward(q, k, v, beta, a, h0, table, *,
-      static, emit_output, emit_states) -> [o], h_T, [states]` (token-major, heads expanded,
-      Tp a multiple of the chunk, `a` the chunk-local cumulative log decay).
+      static, emit_output, emit_states) -> [o], h_T, [states]` (token-major, q and k [B, Tp,
+      G, K] with G query/key heads shared by the value heads in groups, Tp a multiple of the
+      chunk, `a` the chunk-local cumulative log decay).
     - `backward`: the backend's backward launch, `backward(q, k, v, beta, a, do, states,
-      dh_T, table, *, static) -> (dq, dk, dv, dβ, da, dh0)`, float32, `da` with respect to the
-      per-token log decay.
+      dh_T, table, *, static) -> (dq, dk, dv, dβ, da, dh0)`, float32, dq and dk [B, Tp, G,
+      K] (summed over the groups), `da` with respect to the per-token log decay.
     - `static`: what the kernels are specialised for (`KernelConfig`; its tiles' `chunk` is C).
     """
 
@@ -69,11 +72,6 @@ class DeltaKernelCall:
     @property
     def chunk(self) -> int:
         return self.static.tiles.chunk
-
-
-def _expanded(x, heads: int):
-    """Query/key heads repeated to the `heads` value heads (value head h reads h // groups)."""
-    return jnp.repeat(x, heads // x.shape[2], axis=2)
 
 
 def _key_side_decay(g_head, g_key):
@@ -96,7 +94,7 @@ def _operands(q, k, v, beta, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _delta_chunk(call: DeltaKernelCall, q, k, v, beta, g, h0, table, empty):
-    """(o [B, Tp, H, V], h_T [R, H, K, V]) of padded arrays (heads expanded, `g` the floored
+    """(o [B, Tp, H, V], h_T [R, H, K, V]) of padded arrays (q, k [B, Tp, G, K], `g` the floored
     per-token log decay or None); `table` [3, M] and `empty` [R] describe packed input (None
     when dense): a sequence without tokens keeps its initial state."""
     return _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty)[0]
@@ -134,8 +132,6 @@ _delta_chunk.defvjp(_delta_chunk_fwd, _delta_chunk_bwd)
 
 def _run_kernel(call: DeltaKernelCall, q, k, v, beta, g_head, g_key, h0, cu_seqlens):
     """(o [B, T, H, V], h_T [R, H, K, V] float32) of the canonical arrays (heads shared)."""
-    H = v.shape[2]
-    q, k = _expanded(q, H), _expanded(k, H)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # one operand dtype for the kernels
     tokens = (q, k, v, beta.astype(F32), _floored(_key_side_decay(g_head, g_key)))
     return in_chunks(functools.partial(_delta_chunk, call), call.chunk, tokens, h0.astype(F32), cu_seqlens)

@@ -1,10 +1,10 @@
-"""Pallas TPU (Mosaic) kernels of the chunk algorithm: `recurrent`'s read lane-dense token-major
-arrays, the delta rule's head-major copies.
+"""Pallas TPU (Mosaic) kernels of the chunk algorithm, `recurrent`'s and the delta rule's: both
+read and write lane-dense token-major arrays.
 
 | module                | what it holds                                                          |
 |-----------------------|------------------------------------------------------------------------|
-| `_tiles`              | `TpuTiles`, both layouts' Mosaic-legal BlockSpecs and head views, tile maths |
-| `_launch`             | both operations' grid step, carried state, `pallas_call`, the delta rule's forward launch |
+| `_tiles`              | `TpuTiles`, the lane-dense Mosaic-legal BlockSpecs and head views, tile maths |
+| `_launch`             | both operations' grid step, carried state, `pallas_call`, the forward launch |
 | `_channel`            | both operations' per-channel decay: anchors, the diagonal block's groups |
 | `_recurrent_forward`  | `recurrent`'s forward kernel: outputs, final state, chunk-entry states |
 | `_head_chunk`         | one head's chunk of that forward with no or a per-head decay           |
@@ -15,25 +15,29 @@ arrays, the delta rule's head-major copies.
 | `_measured`           | where a chip measured a kernel slower than XLA `chunk` (dispatch passes it over) |
 
 **Array contract.** At the boundary the drivers' (`kernels/_recurrent_driver.py`,
-`_delta_driver.py`): token-major [B, Tp, H, D]. `recurrent`'s kernels read those arrays as
-[B, Tp, H · D] (a reshape): q, k [B, Tp, G · K], v, do [B, Tp, H · V], a per-channel decay
-[B, Tp, H · K], a per-head decay [B, Tp, H]; they write o, dv [B, Tp, H · V] and dq, dk
-[nV, B, Tp, H · K] the same way, in blocks [C, Hb · D] (head i of a grid step: lanes
-[i · D, (i + 1) · D)); kᵀ and qᵀ are transposed in VMEM, so no head-major, transposed or
-other copy of a token array is made in XLA (`_tiles`, `tests/test_kernels_tpu.py`). The
-backward kernel also forms the gate gradient (`kernels/_recurrent_driver.py`'s docstring) and
-writes it per channel [nV, B, Tp, H · K], per head [nV, H / Hb, B, Tp, H] (each step its
-heads' columns), summed in XLA only where there are several value or head blocks; dq and dk
-leave it in the caller's dtype with one value block and no shared query/key heads, else
-float32 (summed over value blocks and groups after it). States
-stay [R, H, K, V] and [B, H, N, K, V]. The delta rule's wrappers still transpose to
-[B, H, Tp, D] (and [B, H, D, Tp]). The grid is (b, head block, value block, chunk) with the
-chunk axis sequential ("arbitrary") and the state in VMEM scratch, so VMEM use does not grow
-with T (`_launch`, `_tiles`). A grid step takes `TpuTiles.heads` heads, one after another in
-the kernel body (v5e's one TensorCore runs the grid steps in sequence; one head's 128 × 64
-matmuls are mostly the step's overhead); by default `recurrent` takes the most heads, up to 8,
-whose blocks are lane-dense (Hb · D a multiple of 128, or all heads) and fit the scoped VMEM,
-the delta rule one. Products run on the MXU with bf16 operands for bf16 inputs and float32
+`_delta_driver.py`): token-major [B, Tp, H, D]. Both operations' kernels read those arrays as
+[B, Tp, H · D] (a reshape): q, k [B, Tp, G · K] (query/key heads unrepeated), v, do
+[B, Tp, H · V], a per-channel decay [B, Tp, H · K], a per-head decay and the delta rule's β
+[B, Tp, H]; they write o, dv [B, Tp, H · V] and dq, dk (and the delta rule's per-channel
+decay gradient) [nV, B, Tp, H · K] the same way, in blocks [C, Hb · D] (head i of a grid
+step: lanes [i · D, (i + 1) · D)); the delta rule's dβ and per-head decay gradient are
+columns of a [C, H] block per (value block, head block), [nV, H / Hb, B, Tp, H], summed in
+XLA. kᵀ and qᵀ are transposed in VMEM, so no head-major, transposed, repeated or other copy
+of a token array is made in XLA (`_tiles`, `tests/test_kernels_tpu.py`,
+`tests/test_kernels_tpu_delta.py`). `recurrent`'s backward kernel also forms the gate gradient
+(`kernels/_recurrent_driver.py`'s docstring) and writes it per channel [nV, B, Tp, H · K], per
+head [nV, H / Hb, B, Tp, H] (each step its heads' columns), summed in XLA only where there are
+several value or head blocks; its dq and dk leave it in the caller's dtype with one value block
+and no shared query/key heads, else float32 (summed over value blocks and groups after it).
+`recurrent`'s kernels read q, k, v and do with non-finite entries as 0 (`_tiles.token`), so XLA
+writes no cleaned copy. States stay [R, H, K, V] and [B, H, N, K, V]. The grid is
+(b, head block, value block, chunk) with the chunk axis sequential ("arbitrary") and the state
+in VMEM scratch, so VMEM use does not grow with T (`_launch`, `_tiles`). A grid step takes
+`TpuTiles.heads` heads, one after another in the kernel body (v5e's one TensorCore runs the
+grid steps in sequence; one head's 128 × 64 matmuls are mostly the step's overhead); by
+default both operations take the most heads, up to 8, whose blocks are lane-dense (Hb · D a
+multiple of 128, or all heads) and fit the scoped VMEM (`_vmem.py`, with the delta rule's
+own estimate). Products run on the MXU with bf16 operands for bf16 inputs and float32
 accumulation.
 
 **Declared support** (`SUPPORT`; every combination is lowered for `platforms=["tpu"]` by the
@@ -51,10 +55,13 @@ compile`); on other generations dispatch runs `chunk`.
 
 **The delta rule** (`tpu_delta`, `DELTA_SUPPORT`): float32 and bfloat16 inputs, no decay, a
 per-head `g`, a per-key-channel `gk` and their sum, query/key heads shared by groups of value
-heads (repeated before the kernel), initial states, packed `cu_seqlens` (traced too), any T;
-K, V ∈ {64, 128, 256}; v5e and v6e; tiles C = 128, c = 16, BV = min(V, 128). Gradients: the
-backward kernel, after the forward kernel has written the state entering every chunk
-(`kernels/_delta_driver.py`).
+heads (read unrepeated by the index maps, as `recurrent`'s), initial states, packed
+`cu_seqlens` (traced too), any T; K, V ∈ {64, 128, 256}; v5e and v6e; tiles C = 128 (a power
+of two, a multiple of 128: the backward's [C, C] transposes), c = 16, BV = V with several
+heads per step (min(V, 128) with one), heads per grid step by the VMEM budget; refused, with
+the reason, where no heads per grid step give lane-dense blocks that fit (`tiling_problems`).
+Gradients: the backward kernel, after the forward kernel has written the state entering every
+chunk (`kernels/_delta_driver.py`).
 
 `pallas_tpu_interpret` (both operations) runs these kernels in Pallas's TPU interpret mode on
 any backend, a CPU included (`INTERPRET_SUPPORT`, `DELTA_INTERPRET_SUPPORT`: no head-dim or
@@ -105,13 +112,18 @@ def _recurrent_refusal(request: Request) -> str | None:
     return _head_dims_and_generation(request) or _lane_refusal(request)
 
 
-def _lane_refusal(request: Request) -> str | None:
-    """Why no heads per grid step give lane-dense blocks that fit (`_tiles.tiling_problems`)."""
+def _delta_refusal(request: Request) -> str | None:
+    return _head_dims_and_generation(request) or _lane_refusal(request, delta=True)
+
+
+def _lane_refusal(request: Request, delta: bool = False) -> str | None:
+    """Why no heads per grid step give lane-dense blocks that fit (`_tiles.tiling_problems`;
+    `delta`: the delta rule's kernels)."""
     if request.heads is None or request.qk_heads is None:
         return None
     gate = Gate.KEY if Gate.KEY in request.gates else Gate.HEAD if Gate.HEAD in request.gates else None
     problems = tiling_problems(request.heads, request.qk_heads, request.qk_head_dim, request.v_head_dim, gate,
-                               kernel_dtype(request.dtype))
+                               kernel_dtype(request.dtype), delta=delta)
     return problems[0] if problems else None
 
 
@@ -128,7 +140,7 @@ INTERPRET_SUPPORT = kernel_support({"float32", "bfloat16", "float16"}, None, sha
 """`recurrent` in interpret mode: the dtypes and gates of `SUPPORT`, any head dims, any device."""
 
 _DELTA_DTYPES = frozenset({"float32", "bfloat16"})
-DELTA_SUPPORT = Support(dtypes=_DELTA_DTYPES, gates=SUPPORT.gates, varlen=True, check=_head_dims_and_generation,
+DELTA_SUPPORT = Support(dtypes=_DELTA_DTYPES, gates=SUPPORT.gates, varlen=True, check=_delta_refusal,
                         shared_query_key=True)
 DELTA_INTERPRET_SUPPORT = dataclasses.replace(DELTA_SUPPORT, check=None)
 

@@ -37,13 +37,17 @@ split into its strictly lower part P̄ₛ and its diagonal d,
 
 where ā is the gradient of the per-token log decay (summed over K for a per-head decay) and
 the two chunk sums are products with triangular ones matrices. M̄, K̃̄, β̄, Q̄, K̄ and ā contract
-over the value columns, so each value block writes a partial sum (`[nV, B, H, Tp, ·]`) that
-the wrapper adds up; V̄ and S̄ are the block's own columns.
+over the value columns, so each value block writes a partial sum that the wrapper adds up; V̄
+and S̄ are the block's own columns.
 
-**Layout** as the forward's (`_tiles`): the products with a transposed left operand are
-Pᵀ Ō and Xᵀ Ū, taken on [C, C] float32 tiles transposed in VMEM (`x.T`, C a multiple of 128:
-a 32-bit transpose Mosaic lowers), and Q̃ᵀ Ō, K̃ᵀ (β ⊙ Ȳ), which read q and k in the [K, C]
-layout. **Stability**: per-channel decays as in the `recurrent` backward (`_recurrent_backward.py`):
+**Layout** as the forward's (`_tiles`, `_delta_forward`): q, k, v, do, a per-channel decay
+read and dq, dk (per value head), dv, a per-channel ā written lane-dense token-major in
+[C, Hb·D] blocks; β and a per-head decay read as [C, H] blocks, β̄ and a per-head ā written as
+columns of a [C, H] block per (value block, head block) ([nV, H / Hb, B, Tp, H], summed here:
+a reduction, no transpose); the query/key heads' gradients summed over the value heads sharing
+each here. The products with a transposed left operand are Pᵀ Ō and Xᵀ Ū, taken on [C, C]
+float32 tiles transposed in VMEM (`x.T`, C a multiple of 128: a 32-bit transpose Mosaic
+lowers), and Q̃ᵀ Ō, K̃ᵀ (β ⊙ Ȳ), on qᵀ and kᵀ transposed in VMEM. **Stability**: per-channel decays as in the `recurrent` backward (`_recurrent_backward.py`):
 sub-blocks of c rows, anchors r = p − 1 (apply) and r = p + c − 1 (apply_t), every factor
 ≤ 0, the diagonal block as `_channel.diagonal_scores` (groups of 4 rows anchored at the row
 before each, element-wise inside a group).
@@ -58,9 +62,10 @@ import jax.numpy as jnp
 
 from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
+from .._recurrent_driver import sum_groups
 from . import _tiles as tiles
 from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter
-from ._delta_forward import DecayFactors, beta_column, chunk_scores, chunk_writes, delta_shapes
+from ._delta_forward import DecayFactors, chunk_scores, chunk_writes, delta_shapes
 from ._launch import finish_carry, launch, start_carries, take
 from ._tiles import F32, exp_where, iota, mm, mm_nt
 
@@ -159,10 +164,10 @@ def delta_chunk_bwd(q, k, qT, kT, v, beta, decay, S, do, dE, *, gate: Gate | Non
     return dq, dk, dv, d_beta, (da if gate is Gate.KEY else jnp.sum(da, axis=1, keepdims=True)), dS_entering
 
 
-def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Specs):
+def _delta_backward_head(refs: list, flags, *, static: KernelConfig):
     """One head's chunk: `refs` are its views of the step's blocks (`_launch`)."""
-    q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref = take(refs, 6)
-    decay_refs = take(refs, len(specs.decay(static.gate)))
+    q_ref, k_ref, v_ref, beta_ref = take(refs, 4)
+    decay_refs = take(refs, 0 if static.gate is None else 1)
     do_ref, states_ref, dhT_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dh0_ref = take(refs, 8)
     da_ref = refs.pop(0) if static.gate is not None else None
     (dE_ref,) = refs
@@ -170,7 +175,8 @@ def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tile
     first, last, step0 = flags
     start_carries(step0, last, [(dE_ref, dhT_ref)])  # the walk starts at the last chunk
     decay = tiles.read_decay(decay_refs, static.gate)
-    q, k, qT, kT, v, beta, do = (tiles.f32(r) for r in (q_ref, k_ref, qT_ref, kT_ref, v_ref, beta_ref, do_ref))
+    q, k, v, beta, do = (tiles.f32(r) for r in (q_ref, k_ref, v_ref, beta_ref, do_ref))  # β [C, 1]
+    qT, kT = q.T, k.T  # [K, C], in VMEM
     dq, dk, dv, d_beta, da, dS_entering = delta_chunk_bwd(
         q, k, qT, kT, v, beta, decay, states_ref[...], do, dE_ref[...], gate=static.gate, c=static.tiles.sub,
         scale=static.scale, dtype=tiles.matmul_dtype(q_ref.dtype))
@@ -183,9 +189,10 @@ def _delta_backward_head(refs: list, flags, *, static: KernelConfig, specs: tile
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: KernelConfig):
-    """Launch the backward kernel: `(dq, dk [B, Tp, H, K], dv [B, Tp, H, V], dβ [B, Tp, H],
+    """Launch the backward kernel: `(dq, dk [B, Tp, G, K], dv [B, Tp, H, V], dβ [B, Tp, H],
     da (like `a`, or None), dh0 [R, H, K, V])`, float32; `da` is the gradient of the per-token
-    log decay whose chunk-local cumulative sum is `a`.
+    log decay whose chunk-local cumulative sum is `a`, dq and dk summed over the value heads
+    sharing each query/key head.
 
     **Arguments:** as `delta_forward`'s, and `do` [B, Tp, H, V] the output's cotangent, `states`
     [B, H, N, K, V] the states entering the chunks (`delta_forward(..., emit_states=True)`),
@@ -194,36 +201,33 @@ def delta_backward(q, k, v, beta, a, do, states, dh_T, meta=None, *, static: Ker
     """
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v, do = (x.astype(kdt) for x in (q, k, v, do))
-    s = delta_shapes(q, v, static)
+    s = delta_shapes(q, v, static, backward=True)
     specs = tiles.Specs(s, backward=True, varlen=meta is not None)
     R = dh_T.shape[0]
-    has_decay = static.gate is not None
+    gate = static.gate
 
-    inputs = [tiles.head_major(q), tiles.head_major(k), tiles.head_major_t(q), tiles.head_major_t(k),
-              tiles.head_major(v), beta_column(beta)]
-    in_specs = [specs.qk_rows(), specs.qk_rows(), specs.qk_cols(), specs.qk_cols(), specs.rows_v(), specs.rows(1)]
-    inputs += tiles.decay_layouts(a, static.gate)
-    in_specs += specs.decay(static.gate)
-    inputs += [tiles.head_major(do), states, dh_T.astype(F32)]
-    in_specs += [specs.rows_v(), specs.chunk_states(), specs.state()]
+    state = specs.per_head(specs.state())
+    ins = [specs.lanes_qk(), specs.lanes_qk(), specs.lanes_v(), specs.head_columns(), *specs.lane_decay(gate),
+           specs.lanes_v(), specs.per_head(specs.chunk_states()), state]
+    inputs = [tiles.token_lanes(x) for x in (q, k, v)] + [beta.astype(F32)]
+    inputs += [] if a is None else [tiles.token_lanes(a) if gate is Gate.KEY else a]
+    inputs += [tiles.token_lanes(do), states, dh_T.astype(F32)]
 
-    partial = lambda width: output_type((s.nV, s.B, s.H, s.Tp, width), F32, q)  # noqa: E731
-    out_specs = [specs.partial_rows(), specs.partial_rows(), specs.rows_v(), specs.partial_rows(1), specs.state()]
-    out_shape = [partial(s.K), partial(s.K), output_type((s.B, s.H, s.Tp, s.V), F32, q), partial(1),
-                 output_type((R, s.H, s.K, s.V), F32, q)]
-    if has_decay:
-        width = s.K if static.gate is Gate.KEY else 1
-        out_specs.append(specs.partial_rows(width))
-        out_shape.append(partial(width))
-    dq, dk, dv, d_beta, dh0, *da = launch(functools.partial(_delta_backward_head, static=static, specs=specs),
-                                          inputs, in_specs, out_specs, out_shape, [specs.state_scratch()], meta,
-                                          specs=specs, static=static, name="recurrax_tpu_delta_bwd",
-                                          qk=4)  # q, k, qᵀ, kᵀ
-    dq, dk = (tiles.token_major(x.sum(0)) for x in (dq, dk))
-    d_beta = tiles.token_major(d_beta.sum(0))[..., 0]
+    per_head = lambda: (specs.head_columns_out(), output_type((s.nV, s.nH, s.B, s.Tp, s.H), F32, q))  # noqa: E731
+    per_channel = lambda: (specs.lanes_partial(), output_type((s.nV, s.B, s.Tp, s.H * s.K), F32, q))  # noqa: E731
+    outs = [per_channel(), per_channel(), (specs.lanes_v(), output_type((s.B, s.Tp, s.H * s.V), F32, q)), per_head(),
+            (state, output_type((R, s.H, s.K, s.V), F32, q))]
+    if gate is not None:
+        outs.append(per_channel() if gate is Gate.KEY else per_head())
+    blocks = ins + [b for b, _ in outs] + [specs.per_head(specs.state_scratch())]
+    dq, dk, dv, d_beta, dh0, *da = launch(functools.partial(_delta_backward_head, static=static), inputs,
+                                          [b.spec for b in ins], [b.spec for b, _ in outs], [t for _, t in outs],
+                                          [blocks[-1].spec], meta, specs=specs, static=static,
+                                          name="recurrax_tpu_delta_bwd", views=[b.view for b in blocks])
+    G = q.shape[2]
+    dq, dk = (sum_groups(tiles.from_lanes(x.sum(0), s.H), G) for x in (dq, dk))
     if da:
-        da = tiles.token_major(da[0].sum(0))
-        da = da[..., 0] if static.gate is Gate.HEAD else da
+        da = tiles.from_lanes(da[0].sum(0), s.H) if gate is Gate.KEY else da[0].sum((0, 1))
     else:
         da = None
-    return dq, dk, tiles.token_major(dv), d_beta, da, dh0
+    return dq, dk, tiles.from_lanes(dv, s.H), d_beta.sum((0, 1)), da, dh0

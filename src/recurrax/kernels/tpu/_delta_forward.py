@@ -12,8 +12,9 @@ chunk-entry states.
 | X       | (I + M)⁻¹, unit lower-triangular                                          |
 | U       | [C, BV] the values the chunk's tokens actually write                      |
 
-One grid step is one chunk of Hb heads (`TpuTiles.heads`, default 1 here) of one (row, head
-block, value block), the heads one after another (`_launch`); the chunk algorithm of
+One grid step is one chunk of Hb heads (`TpuTiles.heads`: by default the most, up to 8, whose
+lane-dense blocks fit the scoped VMEM) of one (row, head block, value block), the heads one
+after another (`_launch`); the chunk algorithm of
 `recurrax.delta._chunk` (its docstring derives it), with the solve folded into one product:
 
     U   = X (β ⊙ (V − (K ⊙ e^{A}) S))
@@ -38,6 +39,12 @@ in m-blocks (X_1 = I) and L_m the entries of M inside a 2m-block but outside the
 `_unit_lower.py`'s recursion on whole [C, C] tiles: log₂ C levels of two matmuls, no slice.
 It and the products with U run with float32 operands; the scores and the outputs' products
 use the inputs' MXU type (bf16 for bf16 inputs), as the `recurrent` kernels do.
+
+**Layout** (`_tiles`, as `recurrent`'s): q, k [B, Tp, G·K] (query/key heads unrepeated: value
+head h reads head h // (H / G) through the index maps), v, o [B, Tp, H·V] and a per-channel A
+[B, Tp, H·K] are read and written lane-dense token-major in [C, Hb·D] blocks (head i: lanes
+[i·D, (i + 1)·D)); β and a per-head A [B, Tp, H] as [C, H] blocks (head i's column picked in
+VMEM); kᵀ (and a per-channel Aᵀ) is transposed in VMEM. No copy is made in XLA.
 """
 
 from __future__ import annotations
@@ -164,10 +171,11 @@ def delta_chunk(q, k, kT, v, beta, decay, S, *, gate: Gate | None, c: int, scale
 
 def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
     """One head's chunk (`_launch.forward`): writes o when given `o_ref`; returns S'."""
-    k_ref, kT_ref, v_ref, beta_ref = token_refs
+    k_ref, v_ref, beta_ref = token_refs
     decay = tiles.read_decay(decay_refs, static.gate)
     q = None if q_ref is None else tiles.f32(q_ref)
-    k, kT, v, beta = (tiles.f32(r) for r in (k_ref, kT_ref, v_ref, beta_ref))
+    k, v, beta = (tiles.f32(r) for r in (k_ref, v_ref, beta_ref))  # β [C, 1]
+    kT = k.T  # [K, C], in VMEM
     o, S_next = delta_chunk(q, k, kT, v, beta, decay, S, gate=static.gate, c=static.tiles.sub,
                             scale=static.scale, dtype=tiles.matmul_dtype(k_ref.dtype))
     if o_ref is not None:
@@ -175,12 +183,14 @@ def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
     return S_next
 
 
-def delta_shapes(q, v, static: KernelConfig) -> tiles.Shapes:
-    """The call's sizes, one head per grid step by default, refused at trace time where Mosaic
-    would refuse the tiles or the chunk is not a power of two (the inverse's doubling);
-    interpret mode takes any power of two."""
-    s = tiles.shapes_of(q, v, static, default_heads=1)
-    problems = [] if static.interpret else tiles.mosaic_problems(s, q.dtype, transposed_blocks=True)
+def delta_shapes(q, v, static: KernelConfig, backward: bool = False) -> tiles.Shapes:
+    """The call's sizes, by default the most heads per grid step whose lane-dense blocks fit
+    the scoped VMEM (`_tiles.most_heads`), refused at trace time where Mosaic would refuse the
+    tiles, they overflow the scoped VMEM (`_tiles.check_tiles`) or the chunk is not a power of
+    two (the inverse's doubling); interpret mode takes any power of two."""
+    s = tiles.shapes_of(q, v, static, backward=backward, delta=True)
+    tiles.check_tiles(s, static, q.dtype, backward)
+    problems = []
     if s.C & (s.C - 1):
         problems.append(f"chunk={s.C} must be a power of two")
     if s.C % s.c:
@@ -197,17 +207,12 @@ def delta_forward(q, k, v, beta, a, h0, meta=None, *, static: KernelConfig, emit
     `h_T [R, H, K, V]` float32, and the states entering every chunk `[B, H, N, K, V]` float32
     if `emit_states` (what the backward kernel reads).
 
-    **Arguments:** token-major q, k [B, Tp, H, K] (heads expanded), v [B, Tp, H, V], β
-    [B, Tp, H], `a` the chunk-local cumulative log decay (float32 [B, Tp, H] per head,
+    **Arguments:** token-major q, k [B, Tp, G, K] (G query/key heads, each shared by H / G
+    value heads, read unrepeated), v [B, Tp, H, V], β [B, Tp, H], `a` the chunk-local cumulative log decay (float32 [B, Tp, H] per head,
     [B, Tp, H, K] per channel, None), h0 [R, H, K, V] float32, `meta` the packed input's
     [3, N] owners table (`varlen.ChunkOwners.table()`) or None; Tp a multiple of the chunk.
     h_T is written only for sequences that own a chunk.
     """
-    return forward(functools.partial(_chunk, static=static), q, k, v, [beta_column(beta)], a, h0, meta,
+    return forward(functools.partial(_chunk, static=static), q, k, v, [beta], a, h0, meta,
                    shapes=functools.partial(delta_shapes, static=static), static=static, name="recurrax_tpu_delta",
                    emit_output=emit_output, emit_states=emit_states)
-
-
-def beta_column(beta):
-    """β [B, Tp, H] as the kernels read it: float32 head-major columns [B, H, Tp, 1]."""
-    return jnp.transpose(beta.astype(F32), (0, 2, 1))[..., None]

@@ -3,20 +3,22 @@ carried across the chunk axis, the `pallas_call`, and the forward launch whole.
 
 A kernel module (`_recurrent_forward`, `_recurrent_backward`, `_delta_forward`,
 `_delta_backward`) writes one head's chunk, `head(refs, flags)`, with `refs` its views of the
-step's blocks (lane slices of `recurrent`'s lane-dense blocks, `_tiles.Block`; `ref.at[i]` of
-the delta rule's head-major ones, `_tiles.head_views`) and `flags` = (the chunk is its sequence's first, its
-last, the program's first grid step) (`_tiles.chunk_flags`); `launch` runs it for the step's
-Hb heads, one after another, on the grid (b, head block, value block, chunk) of `_tiles`.
+step's blocks (lane slices of the lane-dense token blocks, columns of the [C, H] per-head
+blocks, `ref.at[i]` of the states: `_tiles.Block`) and `flags` = (the chunk is its sequence's
+first, its last, the program's first grid step) (`_tiles.chunk_flags`); `launch` runs it for
+the step's Hb heads, one after another, on the grid (b, head block, value block, chunk) of
+`_tiles`.
 
 A carry is a [K, BV] float32 VMEM scratch that walks the chunks of a (row, head, value block):
 the state S forward, its cotangent backward. `start_carries` loads it where a sequence starts
 in the walk's order and zeroes it at a program's first step (packed input: chunks owned by no
 sequence read zeros, not garbage); `finish_carry` writes it out where a sequence ends.
 
-`forward` is the delta rule's (head-major) forward launch: q (only with `emit_output`), k, kᵀ,
-v, its own token columns (β), the decay, h0; out o, h_T and (with `emit_states`) the state
-entering every chunk, for the backward. `recurrent`'s lane-dense forward launch
-(`_recurrent_forward.chunk_forward`) shares `forward_head` and `forward_outputs`.
+`forward` is a forward launch whole, lane-dense token-major: q (only with `emit_output`), k, v,
+the operation's own per-head columns (the delta rule's β), the decay, h0; out o, h_T and (with
+`emit_states`) the state entering every chunk, for the backward. The delta rule's forward is
+it; `recurrent`'s (`_recurrent_forward.chunk_forward`) shares `forward_head` and
+`forward_outputs`.
 """
 
 from __future__ import annotations
@@ -26,30 +28,27 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ..._core.problem import Gate
 from .._driver import KernelConfig, output_type
 from . import _tiles as tiles
 from ._tiles import F32
 
 
-def _grid_step(*refs, head, specs: tiles.Specs, qk: int, views):
+def _grid_step(*refs, head, specs: tiles.Specs, views):
     refs = list(refs)
     meta_ref = refs.pop(0) if specs.varlen else None
     flags = tiles.chunk_flags(specs, meta_ref)
     for i in range(specs.s.Hb):
-        if views is None:
-            head(tiles.head_views(refs, i, specs, qk), flags)
-        else:
-            head([view(ref, i) for view, ref in zip(views, refs, strict=True)], flags)
+        head([view(ref, i) for view, ref in zip(views, refs, strict=True)], flags)
 
 
 def launch(head, inputs: list, in_specs: list, out_specs: list, out_shape: list, scratch: list, meta, *,
-           specs: tiles.Specs, static: KernelConfig, name: str, qk: int = 0, views: list | None = None):
+           specs: tiles.Specs, static: KernelConfig, name: str, views: list):
     """`head` on every grid step; the outputs. A head's views of the step's blocks: `views`,
-    one `view(ref, i)` per input, output and scratch (`_tiles.Block`), else head-major
-    `ref.at[i]` with the first `qk` inputs query/key blocks (`_tiles.head_views`). `meta`: the
-    packed input's [3, N] owners table, scalar-prefetched, or None."""
+    one `view(ref, i)` per input, output and scratch (`_tiles.Block`). `meta`: the packed
+    input's [3, N] owners table, scalar-prefetched, or None."""
     return pl.pallas_call(
-        functools.partial(_grid_step, head=head, specs=specs, qk=qk, views=views),
+        functools.partial(_grid_step, head=head, specs=specs, views=views),
         grid_spec=tiles.grid_spec(specs, in_specs, out_specs, scratch),
         out_shape=out_shape,
         compiler_params=tiles.compiler_params(static),
@@ -128,40 +127,38 @@ def forward_outputs(specs: tiles.Specs, o, rows: int, like, emit_states: bool) -
 
 def forward(chunk, q, k, v, columns: list, a, h0, meta, *, shapes, static: KernelConfig, name: str,
             emit_output: bool, emit_states: bool) -> list:
-    """Launch an operation's forward kernel: a list of o [B, Tp, H, V] in q's dtype (if
-    `emit_output`), h_T [R, H, K, V] float32 and the states entering every chunk
-    [B, H, N, K, V] float32 (if `emit_states`).
+    """Launch an operation's forward kernel, lane-dense token-major (`_tiles`): a list of o
+    [B, Tp, H, V] in q's dtype (if `emit_output`), h_T [R, H, K, V] float32 and the states
+    entering every chunk [B, H, N, K, V] float32 (if `emit_states`).
 
-    **Arguments:** `chunk` as `_forward_head`'s; token-major q, k [B, Tp, G, K], v [B, Tp, H,
-    V]; `columns` the operation's own head-major [B, H, Tp, width] inputs, read after v; `a`
-    the chunk-local cumulative log decay (`_tiles.decay_layouts`); h0 [R, H, K, V]; `meta` the
-    packed input's owners table or None; `shapes(q, v) -> Shapes`, checked; `name` the
-    kernel's name without its `_fwd` / `_states`."""
+    **Arguments:** `chunk` as `forward_head`'s (its token views: k, v, then the columns);
+    token-major q, k [B, Tp, G, K], v [B, Tp, H, V] (float16 upcast); `columns` the
+    operation's own per-head [B, Tp, H] float32 inputs, read after v as [C, H] blocks; `a` the
+    chunk-local cumulative log decay ([B, Tp, H] per head, [B, Tp, H, K] per channel, None);
+    h0 [R, H, K, V]; `meta` the packed input's owners table or None; `shapes(q, v) -> Shapes`,
+    checked; `name` the kernel's name without its `_fwd` / `_states`."""
     out_dtype = q.dtype
     kdt = tiles.kernel_dtype(q.dtype)
     q, k, v = (x.astype(kdt) for x in (q, k, v))
     s = shapes(q, v)
     specs = tiles.Specs(s, backward=False, varlen=meta is not None)
-    R = h0.shape[0]
-
-    inputs = [tiles.head_major(q)] if emit_output else []
-    in_specs = [specs.qk_rows()] if emit_output else []
-    inputs += [tiles.head_major(k), tiles.head_major_t(k), tiles.head_major(v), *columns]
-    in_specs += [specs.qk_rows(), specs.qk_cols(), specs.rows_v(), *(specs.rows(x.shape[-1]) for x in columns)]
-    decay = specs.decay(static.gate)
-    inputs += tiles.decay_layouts(a, static.gate)
-    in_specs += decay
+    decay = specs.lane_decay(static.gate)
+    ins = ([specs.lanes_qk()] if emit_output else []) + [specs.lanes_qk(), specs.lanes_v()]
+    ins += [specs.head_columns() for _ in columns] + decay + [specs.per_head(specs.state())]
+    inputs = [tiles.token_lanes(x) for x in ([q] if emit_output else []) + [k, v]]
+    inputs += [x.astype(F32) for x in columns]
+    inputs += [] if a is None else [tiles.token_lanes(a) if static.gate is Gate.KEY else a]
     inputs.append(h0.astype(F32))
-    in_specs.append(specs.state())
-
-    o = (specs.rows_v(), output_type((s.B, s.H, s.Tp, s.V), kdt, k)) if emit_output else None
-    out_specs, out_shape = forward_outputs(specs, o, R, k, emit_states)
-
-    head = functools.partial(forward_head, chunk=chunk, tokens=3 + len(columns), decays=len(decay),
+    o = (specs.lanes_v().spec, output_type((s.B, s.Tp, s.H * s.V), kdt, k)) if emit_output else None
+    out_specs, out_shape = forward_outputs(specs, o, h0.shape[0], k, emit_states)
+    outs = [specs.lanes_v()] if emit_output else []
+    outs += [specs.per_head(spec) for spec in out_specs[len(outs):]]
+    scratch = specs.per_head(specs.state_scratch())
+    head = functools.partial(forward_head, chunk=chunk, tokens=2 + len(columns), decays=len(decay),
                              emit_output=emit_output, emit_states=emit_states)
-    outs = list(launch(head, inputs, in_specs, out_specs, out_shape, [specs.state_scratch()], meta, specs=specs,
-                       static=static, name=f"{name}_fwd" if emit_output else f"{name}_states",
-                       qk=3 if emit_output else 2))  # q, k, kᵀ
+    result = list(launch(head, inputs, [b.spec for b in ins], out_specs, out_shape, [scratch.spec], meta,
+                         specs=specs, static=static, name=f"{name}_fwd" if emit_output else f"{name}_states",
+                         views=[b.view for b in ins + outs + [scratch]]))
     if emit_output:
-        outs[0] = tiles.token_major(outs[0]).astype(out_dtype)
-    return outs
+        result[0] = tiles.from_lanes(result[0], s.H).astype(out_dtype)
+    return result

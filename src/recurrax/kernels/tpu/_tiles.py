@@ -9,37 +9,38 @@
 | C, c   | chunk length (one grid step), sub-block length (per-channel decays)   |
 | BV     | value columns of one program: V, or with Hb = 1 a multiple of 128; nV = V / BV |
 | Hb, Gb | heads of one grid step, a divisor of H (`TpuTiles.heads`); the query/key heads they read |
+| nH     | head blocks, H / Hb (grid steps along the heads)                      |
 | A      | chunk-local inclusive cumulative log decay, float32                   |
 
-**Lane-dense token-major layout (`recurrent`'s kernels).** The driver's arrays are
+**Lane-dense token-major layout (both operations' kernels).** The driver's arrays are
 token-major, [B, Tp, H, D]. A TPU tiles an array's two minor dims in (8, 128) tiles, so a
 block of one head of that layout (the head axis second-minor) is refused, and head-major
 copies [B, H, Tp, D] of 64-wide heads are lane-sparse copies made in XLA. The same bytes seen
 as [B, Tp, H · D] (`token_lanes`, a reshape; what a projection writes) have lane-dense blocks
 [C, Hb · D]: q, k [B, Tp, G · K] -> [C, Gb · K]; v, o, do, dv [B, Tp, H · V] -> [C, Hb · BV];
-dq, dk (per value head) and a per-channel A [B, Tp, H · K] -> [C, Hb · K]; a per-head A
-[B, Tp, H] -> [C, H], every head. A block must be a multiple of 128 lanes or the whole minor
-dim (`lane_problems`; Hb = H always is), so with 64-wide heads a step takes an even number
-of heads. Head i of a step reads and writes lanes [i · D, (i + 1) · D) of its blocks by static
-lane slices (`LaneSlice`; Mosaic loads and stores them at lane offset 64, but refuses a
-`ref.at` view narrower than a lane tile), and its decay column h · Hb + i of the [C, H] block
-by a masked lane sum (`HeadColumn`, h the step's head block), its row by `row_of`. States stay
-[R, H, K, V] and [B, H, N, K, V], [Hb, K, BV] blocks viewed `ref.at[i]`. No array is copied
-in XLA around the kernels.
+dq, dk (per value head) and a per-channel A [B, Tp, H · K] -> [C, Hb · K]; a per-head A and
+the delta rule's β [B, Tp, H] -> [C, H], every head. A block must be a multiple of 128 lanes
+or the whole minor dim (`lane_problems`; Hb = H always is), so with 64-wide heads a step takes
+an even number of heads. Head i of a step reads and writes lanes [i · D, (i + 1) · D) of its
+blocks by static lane slices (`LaneSlice`; Mosaic loads and stores them at lane offset 64, but
+refuses a `ref.at` view narrower than a lane tile), and its column h · Hb + i of a [C, H]
+block by a masked lane sum (`HeadColumn`, h the step's head block; its row by `row_of`). The
+delta rule's per-head gradients (dβ, a per-head decay's) are written as such columns of a
+[C, H] block of [nV, H / Hb, B, Tp, H] (each head block its own, zero outside its heads;
+`head_columns_out`), summed in XLA: a reduction, no transpose. States stay [R, H, K, V] and
+[B, H, N, K, V], [Hb, K, BV] blocks viewed `ref.at[i]`. No array is copied in XLA around the
+kernels.
 
 **Transposes in VMEM.** The chunk-state updates need kᵀ v and qᵀ do, contractions over the
 token axis: the kernels transpose the [C, K] tile of k or q (and a per-channel decay) in VMEM,
-so every matmul is `a @ b` or `a @ bᵀ` (the two forms JAX's own TPU attention kernels use).
-Products whose natural form has a transposed operand are computed transposed instead (e.g.
-Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or columns (an anchor, the chunk's last decay)
-are taken by masked sums (`pick_row`, `pick_col`), and sub-block slices start at multiples of
-c = 16, so no slice needs a sublane shift. (Arrays whose minor dimension is 1 are kept out of
-HBM: TPU layouts pad the minor dimension to 128 lanes.)
-
-**The delta rule's kernels are head-major** (`Specs.rows`, `cols`, ..., `head_major`): they
-read copies [B, H, Tp, D] made in XLA, k and q also transposed, [B, H, D, Tp], as [D, C]
-blocks (C a multiple of 128: `mosaic_problems(transposed_blocks=True)`), a per-head decay as a
-row [B, H, 1, Tp], and view a step's blocks `ref.at[i]` (`head_views`).
+so every matmul is `a @ b` or `a @ bᵀ` (the two forms JAX's own TPU attention kernels use;
+the delta rule's backward also transposes [C, C] float32 tiles, Pᵀ Ō and Xᵀ Ū, so its chunk
+is a multiple of 128, `mosaic_problems`). Products whose natural form has a transposed operand
+are computed transposed instead (e.g. Pᵀ = k̃ q̃ᵀ rather than Pᵀ from P). Single rows or
+columns (an anchor, the chunk's last decay) are taken by masked sums (`pick_row`,
+`pick_col`), and sub-block slices start at multiples of c = 16, so no slice needs a sublane
+shift. (Arrays whose minor dimension is 1 are kept out of HBM: TPU layouts pad the minor
+dimension to 128 lanes.)
 
 **Shared query/key heads** (Mamba-2's layout, G < H): q and k keep their G heads; value
 head h reads query/key head h // (H / G) through the index maps of their blocks
@@ -47,7 +48,8 @@ head h reads query/key head h // (H / G) through the index maps of their blocks
 lanes: 16 value heads sharing two 64-wide query/key heads need all 16 heads in a step (one
 64-lane query/key head of two is no legal block); where no such step fits the scoped VMEM the
 call is refused (`tiling_problems`, dispatch then runs `chunk`). dq and dk are written per
-value head (each head's share; the driver sums the groups after the gate gradient has read them).
+value head (each head's share; `recurrent`'s driver sums the groups after the gate gradient has
+read them, the delta rule's backward launch at once).
 
 **Grid.** (b, head block h, value block j, chunk n), the chunk axis last and sequential
 ("arbitrary"): the state lives in a VMEM scratch across it, so VMEM use does not grow with T.
@@ -82,13 +84,13 @@ LANES, SUBLANES = 128, 8
 
 @dataclasses.dataclass(frozen=True)
 class TpuTiles:
-    """Tile sizes of the TPU kernels: chunk C (a multiple of 16; of 128 for the delta rule's
-    transposed [K, C] blocks), sub-block c for per-channel decays, value block BV (clipped to
-    V; split only with one head per grid step), and `heads` Hb per grid step (a divisor of H;
-    with query/key heads shared by groups of g value heads, a multiple or a divisor of g).
-    `heads=None`: the `recurrent` kernels take the most heads, up to `MOST_HEADS` (more only
-    where no fewer give lane-dense blocks, `lane_problems`), whose blocks fit the target's
-    scoped VMEM (`_vmem.py`); the delta rule's, one. `group`: rows of the diagonal sub-block's
+    """Tile sizes of the TPU kernels: chunk C (a multiple of 16; for the delta rule a power of
+    two and a multiple of 128: its [C, C] transposes in VMEM), sub-block c for per-channel
+    decays, value block BV (clipped to V; split only with one head per grid step), and `heads`
+    Hb per grid step (a divisor of H; with query/key heads shared by groups of g value heads, a
+    multiple or a divisor of g). `heads=None`: both operations' kernels take the most heads, up
+    to `MOST_HEADS` (more only where no fewer give lane-dense blocks, `lane_problems`), whose
+    blocks fit the target's scoped VMEM (`_vmem.py`). `group`: rows of the diagonal sub-block's
     groups in the `recurrent` kernels (a power of two; `_channel.diagonal_scores`; the delta
     rule's are 4)."""
 
@@ -161,6 +163,12 @@ class Shapes:
     c: int
     G: int | None = None  # query/key heads (None: H)
     Hb: int = 1  # heads per grid step
+    delta: bool = False  # the delta rule's kernels (their VMEM, their chunk rules), else `recurrent`'s
+
+    @property
+    def nH(self) -> int:
+        """Head blocks: grid steps along the heads."""
+        return self.H // self.Hb
 
     @property
     def groups(self) -> int:
@@ -185,14 +193,14 @@ class Shapes:
         return self.V // self.BV
 
 
-def shapes_of(q, v, static: KernelConfig, backward: bool = False, default_heads: int | None = None) -> Shapes:
-    """The sizes of a call; Hb is the tiles' `heads`, else `default_heads`, else the most that
-    give lane-dense blocks and fit the scoped VMEM (`most_heads`); BV by `block_v`. Refuses
-    heads that do not tile H."""
+def shapes_of(q, v, static: KernelConfig, backward: bool = False, delta: bool = False) -> Shapes:
+    """The sizes of a call (`delta`: the delta rule's kernels); Hb is the tiles' `heads`, else
+    the most that give lane-dense blocks and fit the scoped VMEM (`most_heads`); BV by
+    `block_v`. Refuses heads that do not tile H."""
     B, Tp, G, K = q.shape
     H, V = v.shape[-2:]
-    s = Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G)
-    heads = static.tiles.heads or default_heads or most_heads(s, static.gate, q.dtype, backward)
+    s = Shapes(B, H, Tp, K, V, block_v(static, V), static.tiles.chunk, static.tiles.sub, G, delta=delta)
+    heads = static.tiles.heads or most_heads(s, static.gate, q.dtype, backward)
     group = static.tiles.group
     problems = heads_problems(s, heads) + ([] if group > 0 and not group & (group - 1) else
                                            [f"group={group} must be a power of two"])
@@ -226,12 +234,13 @@ def most_heads(s: Shapes, gate: Gate | None, dtype, backward: bool) -> int:
     return 1
 
 
-def tiling_problems(H: int, G: int, K: int, V: int, gate: Gate | None, dtype) -> list[str]:
+def tiling_problems(H: int, G: int, K: int, V: int, gate: Gate | None, dtype, delta: bool = False) -> list[str]:
     """Why no heads per grid step give the declared tiles (C = 128, BV = min(V, 128))
     lane-dense blocks that fit the scoped VMEM of the target dispatch judges for, forward or
-    backward (e.g. 16 value heads sharing two 64-wide query/key heads: a step must read both,
-    all 16 heads, which overflow v5e's VMEM in the backward). Empty when some do."""
-    s = Shapes(B=1, H=H, Tp=128, K=K, V=V, BV=min(V, LANES), C=128, c=16, G=G)
+    backward, of `recurrent`'s kernels or (`delta`) the delta rule's (e.g. 16 value heads
+    sharing two 64-wide query/key heads: a step must read both, all 16 heads, which overflow
+    v5e's VMEM in the backward). Empty when some do."""
+    s = Shapes(B=1, H=H, Tp=128, K=K, V=V, BV=min(V, LANES), C=128, c=16, G=G, delta=delta)
     for backward in (False, True):
         heads = most_heads(s, gate, dtype, backward)
         tiled = dataclasses.replace(s, Hb=heads, BV=s.BV if heads == 1 else V)
@@ -260,19 +269,20 @@ def lane_problems(s: Shapes) -> list[str]:
     return problems
 
 
-def mosaic_problems(s: Shapes, dtype, transposed_blocks: bool = False) -> list[str]:
+def mosaic_problems(s: Shapes, dtype) -> list[str]:
     """Why these tiles are not legal Mosaic TPU blocks (empty when they are).
 
-    Blocks are [C, width], [K, BV], [1, K] (and, `transposed_blocks`, the delta rule's
-    head-major [K, C]): the second-minor block dim must be a multiple of 8 (16 for 16-bit
-    inputs) or the full dimension, the minor one a multiple of 128 or the full dimension.
+    Blocks are [C, width], [K, BV], [1, K]: the second-minor block dim must be a multiple of 8
+    (16 for 16-bit inputs) or the full dimension, the minor one a multiple of 128 or the full
+    dimension. The delta rule's backward transposes [C, C] float32 tiles in VMEM: C a multiple
+    of 128 there.
     """
     sublane = 16 if jnp.dtype(dtype).itemsize == 2 else SUBLANES
     problems = []
     if s.C % sublane and s.C != s.Tp:
         problems.append(f"chunk={s.C} must be a multiple of {sublane}")
-    if transposed_blocks and s.C % LANES and s.C != s.Tp:
-        problems.append(f"chunk={s.C} must be a multiple of {LANES} ([K, C] blocks of the transposed q, k)")
+    if s.delta and s.C % LANES:
+        problems.append(f"chunk={s.C} must be a multiple of {LANES} (the delta rule's [C, C] transposes in VMEM)")
     if s.c % sublane:
         problems.append(f"sub={s.c} must be a multiple of {sublane} (sub-block rows of a tile)")
     if s.BV != s.V and s.BV % LANES:
@@ -284,7 +294,8 @@ def vmem_problems(s: Shapes, gate: Gate | None, dtype, backward: bool) -> list[s
     """[why] when the tiles overflow the scoped VMEM of the TPU generation dispatch judges for."""
     from ._vmem import vmem_problem
 
-    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, target_generation(), heads=s.Hb)
+    problem = vmem_problem(s.C, s.K, s.BV, dtype, gate, backward, target_generation(), heads=s.Hb, delta=s.delta,
+                           qk_heads=s.Gb)
     return [problem] if problem else []
 
 
@@ -299,32 +310,6 @@ def check_tiles(s: Shapes, static: KernelConfig, dtype, backward: bool = False) 
 
 
 # ----------------------------------------------------------------------------- layouts
-
-
-def head_major(x):
-    """[B, Tp, H, D] -> [B, H, Tp, D]."""
-    return jnp.transpose(x, (0, 2, 1, 3))
-
-
-def head_major_t(x):
-    """[B, Tp, H, D] -> [B, H, D, Tp] (for contractions over the token axis)."""
-    return jnp.transpose(x, (0, 2, 3, 1))
-
-
-def token_major(x):
-    """[..., B, H, Tp, D] -> [..., B, Tp, H, D]."""
-    return jnp.swapaxes(x, -3, -2)
-
-
-def decay_layouts(a, gate: Gate) -> tuple:
-    """The decay as the kernels read it: per head, the row [B, H, 1, Tp] only (the column is
-    formed in VMEM, `read_decay`: in HBM a [B, H, Tp, 1] column is padded to 128 lanes, 128
-    times its size); per channel (head-major [B, H, Tp, K], transposed [B, H, K, Tp]); none: ()."""
-    if gate is Gate.HEAD:
-        return (jnp.transpose(a, (0, 2, 1))[:, :, None, :],)
-    if gate is Gate.KEY:
-        return head_major(a), head_major_t(a)
-    return ()
 
 
 # ----------------------------------------------------------------------------- block specs
@@ -355,9 +340,6 @@ class Specs:
     def seq(self, b, n, meta):
         return meta[0, self.chunk(n)] if self.varlen else b
 
-    def rows(self, width: int):  # [B, H, Tp, width] -> [Hb, C, width], width the whole last dim
-        return _block_spec((None, self.s.Hb, self.s.C, width), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0))
-
     def qk_block(self, h):
         """The block of query/key heads head block h reads: block h of Gb heads when the groups
         tile the step's heads, else the one head (h · Hb) // g (h ≥ 0: truncating division is floor)."""
@@ -365,20 +347,6 @@ class Specs:
         if s.groups == 1 or s.Hb >= s.groups:
             return h
         return lax.div(h * jnp.int32(s.Hb), jnp.int32(s.groups))
-
-    def qk_rows(self):  # [B, G, Tp, K] -> [Gb, C, K] of the step's query/key heads
-        return _block_spec((None, self.s.Gb, self.s.C, self.s.K),
-                           lambda b, h, j, n, *m: (b, self.qk_block(h), self.chunk(n), 0))
-
-    def qk_cols(self):  # [B, G, K, Tp] -> [Gb, K, C] of the step's query/key heads
-        return _block_spec((None, self.s.Gb, self.s.K, self.s.C),
-                           lambda b, h, j, n, *m: (b, self.qk_block(h), 0, self.chunk(n)))
-
-    def rows_v(self):  # [B, H, Tp, V] -> [Hb, C, BV]
-        return _block_spec((None, self.s.Hb, self.s.C, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), j))
-
-    def cols(self, height: int):  # [B, H, height, Tp] -> [Hb, height, C]
-        return _block_spec((None, self.s.Hb, height, self.s.C), lambda b, h, j, n, *m: (b, h, 0, self.chunk(n)))
 
     def state(self):  # [R, H, K, V] -> [Hb, K, BV] of this row or sequence
         return _block_spec(
@@ -390,21 +358,10 @@ class Specs:
             (None, self.s.Hb, None, self.s.K, self.s.BV), lambda b, h, j, n, *m: (b, h, self.chunk(n), 0, j)
         )
 
-    def partial_rows(self, width: int | None = None):  # [nV, B, H, Tp, width (K)] -> [Hb, C, width] of this value block
-        width = self.s.K if width is None else width
-        return _block_spec((None, None, self.s.Hb, self.s.C, width), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0))
-
     def partial_row(self):  # [nV, B, H, N, 1, K] -> [Hb, 1, K] of this chunk and value block
         return _block_spec(
             (None, None, self.s.Hb, None, 1, self.s.K), lambda b, h, j, n, *m: (j, b, h, self.chunk(n), 0, 0)
         )
-
-    def decay(self, gate: Gate) -> list:
-        if gate is Gate.HEAD:
-            return [self.cols(1)]
-        if gate is Gate.KEY:
-            return [self.rows(self.s.K), self.cols(self.s.K)]
-        return []
 
     def state_scratch(self):
         """One [K, BV] float32 state per head of the step, in VMEM."""
@@ -432,14 +389,21 @@ class Specs:
         return Block(_block_spec((None, None, s.C, s.Hb * s.K), lambda b, h, j, n, *m: (j, b, self.chunk(n), h)),
                      lambda ref, i: LaneSlice(ref, i * s.K, s.K))
 
-    def head_decay(self) -> Block:  # [B, Tp, H] -> [C, H], every head; head i's column h·Hb + i
+    def head_columns(self) -> Block:  # [B, Tp, H] -> [C, H], every head; head i's column h·Hb + i
         s = self.s
         return Block(_block_spec((None, s.C, s.H), lambda b, h, j, n, *m: (b, self.chunk(n), 0)),
-                     lambda ref, i: HeadColumn(ref, pl.program_id(1) * s.Hb + i))
+                     lambda ref, i: HeadColumn(ref, pl.program_id(1) * s.Hb + i, first=i == 0))
+
+    def head_columns_out(self) -> Block:  # [nV, nH, B, Tp, H] -> [C, H] of this value and head block
+        """A per-head output column: each (value block, head block) writes its own [C, H] block,
+        its heads' columns and zeros elsewhere (`HeadColumn`); the caller sums the two leading axes."""
+        s = self.s
+        return Block(_block_spec((None, None, None, s.C, s.H), lambda b, h, j, n, *m: (j, h, b, self.chunk(n), 0)),
+                     lambda ref, i: HeadColumn(ref, pl.program_id(1) * s.Hb + i, first=i == 0))
 
     def lane_decay(self, gate: Gate | None) -> list:
         """The token-major decay's blocks: per head [C, H], per channel [C, Hb·K]; none: []."""
-        return {Gate.HEAD: [self.head_decay()], Gate.KEY: [self.lanes(self.s.K)]}.get(gate, [])
+        return {Gate.HEAD: [self.head_columns()], Gate.KEY: [self.lanes(self.s.K)]}.get(gate, [])
 
     def per_head(self, spec) -> Block:
         """A block (or scratch) of Hb heads on its leading axis: head i's view `ref.at[i]`."""
@@ -475,13 +439,19 @@ class LaneSlice:
 
 class HeadColumn:
     """Column `index` (traced) of a token-major [C, H] block, as [C, 1] when read (`[...]`,
-    a masked lane sum: exact)."""
+    a masked lane sum: exact). Written (`[...] = column`) by a masked select into the block:
+    the step's `first` head zeroes the other columns, the later ones keep what is there."""
 
-    def __init__(self, ref, index):
-        self.ref, self.index, self.dtype = ref, index, ref.dtype
+    def __init__(self, ref, index, first: bool = True):
+        self.ref, self.index, self.first, self.dtype = ref, index, first, ref.dtype
 
     def __getitem__(self, index):
         return pick_col(self.ref[...].astype(F32), self.index)
+
+    def __setitem__(self, index, column):
+        mine = iota(self.ref.shape, 1) == self.index
+        rest = jnp.zeros(self.ref.shape, self.ref.dtype) if self.first else self.ref[...]
+        self.ref[...] = jnp.where(mine, jnp.broadcast_to(column.astype(self.ref.dtype), self.ref.shape), rest)
 
 
 def token_lanes(x):
@@ -503,12 +473,6 @@ def grid_spec(specs: Specs, in_specs, out_specs, scratch_shapes):
         out_specs=out_specs,
         scratch_shapes=scratch_shapes,
     )
-
-
-def head_views(refs: list, i: int, specs: Specs, qk: int = 0) -> list:
-    """The delta rule's head-major kernels: head i's views of a step's blocks (`ref.at[i]`: [C, D] of [Hb, C, D]); the first `qk`
-    refs are query/key blocks, indexed by the query/key head head i reads."""
-    return [ref.at[specs.s.qk_local(i) if n < qk else i] for n, ref in enumerate(refs)]
 
 
 def chunk_flags(specs: Specs, meta_ref):
@@ -580,26 +544,17 @@ def token(ref):
     return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
-def column_of(row):
-    """A [1, C] row as a [C, 1] column, by a masked lane sum (exact: the other terms are 0)."""
-    C = row.shape[1]
-    return jnp.sum(jnp.where(iota((C, C), 0) == iota((C, C), 1), row, 0.0), axis=1, keepdims=True)
-
-
 def row_of(column):
-    """A [K, 1] column as a [1, K] row, by a masked sublane sum (exact, as `column_of`)."""
+    """A [K, 1] column as a [1, K] row, by a masked sublane sum (exact: the other terms are 0)."""
     K = column.shape[0]
     return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), column, 0.0), axis=0, keepdims=True)
 
 
 def read_decay(refs: list, gate: Gate | None) -> tuple | None:
-    """One chunk's decay as the kernels use it, from a head's views of its decay blocks: per
-    head (column [C, 1], row [1, C]), per channel ([C, K], [K, C]); None without decay. The
-    lane-dense kernels read a per-head `HeadColumn` (its row by `row_of`) and one per-channel
-    [C, K] view (transposed in VMEM); the delta rule's, a [1, C] row and [C, K], [K, C] blocks."""
+    """One chunk's decay as the kernels use it, from a head's view of its decay block: per
+    head (column [C, 1], row [1, C]) from a `HeadColumn` (its row by `row_of`), per channel
+    ([C, K], [K, C]) from a [C, K] view (transposed in VMEM); None without decay."""
     if gate is None:
         return None
-    decay = tuple(f32(r) for r in refs)
-    if gate is Gate.HEAD:
-        return (decay[0], row_of(decay[0])) if isinstance(refs[0], HeadColumn) else (column_of(decay[0]), decay[0])
-    return decay if len(decay) == 2 else (decay[0], decay[0].T)
+    (decay,) = (f32(r) for r in refs)
+    return (decay, row_of(decay)) if gate is Gate.HEAD else (decay, decay.T)
