@@ -27,9 +27,10 @@ every gradient, the per-token log decay's included, and dq, dk summed over the v
 sharing a query/key head (`kernels/tpu/_delta_backward.py`). The rest (the decay's floor and sum, padding, the packed layout, `qk_l2norm`
 before the problem reaches the kernel) is JAX's autodiff around it.
 
-**Non-finite inputs** (`recurrax._core.finite_delta`): inside the custom VJP the operands are read
-with their non-finite entries (β's and the output cotangent's included) as 0 and a NaN or +inf
-gate as 0; `_core.finite_delta.guarded` around the whole marks NaN what depends on them.
+**Non-finite inputs** (`recurrax._core.finite_delta`): the kernels read the non-finite entries of
+q, k, v, β and the output cotangent as 0 where they load a block (no cleaned copy in XLA), and
+inside the custom VJP a NaN or +inf gate reads as 0; `_core.finite_delta.guarded` around the whole
+marks NaN what depends on them. A backend's `forward` and `backward` must clean at load so.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .._core.finite import clean_tokens
 from .._core.finite_delta import guarded
 from .._core.problem import Gate
 from ._driver import (STRONGEST_DECAY, KernelConfig, chunk_local_cumsum, floored_gate, in_chunks, keep_empty,
@@ -87,9 +87,11 @@ def _floored(g):
 
 
 def _operands(q, k, v, beta, g):
-    """The kernels' operands cleaned (`recurrax.delta._finite`: non-finite token entries and
-    β read as 0, a NaN or +inf gate as 0) inside the custom VJP, so gradients pass as they are."""
-    return (*map(clean_tokens, (q, k, v, beta)), floored_gate(g))
+    """The kernels' operands: the gate cleaned (a NaN or +inf gate as 0, `floored_gate`) inside
+    the custom VJP, so gradients pass as they are; the kernels read non-finite entries of q, k,
+    v, β and do as 0 where they load a block (`recurrax.delta._finite`), so XLA writes no
+    cleaned copy of them."""
+    return q, k, v, beta, floored_gate(g)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -118,7 +120,7 @@ def _delta_chunk_bwd(call, residuals, cotangents):
     _, states = call.forward(cq, ck, cv, c_beta, a, h0, table, static=call.static, emit_output=False,
                              emit_states=True)
     dh_T = dh_T.astype(F32)
-    grads = call.backward(cq, ck, cv, c_beta, a, clean_tokens(do).astype(q.dtype), states, dh_T, table,
+    grads = call.backward(cq, ck, cv, c_beta, a, do.astype(q.dtype), states, dh_T, table,
                           static=call.static)
     dq, dk, dv, d_beta, dg, dh0 = vary_over(varying_axes(q, k, v, beta, g, h0, do, dh_T), *grads)
     dh0 = keep_empty(empty, dh_T, dh0)

@@ -175,7 +175,7 @@ def _delta_backward_head(refs: list, flags, *, static: KernelConfig):
     first, last, step0 = flags
     start_carries(step0, last, [(dE_ref, dhT_ref)])  # the walk starts at the last chunk
     decay = tiles.read_decay(decay_refs, static.gate)
-    q, k, v, beta, do = (tiles.f32(r) for r in (q_ref, k_ref, v_ref, beta_ref, do_ref))  # β [C, 1]
+    q, k, v, beta, do = (tiles.token(r) for r in (q_ref, k_ref, v_ref, beta_ref, do_ref))  # β [C, 1]; cleaned at load
     qT, kT = q.T, k.T  # [K, C], in VMEM
     dq, dk, dv, d_beta, da, dS_entering = delta_chunk_bwd(
         q, k, qT, kT, v, beta, decay, states_ref[...], do, dE_ref[...], gate=static.gate, c=static.tiles.sub,

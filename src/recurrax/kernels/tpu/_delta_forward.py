@@ -173,8 +173,8 @@ def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
     """One head's chunk (`_launch.forward`): writes o when given `o_ref`; returns S'."""
     k_ref, v_ref, beta_ref = token_refs
     decay = tiles.read_decay(decay_refs, static.gate)
-    q = None if q_ref is None else tiles.f32(q_ref)
-    k, v, beta = (tiles.f32(r) for r in (k_ref, v_ref, beta_ref))  # β [C, 1]
+    q = None if q_ref is None else tiles.token(q_ref)  # non-finite entries as 0 (cleaned at load)
+    k, v, beta = (tiles.token(r) for r in (k_ref, v_ref, beta_ref))  # β [C, 1]
     kT = k.T  # [K, C], in VMEM
     o, S_next = delta_chunk(q, k, kT, v, beta, decay, S, gate=static.gate, c=static.tiles.sub,
                             scale=static.scale, dtype=tiles.matmul_dtype(k_ref.dtype))
