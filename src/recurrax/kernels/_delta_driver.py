@@ -86,14 +86,6 @@ def _floored(g):
     return None if g is None else jnp.maximum(g.astype(F32), STRONGEST_DECAY)
 
 
-def _operands(q, k, v, beta, g):
-    """The kernels' operands: the gate cleaned (a NaN or +inf gate as 0, `floored_gate`) inside
-    the custom VJP, so gradients pass as they are; the kernels read non-finite entries of q, k,
-    v, β and do as 0 where they load a block (`recurrax.delta._finite`), so XLA writes no
-    cleaned copy of them."""
-    return q, k, v, beta, floored_gate(g)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _delta_chunk(call: DeltaKernelCall, q, k, v, beta, g, h0, table, empty):
     """(o [B, Tp, H, V], h_T [R, H, K, V]) of padded arrays (q, k [B, Tp, G, K], `g` the floored
@@ -103,24 +95,25 @@ def _delta_chunk(call: DeltaKernelCall, q, k, v, beta, g, h0, table, empty):
 
 
 def _local(g, call: DeltaKernelCall):
-    return None if g is None else chunk_local_cumsum(g, call.chunk)
+    """The kernels' chunk-local cumulative log decay of the cleaned gate (a NaN or +inf gate as 0,
+    `floored_gate`), taken inside the custom VJP so gradients pass as they are; q, k, v, β and do
+    the kernels clean at load (module docstring)."""
+    return None if g is None else chunk_local_cumsum(floored_gate(g), call.chunk)
 
 
 def _delta_chunk_fwd(call, q, k, v, beta, g, h0, table, empty):
-    cq, ck, cv, c_beta, cg = _operands(q, k, v, beta, g)
-    o, h_T = call.forward(cq, ck, cv, c_beta, _local(cg, call), h0, table, static=call.static)
+    o, h_T = call.forward(q, k, v, beta, _local(g, call), h0, table, static=call.static)
     return (o, keep_empty(empty, h0, h_T)), (q, k, v, beta, g, h0, table, empty)
 
 
 def _delta_chunk_bwd(call, residuals, cotangents):
     q, k, v, beta, g, h0, table, empty = residuals
     do, dh_T = cotangents
-    cq, ck, cv, c_beta, cg = _operands(q, k, v, beta, g)
-    a = _local(cg, call)
-    _, states = call.forward(cq, ck, cv, c_beta, a, h0, table, static=call.static, emit_output=False,
+    a = _local(g, call)
+    _, states = call.forward(q, k, v, beta, a, h0, table, static=call.static, emit_output=False,
                              emit_states=True)
     dh_T = dh_T.astype(F32)
-    grads = call.backward(cq, ck, cv, c_beta, a, do.astype(q.dtype), states, dh_T, table,
+    grads = call.backward(q, k, v, beta, a, do.astype(q.dtype), states, dh_T, table,
                           static=call.static)
     dq, dk, dv, d_beta, dg, dh0 = vary_over(varying_axes(q, k, v, beta, g, h0, do, dh_T), *grads)
     dh0 = keep_empty(empty, dh_T, dh0)
