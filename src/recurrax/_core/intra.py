@@ -91,9 +91,8 @@ def ladder(log_decay: Float[Array, "... C D"], leaf: int) -> tuple[Ladder, Array
     the right factor of the halving is `prefix` and the left one is `after`.
     """
     *lead, C, D = log_decay.shape
-    alpha = jnp.exp(log_decay)
-    levels, prefix, after = [], alpha, jnp.ones_like(alpha)
-    for h, prefix, after in _block_products(alpha):
+    levels = []
+    for h, prefix, after in _block_products(jnp.exp(log_decay)):
         if leaf <= h < C:
             levels.append((2 * h, *_left_right(prefix, after, h)))
     leaf_decay = None
