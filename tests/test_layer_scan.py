@@ -8,7 +8,9 @@ parameters cast up); the loss likewise. Models: `LanguageModel` with GLA and wit
 then full attention: period 4). The structural test counts the training step's jaxpr equations
 (scan bodies included, `_cases.equations`) for 2 and 8 layers: scanned, the 6 more layers add at
 most a few equations per parameter array (the stacking and the gradients' unstacking), not the
-6 more block bodies the unrolled stack adds.
+6 more block bodies the unrolled stack adds. With decode caches, a prefill scans (its logits,
+caches and the decode step after it against the unrolled stack's, floor from the float64
+model) and a decode step of one token a row does not.
 """
 
 from __future__ import annotations
@@ -136,6 +138,55 @@ def test_unrolled_checkpoint_runs_scanned(tmp_path):
     floor = max_rel_error(want, exact.token_losses(tokens[:, :-1], tokens[:, 1:]))
     got = loaded.token_losses(tokens[:, :-1], tokens[:, 1:])
     assert max_rel_error(got, want) <= floor_tolerance(floor)
+
+
+def prefill_and_step(model, tokens, cu_seqlens):
+    """Packed prompts prefilled into a 2-row cache, then one decode step of both rows: the
+    prefill's logits and the step's, and the caches after each."""
+    prefill_logits, cache = jax.jit(lambda t, c: model.prefill(t, cu_seqlens, c))(tokens, model.generation_cache(2, 16))
+    step_logits, stepped = jax.jit(model.decode_step)(jnp.asarray([3, 5], jnp.int32), cache)
+    return prefill_logits, cache, step_logits, stepped
+
+
+@pytest.mark.parametrize("name", ["gla", "qwen3_5_hybrid"])
+def test_a_cached_prefill_scans_and_equals_unrolled(name):
+    """With caches, a prefill (more than one token a row) scans over the layers, and its logits
+    and caches, and the decode step after it, are the unrolled stack's up to float rounding
+    (floor: the unrolled float32 model against the float64 one)."""
+    model = BUILDERS[name](remat=None)
+    tokens = jax.random.randint(jax.random.key(4), (9,), 0, model.vocab_size)
+    cu_seqlens = jnp.asarray([0, 5, 9], jnp.int32)
+    caches = model.generation_cache(2, 16).layers
+    assert scan_period(layers_of(model), None, caches) == PERIODS[name]
+    scanned = prefill_and_step(model, tokens, cu_seqlens)
+    model.scan_layers = False
+    unrolled = prefill_and_step(model, tokens, cu_seqlens)
+    exact = BUILDERS[name](dtype=jnp.float64, remat=None)
+    nnx.update(exact, float64(nnx.state(model)))
+    exact.scan_layers = False
+    want = prefill_and_step(exact, tokens, cu_seqlens)
+    for got, ref, exact_ref in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), jax.tree.leaves(want)):
+        if jnp.issubdtype(ref.dtype, jnp.floating):
+            assert max_rel_error(got, ref) <= floor_tolerance(max_rel_error(ref, exact_ref))
+        else:
+            assert (got == ref).all()
+
+
+def test_a_cached_prefill_does_not_grow_with_depth_and_a_decode_step_does():
+    """From 2 to 8 GLA layers the prefill's program gains a few equations per added parameter
+    and cache array (their stacking); the decode step (one token a row) runs the blocks one by
+    one, so it gains the 6 block bodies."""
+    def count(num_layers, tokens):
+        model = language_model("gla", num_layers, remat=None)
+        cache = model.generation_cache(1, 16)
+        return sum(1 for _ in equations(jax.make_jaxpr(lambda t, c: model(t, c))(tokens, cache).jaxpr))
+
+    one_block = language_model("gla", 1, remat=None)
+    arrays_per_block = len(jax.tree.leaves(nnx.state(one_block.blocks[0])))
+    arrays_per_block += len(jax.tree.leaves(one_block.generation_cache(1, 16).layers[0]))
+    prompt, token = jnp.zeros((1, 6), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+    assert count(8, prompt) - count(2, prompt) <= 4 * arrays_per_block * 6
+    assert count(8, token) - count(2, token) >= 3 * count(2, token) // 2
 
 
 def test_no_period_runs_unrolled():

@@ -120,8 +120,9 @@ class LanguageModel(CausalDecoder, DecoderBody):
       autodiff saves), `"block"` (the block's input; the block is recomputed) or `"dots"`
       (its projections' and MLP's matmul outputs); gradients are the same up to rounding.
       A plain attribute, not part of `config`: set `model.remat` to change it.
-    - `scan_layers`: run the blocks of a call without a cache under one `jax.lax.scan` (traced
-      and compiled once, whatever `num_layers`) where they are identical (all mixers but
+    - `scan_layers`: run the blocks of a training call or a prefill (a call with a cache of more
+      than one token a row) under one `jax.lax.scan` (traced and compiled once, whatever
+      `num_layers`; a decode step runs them one by one) where they are identical (all mixers but
       Lightning Attention, whose decays differ per layer); parameters, their names and
       checkpoints are the same either way (`recurrax.nn.call_blocks`). False: one after another.
       A plain attribute, not part of `config`.

@@ -136,8 +136,9 @@ class CausalLM(CausalDecoder):
       autodiff saves), `"block"` (the layer's input; the layer is recomputed) or `"dots"` (its
       projections' matmul outputs); gradients are the same up to rounding. A plain attribute:
       set `model.remat` to change it.
-    - `scan_layers`: run the layers of a call without a cache under one `jax.lax.scan` (traced and
-      compiled once, whatever the depth) where they repeat: identical layers, or identical groups
+    - `scan_layers`: run the layers of a training call or a prefill (more than one token a row)
+      under one `jax.lax.scan` (traced and compiled once, whatever the depth; a decode step runs
+      them one by one) where they repeat: identical layers, or identical groups
       of layers in a hybrid (three linear-attention layers and one softmax-attention layer, say);
       parameter names and checkpoints do not change (`recurrax.nn.call_blocks`). False: one after
       another. A plain attribute.
