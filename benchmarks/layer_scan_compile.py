@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--program", choices=("step", "prefill"), default="step")
     args = parser.parse_args(argv)
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, {args.mixer}, d_model {args.d_model}, "
-          f"T {args.seq_len}, {args.program}\n\n| layers | scanned s | unrolled s | scanned HLO chars | unrolled HLO chars |\n"
-          "|---:|---:|---:|---:|---:|", flush=True)
+          f"T {args.seq_len}, {args.program}\n\n"
+          "| layers | scanned s | unrolled s | scanned HLO chars | unrolled HLO chars |\n|---:|---:|---:|---:|---:|",
+          flush=True)
     for num_layers in args.layers:
         (scanned, scanned_size), (unrolled, unrolled_size) = (compile_seconds(num_layers, scan, args)
                                                               for scan in (True, False))
