@@ -5,7 +5,8 @@
 
 For each row (an operation, its gates, a shape, a dtype) this times, forward and forward+backward
 (`jax.value_and_grad` of ⟨output, d_output⟩ + ⟨final_state, d_final⟩ with respect to every
-floating input): the Pallas TPU kernel (`pallas_tpu`, forced by name, or the reason it refuses
+floating input), the token arrays held [B, T, heads · D] as a model's projections give them
+(`projected`): the Pallas TPU kernel (`pallas_tpu`, forced by name, or the reason it refuses
 the call) and the XLA chunk algorithm (`chunk`), each at the precision a call gets by default
 (float32 inputs: HIGHEST; bfloat16: the chip's one-pass product). It records what dispatch
 picks for the call (`kernel_registry.select`) and says which path was measured faster.
@@ -52,18 +53,16 @@ def rows(smoke: bool) -> list[dict]:
     if smoke:
         return [dict(op="recurrent", gate="gk", B=1, T=256, H=2, Hqk=2, K=64, V=64, dtype="bfloat16"),
                 dict(op="delta_rule", gate="g", B=1, T=256, H=2, Hqk=1, K=128, V=128, dtype="float32")]
-    table = []
-    for dtype in ("bfloat16", "float32"):
-        for gate in ("gk", "g", "g_gamma") if dtype == "bfloat16" else ("gk", "g"):
-            table.append(dict(op="recurrent", gate=gate, B=4, T=4096, H=16, Hqk=16, K=64, V=64, dtype=dtype))
-        for gate in ("g", "gk"):
-            table.append(dict(op="delta_rule", gate=gate, B=1, T=4096, H=32, Hqk=16, K=128, V=128, dtype=dtype))
+    recurrent = lambda gate, T, dtype="bfloat16": dict(op="recurrent", gate=gate, B=4, T=T, H=16, Hqk=16,  # noqa: E731
+                                                       K=64, V=64, dtype=dtype)
+    delta = lambda gate, T, dtype="bfloat16": dict(op="delta_rule", gate=gate, B=1, T=T, H=32, Hqk=16,  # noqa: E731
+                                                   K=128, V=128, dtype=dtype)
+    table = [recurrent(gate, 4096) for gate in ("gk", "g", "g_gamma")] + [delta(gate, 4096) for gate in ("g", "gk")]
+    table += [recurrent(gate, 16384) for gate in ("gk", "g")] + [delta(gate, 16384) for gate in ("g", "gk")]
+    table += [recurrent(gate, 4096, "float32") for gate in ("gk", "g")]
+    table += [delta(gate, 4096, "float32") for gate in ("g", "gk")]
     table += [dict(op="recurrent", gate="gk", B=2, T=8192, H=16, Hqk=16, K=128, V=128, dtype="bfloat16"),
               dict(op="recurrent", gate="g", B=8, T=2048, H=32, Hqk=32, K=64, V=64, dtype="bfloat16")]
-    for gate in ("gk", "g"):
-        table.append(dict(op="recurrent", gate=gate, B=4, T=16384, H=16, Hqk=16, K=64, V=64, dtype="bfloat16"))
-    for gate in ("g", "gk"):
-        table.append(dict(op="delta_rule", gate=gate, B=1, T=16384, H=32, Hqk=16, K=128, V=128, dtype="bfloat16"))
     return table
 
 
@@ -166,13 +165,14 @@ def measure(row: dict, repeats: int, chip: dict) -> dict:
         except ValueError as refusal:
             result["paths"][name] = {"refused": str(refusal).splitlines()[0][:160]}
             continue
-        forward, gradient = programs(call_of(row, name))
+        flat, flat_cotangents, wrap = projected(inputs, cotangents)
+        forward, gradient = programs(wrap(call_of(row, name)))
         try:
             result["paths"][name] = {
-                "forward": back_to_back(lambda: forward(inputs)),
-                "fwd+bwd": back_to_back(lambda: gradient(inputs, cotangents), calls=10),
-                "forward synced": statistics.median(timed(lambda: forward(inputs), repeats)),
-                "fwd+bwd synced": statistics.median(timed(lambda: gradient(inputs, cotangents), repeats)),
+                "forward": back_to_back(lambda: forward(flat)),
+                "fwd+bwd": back_to_back(lambda: gradient(flat, flat_cotangents), calls=10),
+                "forward synced": statistics.median(timed(lambda: forward(flat), repeats)),
+                "fwd+bwd synced": statistics.median(timed(lambda: gradient(flat, flat_cotangents), repeats)),
             }
         except Exception as error:  # noqa: BLE001  (a path that fails is a row saying why)
             result["paths"][name] = {"failed": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
@@ -188,7 +188,8 @@ def report(results: list[dict], chip: dict) -> str:
     device = jax.devices()[0]
     lines = [f"# Both operations on {device.device_kind}", "",
              f"JAX {jax.__version__}; roofline {chip['peak_tflops']:g} TFLOP/s, {chip['hbm_gbs']:g} GB/s. "
-             "Written by `benchmarks/tpu_paths.py` (its docstring defines every column). Times are "
+             "Written by `benchmarks/tpu_paths.py` (its docstring defines every column); token arrays "
+             "held [B, T, heads·D] as a model projects them. Times are "
              "in ms, forward / forward+backward: calls back to back, and each waited for (`synced`); `% roof` is "
              "the roofline floor over the back-to-back time.", "",
              "| row | path | forward ms | fwd+bwd ms | synced fwd / fwd+bwd | % roof fwd / fwd+bwd | dispatch picks "
