@@ -15,12 +15,13 @@ import jax
 def traced_ops(run, step_seconds: float, most: int = 12) -> dict:
     """One step under `jax.profiler.trace`, read back with `jax.profiler.ProfileData`: the device's
     self time (an op's time less the ops nested in it, e.g. a scanned layer's `while` less its body)
-    per kind of op (`kind_of_op`) and of the `most` longest ops, each as a share of the timed step."""
+    per kind of op (`kind_of_op`) and of the `most` longest ops, each as a share of the timed step, and
+    how many ops of each kind ran (`kind_count`: a loop's body counts once per iteration)."""
     directory = tempfile.mkdtemp()
     with jax.profiler.trace(directory):
         jax.block_until_ready(run())
     (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
-    by_kind, by_op = collections.Counter(), collections.Counter()
+    by_kind, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
     for plane in jax.profiler.ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:"):
             continue
@@ -28,10 +29,12 @@ def traced_ops(run, step_seconds: float, most: int = 12) -> dict:
             for text, seconds in self_times(line.events):
                 name = text.split(" = ")[0].strip()
                 by_kind[kind_of_op(text)] += seconds
+                count[kind_of_op(text)] += 1
                 by_op[f"{name} ({kind_of_op(text)})"] += seconds
     return {"device_s": sum(by_kind.values()),
             "kind_share": {k: v / step_seconds for k, v in by_kind.most_common()},
-            "op_share": {k: v / step_seconds for k, v in by_op.most_common(most)}}
+            "op_share": {k: v / step_seconds for k, v in by_op.most_common(most)},
+            "kind_count": {k: count[k] for k, _ in by_kind.most_common()}}
 
 
 def self_times(events) -> list[tuple[str, float]]:

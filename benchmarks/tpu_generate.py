@@ -2,6 +2,13 @@
 
     source benchmarks/tpu_env.sh && python3 benchmarks/tpu_generate.py --out benchmarks/results --budget 330
     python benchmarks/tpu_generate.py --smoke --out /tmp/g        # anywhere, tiny shapes, under a minute on a CPU
+    python3 benchmarks/tpu_generate.py --out benchmarks/results/decode_trace \
+        --rows "gla-340m decode batch 1,gla-340m decode batch 8" --trace --no-k1   # about 3.5 minutes
+
+With `--trace`, each decode row runs one more call under the profiler: the report gives the
+device's self time per kind of op, as a share of the call, µs and ops per decode step and µs per
+op, and the longest ops. `--no-k1` measures the decode rows at the default tokens per call only
+(the k = 1 pools' step compiles left out).
 
 One run takes at most `--budget` seconds plus the row under way (330 s: about 6 minutes with the
 start-up). Models, random weights in bfloat16 (parameters and computation):
@@ -222,14 +229,15 @@ def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace: bool = False) -> dict:
+def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace: bool = False,
+                   k1: bool = True) -> dict:
     """Seconds per token (a call's / its tokens per row) of a pool of `batch` rows after prompts
-    of `context` tokens, at `TOKENS_PER_CALL` tokens per call and at 1, and the floor; with
-    `trace`, one more call at `TOKENS_PER_CALL` under the profiler (`_trace.traced_ops`: self
-    time by kind of op, as shares of the call)."""
+    of `context` tokens, at `TOKENS_PER_CALL` tokens per call and (with `k1`) at 1, and the floor;
+    with `trace`, one more call at `TOKENS_PER_CALL` under the profiler (`_trace.traced_ops`: self
+    time and count by kind of op)."""
     capacity = cache_capacity(model, decoded_context(s))
     step, traced = {}, {}
-    for k in (TOKENS_PER_CALL, 1):  # one pool at a time (batch 64's caches are GiBs)
+    for k in (TOKENS_PER_CALL, 1) if k1 else (TOKENS_PER_CALL,):  # one pool at a time (batch 64's: GiBs)
         began = time.perf_counter()
         pool = DecodePool(model, batch, capacity, prefill_chunk=s["piece"], tokens_per_call=k)
         pool.admit(prompts(model.vocab_size, [s["context"]] * batch), [Sampling()] * batch)
@@ -244,9 +252,10 @@ def measure_decode(model, counts: Counts, batch: int, s: dict, chip: dict, trace
     cache = cache_bytes(model, batch, filled)
     floor = (weight + cache) / (chip["hbm_gbs"] * 1e9)
     seconds = step[TOKENS_PER_CALL]
-    return dict(**traced, tokens_per_call=TOKENS_PER_CALL, step_s=seconds, step_k1_s=step[1], floor_s=floor,
-                over_floor=seconds / floor, k1_over_floor=step[1] / floor, weight_bytes=weight, cache_bytes=cache,
-                capacity=capacity, context=filled, tokens_per_s=batch / seconds)
+    one = {"step_k1_s": step[1], "k1_over_floor": step[1] / floor} if 1 in step else {}
+    return dict(**traced, **one, tokens_per_call=TOKENS_PER_CALL, step_s=seconds, floor_s=floor,
+                over_floor=seconds / floor, weight_bytes=weight, cache_bytes=cache, capacity=capacity,
+                context=filled, tokens_per_s=batch / seconds)
 
 
 def time_calls(pool: DecodePool, calls: int) -> float:
@@ -329,10 +338,11 @@ def measure_generate(model, s: dict) -> dict:
                 ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))], tokens_per_s=count / wall, wall_s=wall)
 
 
-def measure(row: dict, model, counts: Counts, s: dict, chip: dict, kept: dict, trace: bool = False) -> dict:
+def measure(row: dict, model, counts: Counts, s: dict, chip: dict, kept: dict, trace: bool = False,
+            k1: bool = True) -> dict:
     try:
         if row["kind"] == "decode":
-            return measure_decode(model, counts, row["batch"], s, chip, trace)
+            return measure_decode(model, counts, row["batch"], s, chip, trace, k1)
         if row["kind"] == "prefill":
             return measure_prefill(model, counts, row["tokens"], s, chip, kept)
         return measure_generate(model, s)
@@ -356,8 +366,9 @@ def report(results: list[dict], skipped: list[str], chip: dict, models: dict) ->
               "(k = 1) | tokens/s | weights MB | caches MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in (r for r in results if r["kind"] == "decode"):
         if "step_s" in r:
+            k1 = f"{1e3 * r['step_k1_s']:.2f} | {r['k1_over_floor']:.2f}" if "step_k1_s" in r else "– | –"
             lines.append(f"| {r['model']} | {r['batch']} | {1e3 * r['step_s']:.2f} | {1e3 * r['floor_s']:.2f} | "
-                         f"{r['over_floor']:.2f} | {1e3 * r['step_k1_s']:.2f} | {r['k1_over_floor']:.2f} | "
+                         f"{r['over_floor']:.2f} | {k1} | "
                          f"{r['tokens_per_s']:,.0f} | {r['weight_bytes'] / 1e6:,.0f} | {r['cache_bytes'] / 1e6:,.1f} |")
         else:
             lines.append(f"| {r['model']} | {r['batch']} | {r.get('failed', '')} | | | | | | | |")
@@ -381,10 +392,15 @@ def report(results: list[dict], skipped: list[str], chip: dict, models: dict) ->
             lines.append(f"| {r['model']} | {r.get('failed', '')} | | | | | | |")
     for r in (r for r in results if "trace" in r):
         k = r["tokens_per_call"]
+        call, count = k * r["step_s"], r["trace"].get("kind_count", {})
         lines += ["", f"## One decode call ({k} steps) under the profiler: {r['label']}", "",
-                  f"Device self time {1e3 * r['trace']['device_s']:.2f} ms of a {1e3 * k * r['step_s']:.2f} ms call.",
-                  "", "| kind of op | share of the call |", "|---|---:|"]
-        lines += [f"| {kind} | {100 * share:.1f}% |" for kind, share in list(r["trace"]["kind_share"].items())[:12]]
+                  f"Device self time {1e3 * r['trace']['device_s']:.2f} ms of a {1e3 * call:.2f} ms call; "
+                  f"{sum(count.values()) / k:,.0f} ops a step. By kind of op (a step: the call's / {k}):", "",
+                  "| kind of op | share of the call | µs a step | ops a step | µs an op |", "|---|---:|---:|---:|---:|"]
+        for kind, share in list(r["trace"]["kind_share"].items())[:16]:
+            ops = count.get(kind, 0)
+            each = f"{1e6 * share * call / ops:.2f}" if ops else ""
+            lines.append(f"| {kind} | {100 * share:.1f}% | {1e6 * share * call / k:.1f} | {ops / k:g} | {each} |")
         lines += ["", "| op | share of the call |", "|---|---:|"]
         lines += [f"| `{op}` | {100 * share:.1f}% |" for op, share in r["trace"]["op_share"].items()]
     if skipped:
@@ -430,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny models and prompts (any machine)")
     parser.add_argument("--rows", help="comma-separated beginnings of row labels to run (e.g. 'qwen3.5-0.8b "
                         "prefill,gla-340m decode'); default: every row, in priority order")
-    parser.add_argument("--trace", action="store_true", help="trace one decode step of each decode row")
+    parser.add_argument("--trace", action="store_true", help="trace one decode call of each decode row")
+    parser.add_argument("--no-k1", action="store_true", help="decode rows at the default tokens per call only "
+                        "(not also at 1: half their compiles)")
     args = parser.parse_args(argv)
     if not args.smoke:  # a second call on a machine still warm compiles nothing (no compile time is reported)
         use_compilation_cache()
@@ -455,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             loaded[name] = (*build(name, args.smoke), {})
             models[name] = dict(parameters=loaded[name][2].total, active=loaded[name][2].active())
         model, _, counts, kept = loaded[name]
-        result = {**row, "label": label(row), **measure(row, model, counts, s, chip, kept, args.trace)}
+        result = {**row, "label": label(row), **measure(row, model, counts, s, chip, kept, args.trace, not args.no_k1)}
         if last[name] == i:
             del loaded[name], model, kept
             gc.collect()

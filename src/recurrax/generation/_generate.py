@@ -754,9 +754,8 @@ def _step_body(params, pool, pending, counts, live, settings, stops, budgets, pe
             logits = penalize_repetitions(logits, penalty[1], penalty[0])
         sampled = _sample(logits, settings, counts)
         stepped = jax.tree.map(lambda new, old: new.astype(old.dtype), stepped, pool)  # as `_admit` keeps them
-        if freeze:  # every row live (most steps): nothing to select
-            stepped = jax.lax.cond(jnp.all(live), lambda: stepped, lambda: jax.tree.map(
-                lambda new, old: jnp.where(live.reshape(-1, *(1,) * (new.ndim - 1)), new, old), stepped, pool))
+        if freeze:
+            stepped = _kept_frozen(stepped, pool, live)
         if penalty is not None:
             marked = jnp.where(live, sampled, penalty[1].shape[1])  # out of range: dropped
             penalty = (penalty[0], penalty[1].at[jnp.arange(slots), marked].set(True, mode="drop"))
@@ -780,6 +779,22 @@ def _step_body(params, pool, pending, counts, live, settings, stops, budgets, pe
     _, tokens, carry = jax.lax.while_loop(lambda loop: (loop[0] < tokens_per_call) & jnp.any(loop[2][3]),
                                           next_step, (0, tokens, carry))
     return tokens, *carry
+
+
+def _kept_frozen(stepped, pool, live):
+    """`stepped` (a cache after a decode step) where a row is `live`, else `pool`'s row (a frozen
+    row keeps its cache): a `where` per array, which XLA fuses into the state's update on a TPU,
+    so that the update writes the cache in place. On a CPU the `where` runs behind a `lax.cond`
+    on a row being frozen (most steps none: no pass over the caches; Qwen3.5-shaped tiny, batch 8:
+    1.65 vs 2.3 ms a token); on a TPU that cond cost a copy of every state each step (its output
+    cannot share the loop's buffers): GLA-340M at batch 8, 24 copies of 4.2 MB a step."""
+
+    def select():
+        return jax.tree.map(lambda new, old: jnp.where(live.reshape(-1, *(1,) * (new.ndim - 1)), new, old),
+                            stepped, pool)
+
+    return jax.lax.platform_dependent(cpu=lambda: jax.lax.cond(jnp.all(live), lambda: stepped, select),
+                                      default=select)
 
 
 STEP_STATIC = (*STATIC, "tokens_per_call")
