@@ -166,6 +166,36 @@ def test_packed_continuation_reads_earlier_entries_blockwise(monkeypatch):
         np.testing.assert_allclose(np.concatenate(got[row]), whole[row], rtol=1e-4, atol=1e-5)
 
 
+def test_packed_continuation_skips_blocks_no_token_reads(monkeypatch):
+    """A packed continuation computes the partial attention of a block of earlier entries only
+    where some token of the call reads it: rows starting at positions 4 and 7 of a 2-row cache
+    of 16 in blocks of 6 read blocks (row 0: 0; row 1: 0, 1), 3 of the 6, besides the call's own
+    tokens; the output is the parallel pass's."""
+    monkeypatch.setattr(pretrained.layers._attention, "EARLIER_BLOCK", 6)
+    computed = []
+    partial = pretrained.Attention._partial
+
+    def counted(self, q, k, v, visible):
+        jax.debug.callback(lambda: computed.append(1))
+        return partial(self, q, k, v, visible)
+
+    monkeypatch.setattr(pretrained.Attention, "_partial", counted)
+    layer = pretrained.Attention(16, num_heads=4, num_kv_heads=2, rngs=nnx.Rngs(2))
+    x = np.random.default_rng(1).normal(size=(2, 11, 16)).astype(np.float32)
+    whole = np.asarray(layer(jnp.asarray(x)))
+    call = jax.jit(lambda x, cache, cu, pos: layer(x, cache, cu_seqlens=cu, positions=pos))
+    cache = layer.init_cache(2, 16)
+    _, cache = call(jnp.asarray(np.concatenate([x[0, :4], x[1, :7]])), cache, jnp.asarray([0, 4, 11]),
+                    jnp.asarray(np.concatenate([np.arange(4), np.arange(7)])[None]))
+    computed.clear()
+    y, _ = call(jnp.asarray(np.concatenate([x[0, 4:], x[1, 7:]])), cache, jnp.asarray([0, 7, 11]),
+                jnp.asarray(np.concatenate([np.arange(4, 11), np.arange(7, 11)])[None]))
+    jax.effects_barrier()
+    assert len(computed) == 1 + 3
+    np.testing.assert_allclose(np.asarray(y)[:7], whole[0, 4:], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y)[7:], whole[1, 7:], rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- row 2: cache size
 
 

@@ -164,7 +164,10 @@ class Attention(TokenLayer):
 
     def _earlier(self, q, keys, values, positions, seq, starts):
         """Partial attention of packed tokens to their row's entries before `starts`, one row
-        and one block of `EARLIER_BLOCK` positions at a time (scores `[N, H, block]`)."""
+        and one block of `EARLIER_BLOCK` positions at a time (scores `[N, H, block]`). A block
+        that no token of the call reads (a row not in the call, or positions at or past every
+        start of its row's tokens) is skipped: a prefill piece costs what its rows have seen,
+        not the cache's capacity times its rows."""
         R, L = keys.shape[:2]
         width = min(L, EARLIER_BLOCK)
         blocks = -(-L // width)
@@ -172,11 +175,16 @@ class Attention(TokenLayer):
         def step(carry, index):
             row, block = index // blocks, index % blocks
             first = jnp.minimum(block * width, L - width)  # the last block overlaps; its repeats are masked
-            k, v = (jax.lax.dynamic_slice(a, (row, first, 0, 0), (1, width, *a.shape[2:])) for a in (keys, values))
-            key_pos = (first + jnp.arange(width))[None, None, :]
-            visible = self._visible(positions[:, :, None], key_pos) & (key_pos < starts[:, :, None])
-            visible &= (key_pos >= block * width) & (seq == row)[:, :, None]
-            return _merge(carry, self._partial(q, k, v, visible)), None
+
+            def read():
+                k, v = (jax.lax.dynamic_slice(a, (row, first, 0, 0), (1, width, *a.shape[2:])) for a in (keys, values))
+                key_pos = (first + jnp.arange(width))[None, None, :]
+                visible = self._visible(positions[:, :, None], key_pos) & (key_pos < starts[:, :, None])
+                visible &= (key_pos >= block * width) & (seq == row)[:, :, None]
+                return _merge(carry, self._partial(q, k, v, visible))
+
+            read_by_some = jnp.any((seq == row) & (starts > block * width))
+            return jax.lax.cond(read_by_some, read, lambda: carry), None
 
         return jax.lax.scan(step, self._nothing_earlier(q, keys, values), jnp.arange(R * blocks))[0]
 
