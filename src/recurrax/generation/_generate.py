@@ -44,7 +44,8 @@ protocol, which `recurrax.nn.LanguageModel` and `CausalLM` implement:
 
     model.vocab_size                                   ids are in [0, vocab_size)
     model.generation_cache(slots, capacity)            an empty cache for `slots` sequences
-    model.prefill(tokens [N], cu_seqlens [S+1], cache) → (logits [N, vocab], cache)   packed
+    model.prefill(tokens [N], cu_seqlens [S+1], cache) → (logits [S, vocab], cache)   packed; each
+                                                       sequence's last token's logits
     model.decode_step(tokens [P], cache)               → (logits [P, vocab], cache)   one token each
 
 Every array of a cache has the sequence (slot) axis first, so `generate` moves a prefilled
@@ -118,8 +119,9 @@ class CachedLanguageModel(Protocol):
         ...
 
     def prefill(self, tokens: Int[Array, " N"], cu_seqlens: Int[Array, " S_plus_1"],
-                cache: Any) -> tuple[Float[Array, "N vocab"], Any]:
-        """Continue S packed sequences (some may be empty) from the S rows of `cache`."""
+                cache: Any) -> tuple[Float[Array, "S vocab"], Any]:
+        """Continue S packed sequences (some may be empty) from the S rows of `cache`: the
+        next-token logits after each sequence's last token (an empty sequence's: any)."""
         ...
 
     def decode_step(self, tokens: Int[Array, " P"], cache: Any) -> tuple[Float[Array, "P vocab"], Any]:
@@ -721,7 +723,7 @@ def _admit_body(params, pool, tokens, cu_seqlens, targets, continues, settings, 
         continues.reshape(-1, *(1,) * (e.ndim - 1)), jnp.take(p, targets, axis=0, mode="clip"), e[:slots])),
         empty, pool)
     logits, fresh = net.prefill(tokens, cu_seqlens, start)
-    last = logits[jnp.maximum(cu_seqlens[1:slots + 1] - 1, 0)]  # [P, vocab]
+    last = logits[:slots]  # [P, vocab]
     pool = jax.tree.map(lambda p, f: p.at[targets].set(f[:slots], mode="drop"), pool, fresh)
     rows = tuple(jnp.take(x, targets, mode="clip") for x in settings)  # each packed row's slot's settings
     if penalty is None:

@@ -130,11 +130,12 @@ class CausalDecoder(nnx.Module):
                                      logits_scale=self.logits_multiplier, chunk_size=chunk_size,
                                      with_predictions=with_predictions)
 
-    def _forward(self, tokens, cache, cu_seqlens, logits_to_keep: int | None = None):
+    def _forward(self, tokens, cache, cu_seqlens, logits_to_keep: int | None = None, kept_tokens=None):
         """The model's call: next-token logits for every token (float32 or wider; packed `[N]`
         tokens: `[N, vocab]`), or with `cache` (a `ModelCache`) `(logits, new_cache)`, its
         positions advanced by the tokens each row saw; `logits_to_keep`: the head on the last
-        positions only. Past a cache's attention capacity (`_capacity`) the logits are NaN."""
+        positions only; `kept_tokens` (packed): on the tokens at these indices only. Past a
+        cache's attention capacity (`_capacity`) the logits are NaN."""
         model = self._computing()
         h, layer_caches = model._decode(tokens, cache, cu_seqlens)
         capacity = None if cache is None else self._capacity(cache)
@@ -145,6 +146,9 @@ class CausalDecoder(nnx.Module):
                                  f"{logits_to_keep}" + (" with cu_seqlens" if cu_seqlens is not None else ""))
             h = h[:, -logits_to_keep:]
             positions = None if positions is None else positions[:, -logits_to_keep:]
+        if kept_tokens is not None:
+            h = h[:, kept_tokens]
+            positions = None if positions is None else positions[:, kept_tokens]
         logits = constrain(model._head(h), "batch", "length", "vocab")
         if capacity is not None:  # traced positions: the tokens past it get NaN logits
             logits = jnp.where((positions < capacity)[..., None], logits, jnp.nan)
@@ -155,11 +159,13 @@ class CausalDecoder(nnx.Module):
         return logits, ModelCache(layer_caches, cache.positions + seen)
 
     def prefill(self, tokens: Int[Array, " total_tokens"], cu_seqlens: Int[Array, " num_seqs_plus_one"], cache):
-        """Continue `num_seqs` packed sequences (empty ones allowed) from the rows of `cache`:
-        `model(tokens, cache, cu_seqlens=cu_seqlens)`, logits `[total_tokens, vocab]` and the new
-        cache. Part of `recurrax.nn.pretrained.generate`'s protocol, with `generation_cache`
-        and `decode_step`."""
-        return self(tokens, cache, cu_seqlens=cu_seqlens)
+        """Continue `num_seqs` packed sequences (empty ones allowed) from the rows of `cache`: the
+        next-token logits after each sequence's last token `[num_seqs, vocab]` (an empty
+        sequence's row is the token before it's, meaningless) and the new cache, as
+        `model(tokens, cache, cu_seqlens=cu_seqlens)` gives them, with the head run on those
+        tokens only. Part of `recurrax.generate`'s protocol, with `generation_cache` and
+        `decode_step`."""
+        return self._forward(tokens, cache, cu_seqlens, kept_tokens=jnp.maximum(cu_seqlens[1:] - 1, 0))
 
     def decode_step(self, tokens: Int[Array, " batch"], cache):
         """Advance every row of `cache` by its one token: logits `[batch, vocab]` and the new cache."""
