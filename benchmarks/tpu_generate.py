@@ -37,7 +37,7 @@ after every row, so a run stopped by its budget keeps what it measured):
   first token of a lone request; tokens/s and MFU = 2·N FLOPs per token over 197 TFLOP/s
   (`--peak-tflops`), N the active parameters as above (attention's T² products are not in
   2·N: at 32k the MFU understates the chip's use; the floor column is 2·N·T over the peak, the
-  target of a time to first token is twice it). A size whose caches and one piece's logits
+  target of a time to first token is twice it). A size whose caches
   would not fit the device's free memory is skipped, saying so;
 - `generate` end to end: `generate_tokens` (a `DecodePool` of 8 slots) on 32 requests of mixed
   prompt lengths (log-uniform in [64, 1,177]) and 128 new tokens each, all submitted at once:
@@ -276,12 +276,12 @@ def time_calls(pool: DecodePool, calls: int) -> float:
 
 def fits_prefill(model, tokens: int, s: dict) -> str | None:
     """Why a pool for prompts of `tokens` would not fit the device (its pool's and prefill's
-    caches and one piece's float32 logits, twice), or None."""
+    caches, twice), or None."""
     capacity = cache_capacity(model, tokens + 1)
-    needed = 2 * cache_bytes(model, 2, capacity) + 2 * 4 * min(tokens, s["piece"]) * model.vocab_size
+    needed = 2 * cache_bytes(model, 2, capacity)
     free = available_bytes()
     if needed > 0.8 * free:
-        return f"needs about {needed / 2**30:.1f} GiB of caches and logits, {free / 2**30:.1f} GiB free"
+        return f"needs about {needed / 2**30:.1f} GiB of caches, {free / 2**30:.1f} GiB free"
     return None
 
 
