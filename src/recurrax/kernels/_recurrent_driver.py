@@ -47,7 +47,11 @@ matrix, exact in three bf16 MXU passes), so no float32 dq, dk and no cumulative 
 over them is made in XLA, and dq, dk leave the kernel in the caller's dtype where nothing
 is summed after it. Otherwise the kernel writes the boundary terms and `gate_gradient`
 takes the sums here. The chunk-local decay the kernels read is the forward's residual
-(float32 like g), not recomputed for the backward.
+(float32 like g), not recomputed for the backward; kernels that form it where they load a
+block (`PallasBackend.head_decay_in_kernel`, a per-head decay) read g itself. A backend
+whose forward kernel writes the states entering every chunk while differentiated
+(`PallasBackend.states_residual`) hands them to the backward; else the backward reruns the
+forward kernel for them.
 """
 
 
@@ -110,6 +114,15 @@ class PallasBackend:
     - `cleans_at_load`: the kernels read non-finite entries of q, k, v and do as 0 where they
       load a block (`recurrax._core.finite`), so the driver hands them the arrays as they are
       and XLA stores no cleaned copy; without it the driver cleans them first (`clean_tokens`).
+    - `head_decay_in_kernel`: with a per-head decay the kernels take the gate g itself
+      ([B, Tp, H] float32, as the caller gave it) in place of `a` and form `floored_gate`'s
+      cleaning and floor and the chunk-local cumulative sum where they load a block, so XLA
+      runs no cumulative sum and stores no `a`.
+    - `states_residual`: a differentiated call's forward kernel also writes the states
+      entering every chunk (`emit_states`, [B, H, N, K, V] float32: the residual the XLA
+      `chunk`'s scan keeps too), which the backward reads; without it the backward reruns
+      the forward kernel for them (`emit_output=False`). The primal (inference) call writes
+      none either way.
     """
 
     forward: Callable[..., list]
@@ -119,6 +132,8 @@ class PallasBackend:
     chunk: int | None = None
     gate_in_kernel: bool = False
     cleans_at_load: bool = False
+    head_decay_in_kernel: bool = False
+    states_residual: bool = False
 
     def recurrent(self, problem: Problem, *, scale: float, reverse: bool, tiles: Any = None):
         """The kernels compiled for the backend's chip; `(output, final_state)`.
@@ -166,8 +181,9 @@ def _chunk(call: KernelCall, q, k, v, g, h0, table, empty):
     `table` ([3, M] int32) and `empty` ([R] bool) describe packed input in the chunk-aligned
     layout (None when dense): sequences without tokens keep their initial state.
     """
-    (o, h_T), _ = _chunk_fwd(call, q, k, v, g, h0, table, empty)
-    return o, h_T
+    a = _local_decay(call, g)
+    o, h_T = call.forward(*_operands(call, q, k, v), a, h0, table, emit_output=True, emit_states=False)
+    return o, keep_empty(empty, h0, h_T)
 
 
 def _cleaned(call: KernelCall, x):
@@ -182,8 +198,9 @@ def _operands(call: KernelCall, q, k, v):
     return _cleaned(call, q), _cleaned(call, k).astype(q.dtype), _cleaned(call, v).astype(q.dtype)
 
 
-def _local_decay(g, chunk: int):
-    """The kernels' chunk-local cumulative log decay of the cleaned gate (None without one).
+def _local_decay(call: KernelCall, g):
+    """The kernels' chunk-local cumulative log decay of the cleaned gate (None without one;
+    g itself where the kernels form it, `PallasBackend.head_decay_in_kernel`).
 
     The kernels take e^{A_i − A_j} from differences of these float32 cumulative sums, so a
     chunk's sum must stay small: with hard resets (−1e4) in a chunk, a difference of two sums
@@ -192,21 +209,27 @@ def _local_decay(g, chunk: int):
     C · 20 · 2⁻²⁴ (1.5·10⁻⁴ at C = 128, whatever the strength of the decays; the XLA `chunk`
     forms the same factors as products and has no such term).
     """
-    return None if g is None else chunk_local_cumsum(floored_gate(g), chunk)
+    if g is None or (call.backend.head_decay_in_kernel and call.static.gate is Gate.HEAD):
+        return g
+    return chunk_local_cumsum(floored_gate(g), call.chunk)
 
 
 def _chunk_fwd(call: KernelCall, q, k, v, g, h0, table, empty):
-    a = _local_decay(g, call.chunk)  # float32 like g (`_kernel_recurrent`): kept instead of it
-    o, h_T = call.forward(*_operands(call, q, k, v), a, h0, table, emit_output=True, emit_states=False)
+    """The differentiated forward: with `states_residual`, its kernel also writes the states
+    entering every chunk, the backward's residual (else None: the backward recomputes them)."""
+    a = _local_decay(call, g)  # float32 like g (`_kernel_recurrent`): kept instead of it
+    keep = call.backend.states_residual
+    o, h_T, *states = call.forward(*_operands(call, q, k, v), a, h0, table, emit_output=True, emit_states=keep)
     h_T = keep_empty(empty, h0, h_T)
-    return (o, h_T), (q, k, v, a, h0, h_T, table, empty)
+    return (o, h_T), (q, k, v, a, h0, h_T, states[0] if keep else None, table, empty)
 
 
 def _chunk_bwd(call: KernelCall, residuals, cotangents):
-    q, k, v, a, h0, h_T, table, empty = residuals
+    q, k, v, a, h0, h_T, states, table, empty = residuals
     do, dh_T = cotangents
     operands = _operands(call, q, k, v)
-    _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
+    if states is None:
+        _, states = call.forward(*operands, a, h0, table, emit_output=False, emit_states=True)
     dh_T = dh_T.astype(F32)
     cotangents = (a, _cleaned(call, do).astype(q.dtype), states, h_T, dh_T, table)
     if call.backend.gate_in_kernel:

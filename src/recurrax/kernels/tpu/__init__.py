@@ -150,7 +150,8 @@ def _declared_tiles(problem) -> TpuTiles:
 
 
 BACKEND = PallasBackend(chunk_forward, chunk_backward, chip_tiles=_declared_tiles, interpret_tiles=TILES,
-                        gate_in_kernel=True, cleans_at_load=True)
+                        gate_in_kernel=True, cleans_at_load=True, head_decay_in_kernel=True,
+                        states_residual=True)
 """The kernels lowered by Mosaic TPU, or run in Pallas's TPU interpret mode; tiles `TILES`."""
 
 tpu_recurrent = BACKEND.recurrent

@@ -3,7 +3,7 @@
 | symbol  | meaning                                                                   |
 |---------|---------------------------------------------------------------------------|
 | C, c    | chunk length (one grid step), sub-block length (per-channel decays)       |
-| S       | [K, BV] state entering the chunk (recomputed by the forward kernel)       |
+| S       | [K, BV] state entering the chunk (written by the differentiated forward) |
 | dS      | [K, BV] gradient of the state leaving the chunk, VMEM scratch, float32    |
 | S⁺      | [K, BV] state leaving the chunk (S of the chunk after it, or h_T)         |
 | A_i     | chunk-local inclusive cumulative log decay; A_L the chunk's last          |
@@ -59,7 +59,7 @@ from . import _tiles as tiles
 from ._channel import DIAGONAL_GROUP, DiagonalGroups, after_anchor, before_anchor, diagonal_block, group_scatter
 from ._launch import finish_carry, launch, start_carries, take
 from ._recurrent_forward import recurrent_shapes
-from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row
+from ._tiles import F32, exp_where, iota, mm, mm_nt, pick_col, pick_row, running_sums
 
 
 def head_chunk_bwd(q, k, qT, v, do, a_col, a_row, S, dS, *, scale, dtype):
@@ -130,21 +130,6 @@ def key_sub_block_bwd(q, k, v, do, a, a_last, S, dS, p: int, c: int, *, scale, d
     return diagonal_bwd(q_s, k_s, do_s, a_s, dP_s, dq, dk, dv, p, scale=scale, dtype=dtype, group=group)
 
 
-def suffix_sums(x):
-    """Σ_{s ≥ t} x_s over the rows of a [C, D] float32 tile, [C, D]: U @ x with U_ts = 1 for
-    s ≥ t (a reverse cumulative sum within the chunk). Exact products on the MXU in three
-    bf16 passes: U is 0/1 (exact in bf16) and x splits exactly into three bf16 parts
-    (8 + 8 + 8 of float32's 24 significant bits), each product accumulated in float32."""
-    C = x.shape[0]
-    upper = (iota((C, C), 1) >= iota((C, C), 0)).astype(jnp.bfloat16)
-    total = jnp.zeros(x.shape, F32)
-    for _ in range(3):
-        part = x.astype(jnp.bfloat16)
-        total += mm(upper, part, jnp.bfloat16)
-        x = x - part.astype(F32)
-    return total
-
-
 def gate_terms(q, dq, k, dk):
     """dB = q ⊙ dq − k ⊙ dk, [rows, K] float32 (the driver's docstring)."""
     return q * dq - k * dk
@@ -188,7 +173,7 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
     boundary = None if dg_ref is None else jnp.sum(after_ref[...] * dS, axis=1, keepdims=True)  # [K, 1] Σ_V S⁺⊙dS
     q, k, v, do = (tiles.token(r) for r in (q_ref, k_ref, v_ref, do_ref))  # cleaned at load
     qT = q.T  # [K, C], in VMEM
-    a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
+    a, aT = tiles.read_decay(decay_refs, static.gate, local_sums=True) or (None, None)
     C = q.shape[0]
     if static.gate is Gate.KEY:
         c = static.tiles.sub
@@ -200,7 +185,7 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
             dk_ref[p : p + c, :] = dk.astype(dk_ref.dtype)
             dv_ref[p : p + c, :] = dv.astype(dv_ref.dtype)
             dg_ref[p : p + c, :] = gate_terms(q[p : p + c], dq, k[p : p + c], dk)  # dB, summed below
-        dg_ref[...] = suffix_sums(dg_ref[...]) + tiles.row_of(boundary)
+        dg_ref[...] = running_sums(dg_ref[...], reverse=True) + tiles.row_of(boundary)
         aT_last = pick_col(aT, C - 1)  # [K, 1]
         dS_entering = jnp.exp(aT_last) * dS + scale * mm(qT * jnp.exp(aT), do, dtype)
     else:
@@ -209,7 +194,7 @@ def _backward_head(refs: list, flags, *, static: KernelConfig, specs: tiles.Spec
             ref[...] = x.astype(ref.dtype)
         if dg_ref is not None:  # per head: the K channels summed, then the suffix sums of a column
             dB = jnp.sum(gate_terms(q, dq, k, dk), axis=1, keepdims=True)  # [C, 1]
-            dg_ref[...] = suffix_sums(dB) + jnp.sum(boundary, axis=0, keepdims=True)
+            dg_ref[...] = running_sums(dB, reverse=True) + jnp.sum(boundary, axis=0, keepdims=True)
     dS_ref[...] = dS_entering
     after_ref[...] = S
     finish_carry(first, dh0_ref, dS_entering)

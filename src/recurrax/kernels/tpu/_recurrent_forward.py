@@ -29,8 +29,8 @@ A_i, A_L − A_j (j ≤ L) and A_i − A_j (j ≤ i) are sums of gates.
 
 **Layout** (`_tiles`): q, k [B, Tp, G·K], v, o [B, Tp, H·V] and a per-channel A
 [B, Tp, H·K] are read and written lane-dense token-major, in [C, Hb·D] blocks (head i: lanes
-[i·D, (i + 1)·D)); a per-head A [B, Tp, H] as a [C, H] block (head i's column picked in
-VMEM). The state update S' needs kᵀ v, a contraction over tokens: k (and a per-channel A) is
+[i·D, (i + 1)·D)); a per-head gate g [B, Tp, H] as a [C, H] block (head i's column picked in
+VMEM, floored and summed within the chunk there: `_tiles.local_decay`). The state update S' needs kᵀ v, a contraction over tokens: k (and a per-channel A) is
 transposed in VMEM, so every matmul is `a @ b` or `a @ bᵀ`; no copy is made in XLA.
 """
 
@@ -76,7 +76,7 @@ def _chunk(q_ref, token_refs, decay_refs, S, o_ref, *, static: KernelConfig):
     q = None if q_ref is None else tiles.token(q_ref)
     k, v = tiles.token(k_ref), tiles.token(v_ref)
     kT = k.T  # [K, C], in VMEM
-    a, aT = tiles.read_decay(decay_refs, static.gate) or (None, None)
+    a, aT = tiles.read_decay(decay_refs, static.gate, local_sums=True) or (None, None)
     if static.gate is Gate.KEY:
         return key_chunk(q, k, kT, v, a, aT, S, o_ref, c=static.tiles.sub, group=static.tiles.group,
                          scale=static.scale, dtype=dtype)

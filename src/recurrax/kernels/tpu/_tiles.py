@@ -18,8 +18,9 @@ block of one head of that layout (the head axis second-minor) is refused, and he
 copies [B, H, Tp, D] of 64-wide heads are lane-sparse copies made in XLA. The same bytes seen
 as [B, Tp, H · D] (`token_lanes`, a reshape; what a projection writes) have lane-dense blocks
 [C, Hb · D]: q, k [B, Tp, G · K] -> [C, Gb · K]; v, o, do, dv [B, Tp, H · V] -> [C, Hb · BV];
-dq, dk (per value head) and a per-channel A [B, Tp, H · K] -> [C, Hb · K]; a per-head A and
-the delta rule's β [B, Tp, H] -> [C, H], every head. A block must be a multiple of 128 lanes
+dq, dk (per value head) and a per-channel A [B, Tp, H · K] -> [C, Hb · K]; a per-head decay
+(`recurrent`'s: the gate g, summed in VMEM, `local_decay`; the delta rule's: A) and the delta
+rule's β [B, Tp, H] -> [C, H], every head. A block must be a multiple of 128 lanes
 or the whole minor dim (`lane_problems`; Hb = H always is), so with 64-wide heads a step takes
 an even number of heads. Head i of a step reads and writes lanes [i · D, (i + 1) · D) of its
 blocks by static lane slices (`LaneSlice`; Mosaic loads and stores them at lane offset 64, but
@@ -73,7 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..._core.problem import Gate
-from .._driver import KernelConfig
+from .._driver import STRONGEST_DECAY, KernelConfig
 
 F32 = jnp.float32
 LANES, SUBLANES = 128, 8
@@ -550,11 +551,41 @@ def row_of(column):
     return jnp.sum(jnp.where(iota((K, K), 0) == iota((K, K), 1), column, 0.0), axis=0, keepdims=True)
 
 
-def read_decay(refs: list, gate: Gate | None) -> tuple | None:
+def read_decay(refs: list, gate: Gate | None, local_sums: bool = False) -> tuple | None:
     """One chunk's decay as the kernels use it, from a head's view of its decay block: per
     head (column [C, 1], row [1, C]) from a `HeadColumn` (its row by `row_of`), per channel
-    ([C, K], [K, C]) from a [C, K] view (transposed in VMEM); None without decay."""
+    ([C, K], [K, C]) from a [C, K] view (transposed in VMEM); None without decay.
+    `local_sums`: a per-head block holds the log decay g itself, and the chunk-local
+    cumulative sum A is formed here (`local_decay`)."""
     if gate is None:
         return None
     (decay,) = (f32(r) for r in refs)
-    return (decay, row_of(decay)) if gate is Gate.HEAD else (decay, decay.T)
+    if gate is Gate.HEAD:
+        decay = local_decay(decay) if local_sums else decay
+        return decay, row_of(decay)
+    return decay, decay.T
+
+
+def local_decay(g):
+    """A [C, 1] = the chunk-local inclusive cumulative sum of the gate g [C, 1] as the driver's
+    `floored_gate` sees it (NaN and +inf read as 0, floored at `STRONGEST_DECAY`): what XLA
+    formed before the kernels, here in VMEM (`running_sums`), so XLA keeps no copy of A."""
+    floored = jnp.where((g != g) | (g == jnp.inf), 0.0, jnp.maximum(g, STRONGEST_DECAY))
+    return running_sums(floored)
+
+
+def running_sums(x, reverse: bool = False):
+    """Σ_{s ≤ t} x_s (`reverse`: Σ_{s ≥ t}) over the rows of a [C, D] float32 tile, [C, D]:
+    L @ x with L_ts = 1 for s ≤ t (U, s ≥ t), a cumulative sum within the chunk. Exact
+    products on the MXU in three bf16 passes: L is 0/1 (exact in bf16) and x splits exactly
+    into three bf16 parts (8 + 8 + 8 of float32's 24 significant bits), each product
+    accumulated in float32."""
+    C = x.shape[0]
+    rows, cols = iota((C, C), 0), iota((C, C), 1)
+    triangle = ((cols >= rows) if reverse else (cols <= rows)).astype(jnp.bfloat16)
+    total = jnp.zeros(x.shape, F32)
+    for _ in range(3):
+        part = x.astype(jnp.bfloat16)
+        total += mm(triangle, part, jnp.bfloat16)
+        x = x - part.astype(F32)
+    return total
