@@ -276,31 +276,6 @@ def test_a_small_per_channel_float32_backward_compiles_for_v5e():
     assert compiled.executable.as_text().count("tpu_custom_call") == 2
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_guarded_grouped_per_channel_call_compiles_for_v5e(dtype):
-    """`recurrent` with grouped heads (4 value heads of 128 on 2 key heads of 64) and a
-    per-channel decay, forward and backward through `pallas_tpu` with the non-finite guard:
-    the guard's per-token flags formed inside its `lax.cond` by a matrix-vector product over
-    D = 128 failed to compile (libtpu 0.0.42.1 on the chip, 2026-12-07, and CI's libtpu: "Shape
-    mismatch between parameter number 0 and its operand", a [T, H] layout); the flags are a sum
-    of x · 0 there now."""
-    import jax.numpy as jnp
-
-    import recurrax
-    from recurrax.tools.cases import Case, make_inputs, split_args
-
-    need("v5e")
-    diff, rest = split_args(make_inputs(Case(B=1, T=128, H=4, Hkv=2, K=64, V=128, gates=("gk",), dtype=dtype)))
-
-    def forward_backward(diff):
-        (output, state), pullback = jax.vjp(lambda d: recurrax.recurrent(**d, **rest, implementation="pallas_tpu"),
-                                            diff)
-        return output, state, pullback((jnp.ones_like(output), jnp.ones_like(state)))[0]
-
-    compiled = targets.compile_for("v5e", forward_backward, diff)
-    assert compiled.executable.as_text().count("tpu_custom_call") == 2
-
-
 def largest_accepted_chunk(generation: str, K: int, V: int, dtype, gate) -> int:
     """The largest chunk (128 · 2^i) whose forward and backward the VMEM check accepts."""
     from recurrax.kernels.tpu._vmem import vmem_problem

@@ -88,10 +88,22 @@ def clean_cotangent(x: Array) -> Array:
 clean_cotangent.defvjp(lambda x: (x, None), lambda _, ct: (clean_tokens(ct),))
 
 
+def _bad_entries(x: Array, heads: int) -> Bool[Array, "B T H"]:
+    """Any non-finite entry per token and head of x [B, T, Hx] or [B, T, Hx, D], as H heads.
+
+    Over D as the product `x · 0⃗` (0 where every entry is finite, NaN where one is not: 0 · ±inf
+    is NaN): a matrix-vector product reads x in place, where a boolean `any` of `isfinite`
+    materialised a [B, T, H, D] mask (XLA on CPU does not fuse it into the reduction). At
+    HIGHEST precision: a one-pass bfloat16 product (a TPU's default) rounds a float32 entry
+    near its largest value up to infinity."""
+    if x.ndim == 4:
+        x = jnp.einsum("...d,d->...", x, jnp.zeros(x.shape[-1], x.dtype), precision=jax.lax.Precision.HIGHEST)
+    return _to_heads(~jnp.isfinite(x), heads)
+
+
 def _bad_cotangent(d_output: Array, heads: int) -> Bool[Array, "B T H"]:
-    """Any non-finite entry per token and head of the output cotangent [B, T, H, V], over V as
-    the sum of `x − x` (0, or NaN where an entry is not finite), which XLA fuses into the
-    reduction. The cotangent may
+    """`_bad_entries` of the output cotangent [B, T, H, V], over V as the sum of `x − x` (0, or
+    NaN where an entry is not finite), which XLA fuses into the reduction. The cotangent may
     not be an array yet (`output.sum()`'s is a broadcast of ones, which the algorithm reads
     tile by tile); a matrix-vector product made XLA materialise it: 16 MiB at T 16384, H 4,
     V 64. (It costs more than the product on an array: 0.31 against 0.14 ms at [2, 2048, 8, 64].)"""
@@ -105,6 +117,20 @@ def _to_heads(mask: Bool[Array, "B T Hx"], heads: int) -> Bool[Array, "B T heads
     if have < heads:
         return jnp.repeat(mask, heads // have, axis=2)
     return mask if have == heads else mask.reshape(*mask.shape[:2], heads, have // heads).any(-1)
+
+
+def bad_tokens(problem, fields: tuple[str, ...], gate_fields: tuple[str, ...]) -> dict[str, Array]:
+    """Per token and value head [B, T, H]: which of the token `fields` of a canonical problem
+    hold a non-finite entry, and under "gate" which of its `gate_fields` do (a gate of −inf is
+    a hard reset, not bad)."""
+    H = problem.value.shape[2]
+    bad = {name: _bad_entries(getattr(problem, name), H) for name in fields}
+    bad["gate"] = jnp.zeros(problem.value.shape[:3], bool)
+    for name in gate_fields:
+        g = getattr(problem, name)
+        if g is not None:
+            bad["gate"] = bad["gate"] | _bad_entries(jnp.where(g == -jnp.inf, 0, g), H)
+    return bad
 
 
 _NONE = 2**30  # a position beyond every token ("no such token")
@@ -271,27 +297,9 @@ def _token_views(problem, rule: Rule) -> dict:
     return {name: _lanes(getattr(problem, name)) for name in names if getattr(problem, name) is not None}
 
 
-def bad_tokens(problem, views: dict, rule: Rule) -> dict[str, Array]:
-    """Per token and value head [B, T, H]: which of `rule`'s token fields of a canonical problem
-    hold a non-finite entry, and under "gate" which of its gates do (a gate of −inf is a hard
-    reset, not bad); the fields and gates read from `views` (`_token_views`), each reduced over
-    D as the sum of x · 0 (0, or NaN where an entry is not finite) on its [B, T, heads, D] view.
-    (A matrix-vector product with 0⃗ there, inside the `lax.cond`, failed to compile for grouped
-    heads with D = 128 on libtpu: "Shape mismatch between parameter number 0 and its operand",
-    a [T, H] layout; tests/test_compile.py.)"""
-    H = problem.value.shape[2]
-
-    def bad(name, x):
-        shape = getattr(problem, name).shape
-        per_token = x.reshape(*shape[:3], -1) * jnp.zeros((), x.dtype)
-        return _to_heads(~jnp.isfinite(jnp.sum(per_token, axis=-1, dtype=jnp.float32)), H)
-
-    flags = {name: bad(name, views[name]) for name in rule.fields}
-    flags["gate"] = jnp.zeros(problem.value.shape[:3], bool)
-    for name in rule.gate_fields:
-        if name in views:
-            flags["gate"] = flags["gate"] | bad(name, jnp.where(views[name] == -jnp.inf, 0, views[name]))
-    return flags
+def _with_views(problem, views: dict):
+    """`problem` with the fields of `_token_views` back in their own shapes."""
+    return problem._replace(**{name: x.reshape(getattr(problem, name).shape) for name, x in views.items()})
 
 
 def _guarded_results(rule, reverse, axis, problem, results):
@@ -302,7 +310,7 @@ def _guarded_results(rule, reverse, axis, problem, results):
 
     def mark(operands):
         output, final, views = operands
-        bad = bad_tokens(problem, views, rule)
+        bad = bad_tokens(_with_views(problem, views), rule.fields, rule.gate_fields)
         output_mask, final_mask = _output_marks(rule, bad, Span.of(*shape, reverse, axis))
         final = jnp.where(final_mask[..., None, None], jnp.nan, final).astype(final.dtype)
         return _nan_where(output, output_mask, heads), final, views
@@ -323,7 +331,7 @@ def _guarded_bwd(fn, rule, reverse, axis, residuals, cotangents):
 
     def mark(operands):
         fields, init, views, d_output = operands
-        bad = bad_tokens(problem, views, rule)
+        bad = bad_tokens(_with_views(problem, views), rule.fields, rule.gate_fields)
         bad_output = _bad_cotangent(d_output.reshape(*d_output.shape[:2], heads, -1), bad["query"].shape[2])
         bad_final = ~jnp.isfinite(d_final).all((-2, -1))  # [R, H]
         masks, d_init = _gradient_marks(rule, bad, bad_output, bad_final, Span.of(*shape, reverse, axis))
