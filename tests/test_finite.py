@@ -180,29 +180,3 @@ def test_hard_reset_is_the_minus_1e4_result(implementation, layout):
         for x, y in zip(jax.tree.leaves(hard), jax.tree.leaves(soft)):
             assert np.isfinite(np.asarray(x)).all()
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
-
-
-def test_the_clean_path_reduces_every_input_to_one_flag():
-    """Forward and backward (the TPU kernels, a per-head gate, shared query/key heads): outside
-    the kernels and the guard's `lax.cond` no per-token flag is formed (the inputs and the
-    output cotangent are summed as x · 0 to one flag), and the
-    token arrays the `cond` takes are lane-dense [B, T, H · D] (no 4-D view is laid out for it:
-    on a TPU a relayout copy of every input, output and gradient)."""
-    from _cases import equations
-
-    case = Case(B=2, T=24, Hqk=2, H=4, K=8, V=8, gates=("g_head",), dtype="float32")
-    diff, rest = split_args(make_inputs(case))
-
-    def loss(diff):
-        output, final = call(tpu_interpret, **diff, **rest)
-        return jnp.sum(output) + jnp.sum(final)
-
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(diff).jaxpr
-    outside = list(equations(jaxpr, outside=("cond", "pallas_call")))
-    flags = [e.outvars[0].aval.shape for e in outside
-             if e.primitive.name == "is_finite" and e.outvars[0].aval.shape[:2] == (case.B, case.T)]
-    assert not flags, flags  # per-token (or per-entry) flags: only inside the cond
-    conds = [e for e in outside if e.primitive.name == "cond"]
-    assert len(conds) == 2  # the forward's marks, the backward's
-    token_operands = [v.aval.shape for e in conds for v in e.invars[1:] if v.aval.shape[:2] == (case.B, case.T)]
-    assert token_operands and all(len(shape) == 3 for shape in token_operands), token_operands

@@ -43,12 +43,9 @@ work is split in two:
   sequences, and where it does reach, the result is NaN in that (token, head) (its other
   channels included: the rule is per token and head, not per channel).
 
-Cost on the clean path: one read of the inputs (and of the output cotangent in the
-backward) reduced to a single flag, whether any entry is bad (`_any_bad`: each array read
-as the [B, T, heads · D] a model's projection writes, so XLA reduces it where it lies; a
-TPU keeps no transposed copy of it); the per-token flags and the NaN marks (a `where` over
-the outputs and gradients) run only when it is set (`lax.cond`), on the token arrays seen
-the same way; no input is copied.
+Cost on the clean path: the flags are one read of the inputs (and of the output cotangent in
+the backward) reduced to [B, T, H] booleans; the NaN marks (a `where` over the outputs and
+gradients) run only when a flag is set (`lax.cond`); no input is copied.
 """
 
 from __future__ import annotations
@@ -222,37 +219,12 @@ def _gradient_marks(rule: Rule, bad, bad_output: Array, bad_final: Array, span: 
     return rule.gradients(bad, bad_output, p, first, adjoint), last_segment >= -1
 
 
-def _nan_where(x: Array | None, mask: Bool[Array, "B T H"], heads: int) -> Array | None:
-    """x [B, T, heads · D] (a token array seen lane-dense, `_lanes`; D = 1 for a per-head
-    array) with its (token, head) cells under `mask` set to NaN."""
+def _nan_where(x: Array | None, mask: Bool[Array, "B T H"]) -> Array | None:
+    """x [B, T, Hx(, D)] with its (token, head) cells under `mask` set to NaN."""
     if x is None:
         return None
-    spread = jnp.repeat(jnp.eye(heads, dtype=jnp.bfloat16), x.shape[2] // heads, axis=1)  # [heads, heads · D] 0/1
-    per_lane = jnp.dot(_to_heads(mask, heads).astype(jnp.bfloat16), spread, preferred_element_type=jnp.float32) > 0
-    return jnp.where(per_lane, jnp.nan, x).astype(x.dtype)
-
-
-def _lanes(x: Array | None) -> Array | None:
-    """A token array [B, T, H(, D)] as [B, T, H · D]: the bytes a model's projection writes.
-    On a TPU a [B, T, H, 64] array is tiled over (H, D), so an operation on the 4-D view of a
-    projection's output costs a relayout copy; on this view it costs none."""
-    return None if x is None else x.reshape(*x.shape[:2], -1)
-
-
-def _any_bad(*arrays) -> Array:
-    """Whether any of `arrays` (None skipped) holds a non-finite entry: one bool, from the sum
-    of x · 0 (0, or NaN where an entry is not finite) over each array seen lane-dense
-    (`_lanes`), a multiply-reduce XLA fuses (a boolean `all` of `isfinite` materialised its
-    mask on a CPU)."""
-    sums = [jnp.sum(_lanes(x) * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in arrays if x is not None]
-    return ~jnp.isfinite(functools.reduce(jnp.add, sums))
-
-
-def _any_bad_input(problem, rule: Rule) -> Array:
-    """`_any_bad` of the token fields and gates (a gate of −inf is a hard reset, not bad)."""
-    gates = [getattr(problem, name) for name in rule.gate_fields]
-    gates = [None if g is None else jnp.where(g == -jnp.inf, 0, g) for g in gates]
-    return _any_bad(*(getattr(problem, name) for name in rule.fields), *gates)
+    mask = _to_heads(mask, x.shape[2])
+    return jnp.where(mask if x.ndim == 3 else mask[..., None], jnp.nan, x).astype(x.dtype)
 
 
 def guarded(fn: Callable, rule: Rule, problem, *, reverse: bool = False, axis: str | None = None):
@@ -272,78 +244,50 @@ def guarded(fn: Callable, rule: Rule, problem, *, reverse: bool = False, axis: s
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _guarded(fn, rule, reverse, axis, problem):
-    return _guarded_results(rule, reverse, axis, problem, fn(problem))  # not differentiated: fn's primal
+    return _guarded_fwd(fn, rule, reverse, axis, problem)[0]
 
 
-def _marked(any_bad, axis: str | None, mark: Callable, results):
-    """`mark(results)` if `any_bad` (one bool), else `results` untouched: on one device a
-    `lax.cond`, so the clean path skips the per-token flags and the `where` passes (under
-    `vmap` both branches run, as a select); on a mesh the branch would hold collectives:
-    always run, as `where`s."""
-    if axis is not None:
-        return mark(results)
+def _if_any(flags, mark: Callable, results):
+    """`mark(results)` if any of `flags` is set, else `results` untouched: the clean path
+    skips the `where` passes (under `vmap` both branches run, as a select)."""
+    any_bad = functools.reduce(jnp.logical_or, (jnp.any(f) for f in flags))
     return jax.lax.cond(any_bad, mark, lambda x: x, results)
+
+
+def _marked(flags, axis: str | None, mark: Callable, results):
+    """`mark(results)`: skipped by a `lax.cond` when no flag is set, on one device (on a mesh
+    the branch would hold collectives: always run, as `where`s)."""
+    return mark(results) if axis is not None else _if_any(flags, mark, results)
 
 
 def _guarded_fwd(fn, rule, reverse, axis, problem):
     results, pullback = jax.vjp(fn, problem)
-    return _guarded_results(rule, reverse, axis, problem, results), (pullback, problem)
-
-
-def _token_views(problem, rule: Rule) -> dict:
-    """The problem's token fields and gates (None skipped) seen lane-dense (`_lanes`): what
-    the `lax.cond` of `_marked` takes, so XLA lays out no 4-D view of them for it."""
-    names = rule.fields + rule.gate_fields
-    return {name: _lanes(getattr(problem, name)) for name in names if getattr(problem, name) is not None}
-
-
-def _with_views(problem, views: dict):
-    """`problem` with the fields of `_token_views` back in their own shapes."""
-    return problem._replace(**{name: x.reshape(getattr(problem, name).shape) for name, x in views.items()})
-
-
-def _guarded_results(rule, reverse, axis, problem, results):
-    """The results (output [B, T, H, V], final state) marked NaN where `rule` says."""
+    bad = bad_tokens(problem, rule.fields, rule.gate_fields)
     shape = (problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0])
-    output, final = results
-    heads = output.shape[2]
 
-    def mark(operands):
-        output, final, views = operands
-        bad = bad_tokens(_with_views(problem, views), rule.fields, rule.gate_fields)
+    def mark(results):
+        (output, final) = results
         output_mask, final_mask = _output_marks(rule, bad, Span.of(*shape, reverse, axis))
-        final = jnp.where(final_mask[..., None, None], jnp.nan, final).astype(final.dtype)
-        return _nan_where(output, output_mask, heads), final, views
+        return _nan_where(output, output_mask), jnp.where(final_mask[..., None, None], jnp.nan, final).astype(final.dtype)
 
-    operands = (_lanes(output), final, _token_views(problem, rule))
-    marked, final, _ = _marked(_any_bad_input(problem, rule), axis, mark, operands)
-    return marked.reshape(output.shape), final
+    return _marked(bad.values(), axis, mark, results), (pullback, bad, shape)
 
 
 def _guarded_bwd(fn, rule, reverse, axis, residuals, cotangents):
-    pullback, problem = residuals
+    pullback, bad, shape = residuals
     d_output, d_final = cotangents
-    shape = (problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0])
+    bad_final = ~jnp.isfinite(d_final).all((-2, -1))  # [R, H]
+    bad_output = _bad_cotangent(d_output, bad["query"].shape[2])
     (grads,) = pullback((d_output, clean_tokens(d_final)))  # fn cleans d_output at load
-    grads = grads._replace(cu_seqlens=None)
-    heads = d_output.shape[2]
-    tokens = {name: getattr(grads, name) for name in rule.fields + rule.gate_fields if getattr(grads, name) is not None}
 
-    def mark(operands):
-        fields, init, views, d_output = operands
-        bad = bad_tokens(_with_views(problem, views), rule.fields, rule.gate_fields)
-        bad_output = _bad_cotangent(d_output.reshape(*d_output.shape[:2], heads, -1), bad["query"].shape[2])
-        bad_final = ~jnp.isfinite(d_final).all((-2, -1))  # [R, H]
+    def mark(grads):
         masks, d_init = _gradient_marks(rule, bad, bad_output, bad_final, Span.of(*shape, reverse, axis))
-        fields = {name: _nan_where(x, masks[name], tokens[name].shape[2]) for name, x in fields.items()}
-        return fields, jnp.where(d_init[..., None, None], jnp.nan, init).astype(init.dtype), views, d_output
+        fields = {name: _nan_where(getattr(grads, name), mask) for name, mask in masks.items()}
+        init = grads.initial_state
+        fields["initial_state"] = jnp.where(d_init[..., None, None], jnp.nan, init).astype(init.dtype)
+        return grads._replace(**fields)
 
-    any_bad = _any_bad_input(problem, rule) | _any_bad(d_output, d_final)
-    operands = ({name: _lanes(x) for name, x in tokens.items()}, grads.initial_state, _token_views(problem, rule),
-                _lanes(d_output))
-    fields, init, _, _ = _marked(any_bad, axis, mark, operands)
-    fields = {name: x.reshape(tokens[name].shape) for name, x in fields.items()}
-    return (grads._replace(**fields, initial_state=init),)
+    return (_marked((*bad.values(), bad_output, bad_final), axis, mark, grads._replace(cu_seqlens=None)),)
 
 
 _guarded.defvjp(_guarded_fwd, _guarded_bwd)
