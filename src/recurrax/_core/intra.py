@@ -42,7 +42,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 from .problem import Gate
@@ -91,45 +90,27 @@ def ladder(log_decay: Float[Array, "... C D"], leaf: int) -> tuple[Ladder, Array
     the right factor of the halving is `prefix` and the left one is `after`.
     """
     *lead, C, D = log_decay.shape
+    alpha = jnp.exp(log_decay)
+    prefix, after = alpha, jnp.ones_like(alpha)
     levels = []
-    for h, prefix, after in _block_products(jnp.exp(log_decay)):
-        if leaf <= h < C:
-            levels.append((2 * h, *_left_right(prefix, after, h)))
+    h = 1
+    while h < C:
+        pairs = C // (2 * h)
+        p = prefix.reshape(*lead, pairs, 2, h, D)
+        a = after.reshape(*lead, pairs, 2, h, D)
+        if h >= leaf:
+            levels.append((2 * h, a[..., 0, :, :], p[..., 1, :, :]))
+        left_total = p[..., 0, -1:, :]  # e^{A at left end − A before the block}
+        right_total = (alpha.reshape(*lead, pairs, 2, h, D) * a)[..., 1, :1, :]
+        prefix = jnp.stack([p[..., 0, :, :], p[..., 1, :, :] * left_total], axis=-3).reshape(*lead, C, D)
+        after = jnp.stack([a[..., 0, :, :] * right_total, a[..., 1, :, :]], axis=-3).reshape(*lead, C, D)
+        h *= 2
     leaf_decay = None
     if leaf > 1:
         cum = chunk_cumsum(log_decay.reshape(*lead, C // leaf, leaf, D), True)
         exponent = cum[..., :, None, :] - cum[..., None, :, :]  # [..., C/c, t, s, D]
         leaf_decay = jnp.exp(jnp.where(_lower(leaf)[:, :, None], exponent, -jnp.inf))
     return Ladder(tuple(levels), leaf, leaf_decay), prefix, after
-
-
-def _block_products(alpha: Array):
-    """Yield (h, prefix, after) for h = 1, 2, 4, … < C and finally h = C: within aligned
-    blocks of h tokens the inclusive prefix products and exclusive suffix products of α
-    [..., C, D], full length. Doubling h multiplies the right half's prefix by the left half's
-    total and the left half's suffix by the right half's total."""
-    *lead, C, D = alpha.shape
-    prefix, after = alpha, jnp.ones_like(alpha)
-    h = 1
-    while h < C:
-        yield h, prefix, after
-        pairs = C // (2 * h)
-        p = prefix.reshape(*lead, pairs, 2, h, D)
-        a = after.reshape(*lead, pairs, 2, h, D)
-        left_total = p[..., 0, -1:, :]  # e^{A at left end − A before the block}
-        right_total = (alpha.reshape(*lead, pairs, 2, h, D) * a)[..., 1, :1, :]
-        prefix = jnp.stack([p[..., 0, :, :], p[..., 1, :, :] * left_total], axis=-3).reshape(*lead, C, D)
-        after = jnp.stack([a[..., 0, :, :] * right_total, a[..., 1, :, :]], axis=-3).reshape(*lead, C, D)
-        h *= 2
-    yield h, prefix, after
-
-
-def _left_right(prefix: Array, after: Array, h: int) -> tuple[Array, Array]:
-    """A level's (left, right) factors: `after` on the left halves, `prefix` on the right
-    halves of blocks of 2h tokens, [..., C/2h, h, D] each."""
-    *lead, C, D = prefix.shape
-    return (after.reshape(*lead, C // (2 * h), 2, h, D)[..., 0, :, :],
-            prefix.reshape(*lead, C // (2 * h), 2, h, D)[..., 1, :, :])
 
 
 def _halves(x: Array, blocks: int, half: int) -> tuple[Array, Array]:
@@ -268,29 +249,13 @@ def head_decay(log_decay: Float[Array, "... C"]) -> tuple[Array, Array, Array]:
     the right half's prefix products and the left half's suffix products. No cumulative sum
     is differenced, so a strong decay (a hard reset, −1e4) elsewhere in the chunk costs the
     other entries no precision: e^{A_t − A_s} from float32 cumulative sums near −1e4 would
-    keep only about 3 correct digits. One exp per token, and no exp per matrix entry. The
-    matrix is written once, each entry selecting its level's product (`_level_of`): growing it
-    level by level wrote each level's blocks again (on a v5e, a third of the bytes the `g`
-    forward's XLA ops wrote at B4 T4096 H16 K=V=64).
+    keep only about 3 correct digits. One exp per token, and no exp per matrix entry.
     """
-    C = log_decay.shape[-1]
-    level = _level_of(C)
-    matrix = jnp.where(level == -1, 1.0, 0.0).astype(log_decay.dtype)  # the diagonal: 1
-    for h, prefix, after in _block_products(jnp.exp(log_decay)[..., None]):
-        if h < C:  # entry (t, s) of level h: t in a right half, s in the left half of one 2h-block
-            matrix = jnp.where(level == h, prefix[..., :, None, 0] * after[..., None, :, 0], matrix)
-    return prefix[..., 0], after[..., 0], jnp.broadcast_to(matrix, (*log_decay.shape, C))
-
-
-def _level_of(size: int) -> np.ndarray:
-    """[size, size]: for s < t the h whose 2h-block holds t in its right and s in its left
-    half (the highest power of two ≤ t xor s), −1 on the diagonal, 0 above it (static)."""
-    t, s = np.arange(size)[:, None], np.arange(size)[None, :]
-    level, h = np.zeros((size, size), np.int64), 1
-    while h < size:
-        level = np.where((t ^ s) >= h, h, level)
-        h *= 2
-    return np.where(s < t, level, np.where(s == t, -1, 0))
+    lad, prefix, after = ladder(log_decay[..., None], 1)
+    matrix = jnp.ones((*log_decay.shape, 1, 1), log_decay.dtype)  # the diagonal: 1
+    for _, left, right in lad.levels:
+        matrix = _grow(matrix, right[..., :, :] * jnp.swapaxes(left, -1, -2))
+    return prefix[..., 0], after[..., 0], matrix.reshape(*log_decay.shape, log_decay.shape[-1])
 
 
 def chunk_cumsum(x: Array, channel: bool, reverse: bool = False) -> Array:
