@@ -244,7 +244,7 @@ def guarded(fn: Callable, rule: Rule, problem, *, reverse: bool = False, axis: s
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _guarded(fn, rule, reverse, axis, problem):
-    return _guarded_fwd(fn, rule, reverse, axis, problem)[0]
+    return _marked_results(rule, reverse, axis, problem, fn(problem))[0]  # not differentiated: fn's primal
 
 
 def _if_any(flags, mark: Callable, results):
@@ -260,8 +260,8 @@ def _marked(flags, axis: str | None, mark: Callable, results):
     return mark(results) if axis is not None else _if_any(flags, mark, results)
 
 
-def _guarded_fwd(fn, rule, reverse, axis, problem):
-    results, pullback = jax.vjp(fn, problem)
+def _marked_results(rule, reverse, axis, problem, results):
+    """(`results` marked NaN where `rule` says, the per-token flags, the span's shape)."""
     bad = bad_tokens(problem, rule.fields, rule.gate_fields)
     shape = (problem.cu_seqlens, problem.query.shape[1], problem.initial_state.shape[0])
 
@@ -270,7 +270,13 @@ def _guarded_fwd(fn, rule, reverse, axis, problem):
         output_mask, final_mask = _output_marks(rule, bad, Span.of(*shape, reverse, axis))
         return _nan_where(output, output_mask), jnp.where(final_mask[..., None, None], jnp.nan, final).astype(final.dtype)
 
-    return _marked(bad.values(), axis, mark, results), (pullback, bad, shape)
+    return _marked(bad.values(), axis, mark, results), bad, shape
+
+
+def _guarded_fwd(fn, rule, reverse, axis, problem):
+    results, pullback = jax.vjp(fn, problem)
+    marked, bad, shape = _marked_results(rule, reverse, axis, problem, results)
+    return marked, (pullback, bad, shape)
 
 
 def _guarded_bwd(fn, rule, reverse, axis, residuals, cotangents):
