@@ -11,7 +11,7 @@ keeps the kernel (measured faster, or not measured: the kernel's priority decide
 | generation | operation | calls | `pallas_tpu` | `chunk` |
 |---|---|---|---|---|
 | v5e | `recurrent` | a per-key-channel decay (`gk`, or `g` per channel) | lane-dense, 8 heads a step: 10.17 / 47.43 (bf16, calls back to back); head-major before it 10.71 / 36.41 (one head: 10.66 / 36.98; before the grouped diagonal 34.20 / 76.42), 38.25 / 85.52 (f32) | 5.93 / 23.35 (back to back); 7.37 / 24.80, 11.39 / 36.72 |
-| v5e | `delta_rule` | every gate | lane-dense, 8 heads a step, GDN 5.63 / 18.47 (bf16, q, k, v held [B, T, H·D] as a model holds them, back to back); head-major before it GDN 6.93 / 19.85, KDA 11.42 / 35.02 (the lane-dense KDA not timed) | GDN 5.25 / 14.59 (same), 4.80 / 13.25 (held [B, T, H, D]); 5.82 / 14.25, KDA 7.37 / 29.15 before |
+| v5e | `delta_rule` | every gate | lane-dense, 8 heads a step, GDN 5.63 / 18.47 (bf16, q, k, v held [B, T, H·D] as a model holds them, back to back); head-major before it GDN 6.93 / 19.85, KDA 11.42 / 35.02; lane-dense KDA 10.76 / 36.17 (tpu.md, stop 56) | GDN 5.25 / 14.59 (same), 4.80 / 13.25 (held [B, T, H, D]); 5.82 / 14.25, KDA 7.37 / 29.15 before; KDA 7.27 / 21.56 (stop 56) |
 
 Shapes: `recurrent` B4 T4096 H16 K=V=64 (and B2 T8192 H16 K=V=128 for `gk`: 34.25 / 76.58 against
 7.29 / 29.52); `delta_rule` B1 T4096, 32 value and 16 query/key heads, K=V=128. Kept: `recurrent`
