@@ -74,7 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..._core.problem import Gate
-from .._driver import STRONGEST_DECAY, KernelConfig
+from .._driver import KernelConfig, floored_gate
 
 F32 = jnp.float32
 LANES, SUBLANES = 128, 8
@@ -567,11 +567,10 @@ def read_decay(refs: list, gate: Gate | None, local_sums: bool = False) -> tuple
 
 
 def local_decay(g):
-    """A [C, 1] = the chunk-local inclusive cumulative sum of the gate g [C, 1] as the driver's
-    `floored_gate` sees it (NaN and +inf read as 0, floored at `STRONGEST_DECAY`): what XLA
-    formed before the kernels, here in VMEM (`running_sums`), so XLA keeps no copy of A."""
-    floored = jnp.where((g != g) | (g == jnp.inf), 0.0, jnp.maximum(g, STRONGEST_DECAY))
-    return running_sums(floored)
+    """A [C, 1] = the chunk-local inclusive cumulative sum of the driver's `floored_gate(g)` for
+    the gate g [C, 1] (NaN and +inf read as 0, floored at `STRONGEST_DECAY`): what XLA formed
+    before the kernels, here in VMEM (`running_sums`), so XLA keeps no copy of A."""
+    return running_sums(floored_gate(g))
 
 
 def running_sums(x, reverse: bool = False):
